@@ -1,0 +1,176 @@
+"""Token shards on disk, and a loader whose global batch depends only on (seed, split, step).
+
+Shard format (llm.c, so downloaded FineWeb shards are read as they are): a header of 256
+little-endian int32 [magic, version=1, token count, 0...], then the tokens, uint16 for
+magic 20240520 or uint32 for magic 20240801.
+
+Batches: the global batch of step s is `global_batch` windows of seq_len+1 tokens at offsets
+drawn by np.random.default_rng([seed, s]) over all windows that lie inside one shard (so
+shards are weighted by length). DP rank r takes rows [r*B/dp, (r+1)*B/dp). The union of the
+ranks' rows is the one-process batch for any layout, and resuming at step s needs no replay.
+A background thread prepares step s+1 while step s trains.
+"""
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+VERSION = 1
+MAGIC_DTYPE = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
+
+
+class DataError(Exception):
+    """A data file or folder is missing or malformed. The message is one line naming it."""
+
+
+def write_shard(path, tokens):
+    """Write tokens as an llm.c shard (uint16 if they fit, else uint32), atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
+        raise ValueError(f"{path}: token ids must lie in [0, 2**32)")
+    magic = 20240520 if tokens.size == 0 or tokens.max() < 2**16 else 20240801
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = magic, VERSION, tokens.size
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # unique: concurrent writers are safe
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(MAGIC_DTYPE[magic]).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
+
+
+def read_shard(path):
+    """Validate an llm.c shard and return its tokens as a read-only memmap."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: missing")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: truncated: expected at least {HEADER_BYTES} bytes got {size}")
+    magic, version, count = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
+    if magic not in MAGIC_DTYPE:
+        raise DataError(f"{path}: bad magic {magic} (expected 20240520 or 20240801)")
+    if version != VERSION:
+        raise DataError(f"{path}: unsupported version {version} (expected {VERSION})")
+    dtype = MAGIC_DTYPE[magic]
+    expected = HEADER_BYTES + count * dtype.itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "too long"
+        raise DataError(f"{path}: {what}: expected {expected} bytes got {size}")
+    if count == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+class TokenLoader:
+    def __init__(self, data_dir, split, seq_len, global_batch, seed,
+                 dp_rank=0, dp_size=1, device="cpu", prefetch=True):
+        if global_batch % dp_size:
+            raise ValueError(f"--global-batch {global_batch} is not divisible by the "
+                             f"data-parallel size {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        data_dir = Path(data_dir)
+        if not data_dir.is_dir():
+            raise DataError(f"data folder {data_dir} not found; "
+                            f"run python data/prepare.py {data_dir.name}")
+        if not (data_dir / "meta.json").is_file():
+            raise DataError(f"{data_dir / 'meta.json'} missing (preparation unfinished?); "
+                            f"run python data/prepare.py {data_dir.name}")
+        self.meta = json.loads((data_dir / "meta.json").read_text())
+        paths = sorted(data_dir.glob(f"*_{split}_*.bin"))
+        if not paths:
+            raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
+        self.shards = [read_shard(p) for p in paths]
+        # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
+        self.starts = np.array([max(len(s) - seq_len, 0) for s in self.shards], dtype=np.int64)
+        self.cum_starts = np.cumsum(self.starts)
+        if self.cum_starts[-1] == 0:
+            raise DataError(f"{split} shards in {data_dir} hold no window of "
+                            f"seq_len+1 = {seq_len + 1} tokens")
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        rows_per_rank = global_batch // dp_size
+        self.rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)  # global rows
+        self.device = torch.device(device)
+        self.wait_s = 0.0  # seconds the last get() blocked: the input stall
+        self._pending = None  # the step the thread is preparing, if any
+        self._thread = None
+        if prefetch:
+            self._requests, self._results = queue.Queue(), queue.Queue(maxsize=1)
+            cuda_index = None
+            if self.device.type == "cuda":
+                cuda_index = self.device.index
+                if cuda_index is None:
+                    cuda_index = torch.cuda.current_device()
+            self._thread = threading.Thread(target=self._worker, args=(cuda_index,), daemon=True)
+            self._thread.start()
+
+    def _windows(self, step, rows):
+        """Token windows (len(rows), seq_len+1) as int64 for the given rows of the global batch."""
+        rng = np.random.default_rng([self.seed, step])
+        idx = rng.integers(0, self.cum_starts[-1], size=self.global_batch)  # every rank draws all
+        idx = idx[rows]
+        shard = np.searchsorted(self.cum_starts, idx, side="right")  # which shard holds window idx
+        offset = idx - (self.cum_starts[shard] - self.starts[shard])
+        out = np.empty((len(idx), self.seq_len + 1), dtype=np.int64)
+        for i, (k, o) in enumerate(zip(shard, offset)):
+            out[i] = self.shards[k][o:o + self.seq_len + 1]
+        return out
+
+    def global_rows(self, step):
+        """The whole global batch of `step`, (global_batch, seq_len+1) int64 numpy (for tests)."""
+        return self._windows(step, slice(None))
+
+    def _load(self, step):
+        """This rank's (x, y) on the CPU, pinned when headed for CUDA."""
+        w = self._windows(step, self.rows)
+        x = torch.from_numpy(np.ascontiguousarray(w[:, :-1]))  # (B/dp, T)
+        y = torch.from_numpy(np.ascontiguousarray(w[:, 1:]))  # (B/dp, T) next tokens
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y
+
+    def _worker(self, cuda_index):
+        if cuda_index is not None:
+            torch.cuda.set_device(cuda_index)  # else pinning would create a context on GPU 0
+        while (step := self._requests.get()) is not None:
+            try:
+                self._results.put((step, self._load(step), None))
+            except BaseException as e:  # noqa: BLE001 - get() raises it in the caller
+                self._results.put((step, None, e))
+
+    def get(self, step):
+        """This rank's (x, y) of `step`: int64 (global_batch // dp_size, seq_len) on the device."""
+        t0 = time.perf_counter()
+        batch = None
+        if self._pending is not None:  # wait for the one in flight; use it if it is this step
+            ready, batch, error = self._results.get()
+            self._pending = None
+            if error is not None:
+                raise error
+            if ready != step:
+                batch = None
+        if batch is None:
+            batch = self._load(step)
+        if self._thread is not None:
+            self._pending = step + 1
+            self._requests.put(step + 1)
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        self.wait_s = time.perf_counter() - t0
+        return x, y
+
+    def close(self):
+        """Stop the prefetch thread; get() keeps working, synchronously."""
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread.join(timeout=10)
+            self._thread, self._pending = None, None
