@@ -14,12 +14,12 @@ import json
 import math
 import sys
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass
@@ -270,8 +270,7 @@ def write_safetensors(path, tensors):
     with open(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
-        for blob in blobs:
-            f.write(blob)
+        f.writelines(blobs)
 
 
 def hf_config(cfg):

@@ -1,0 +1,114 @@
+"""DDP: every rank holds the whole model (or its tp/pp piece) and averages gradients over dp x cp.
+
+Split:       the batch. Each dp rank (and each cp rank, which sees other tokens) gets its own slice.
+Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·P bytes per rank (fp32).
+Overlap:     gradients are packed into buckets (--bucket-mb) in reverse creation order, the order in
+             which backward produces them. A bucket's async all-reduce starts from an autograd hook
+             the moment its last gradient is ready, while backward continues on earlier layers.
+             --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each
+             parameter in its own bucket, the naive one-all-reduce-per-tensor version.
+Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam),
+             plus one fp32 bucket buffer per in-flight bucket.
+Average, not sum: each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
+gradient of the mean over the global batch, and the learning rate does not depend on the world size.
+"""
+import torch
+
+
+def grad_replicas(p, mesh):
+    """How many ranks hold an identical copy of p's gradient after sync (for the global grad norm)."""
+    return mesh.dp_cp_group.size * (1 if hasattr(p, "tp_shard") else mesh.tp_group.size)
+
+
+def strip_chunk_prefix(name):
+    """Our modules are ModuleLists of pipeline chunks: '0.layers.3.mlp...' -> 'layers.3.mlp...'."""
+    return name.split(".", 1)[1]
+
+
+def sync_tp_partial_grads(params, mesh):
+    """Sequence-parallel norms see only their tp rank's tokens: their grads are partial sums over tp."""
+    for p in params:
+        if getattr(p, "tp_partial_grad", False):
+            mesh.tp_group.all_reduce(p.grad)
+
+
+class Bucket:
+    def __init__(self, params):
+        self.params = params
+        self.ready = 0
+        self.buffer = None
+        self.handle = None
+
+    def launch(self, group):
+        """Copy the grads into one flat buffer and start its all-reduce without waiting."""
+        self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.handle = group.all_reduce(self.buffer, async_op=True)
+
+    def finish(self, group):
+        if self.handle is not None:
+            self.handle.wait()
+        self.buffer /= group.size
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        self.ready, self.buffer, self.handle = 0, None, None
+
+
+class DDP:
+    def __init__(self, module, mesh, bucket_mb=25.0, overlap=True):
+        self.module, self.mesh, self.overlap = module, mesh, overlap
+        self.group = mesh.dp_cp_group
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.sync_grads = True  # False on all but the last micro-batch: grads just accumulate
+        self.buckets = []
+        current, size = [], 0
+        for p in reversed(self.params):  # backward produces the last layers' grads first
+            current.append(p)
+            size += p.numel() * 4
+            if size >= bucket_mb * 2 ** 20:
+                self.buckets.append(Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(Bucket(current))
+        if self.group.size > 1 and overlap:
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(self._hook(bucket))
+        self.launched_in_backward = 0  # buckets whose all-reduce started inside backward (tests read it)
+
+    def _hook(self, bucket):
+        def on_grad_ready(_param):
+            if not self.sync_grads:
+                return
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                bucket.launch(self.group)
+                self.launched_in_backward += 1
+        return on_grad_ready
+
+    def finish_grad_sync(self):
+        """Wait for every bucket (launching those backward did not), then average."""
+        if self.group.size > 1:
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    bucket.launch(self.group)
+            for bucket in self.buckets:
+                bucket.finish(self.group)
+        sync_tp_partial_grads(self.params, self.mesh)
+        self.launched_in_backward = 0
+
+    def optim_params(self):
+        return self.params
+
+    def grads_for_norm(self):
+        return [(p.grad, grad_replicas(p, self.mesh)) for p in self.params if p.grad is not None]
+
+    def model_state(self):
+        """The full model state by global name (a replicated model: every rank has it)."""
+        return {strip_chunk_prefix(k): v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def load_model_state(self, state):
+        for name, p in self.module.named_parameters():
+            p.copy_(state[strip_chunk_prefix(name)])

@@ -1,0 +1,405 @@
+"""Train a Llama-style GPT on any (dp x pp x cp x tp) layout.
+
+    python train.py --model tiny --steps 200                      # one process, CPU or GPU
+    torchrun --nproc_per_node 8 train.py --model small --dtype bf16 --tp 2 --dp-mode fsdp
+
+Flags -> mesh -> model on the meta device -> pp.split -> tp -> cp -> ckpt -> materialize -> ddp|fsdp|hsdp
+-> loop. The global batch at each step is a function of (seed, step) only, and the loss is the mean
+over all its tokens, so every layout trains the same model (DESIGN 2.3).
+"""
+import argparse
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+import checkpoint
+import model as M
+import optim
+from checkpoint import CheckpointError
+from data.loader import DataError, TokenLoader
+from parallel.mesh import LayoutError, Mesh, infer_dp
+
+REPO = Path(__file__).resolve().parent
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name(); first match wins.
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H800", 989.4), ("GH200", 989.4),
+               ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0),
+               ("RTX 4090", 165.2), ("V100", 125.0)]
+
+
+class UsageError(ValueError):
+    """A bad command line: printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", default="tiny", help=f"preset: {', '.join(M.PRESETS)}")
+    for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size", "seq-len"):
+        a(f"--{name}", type=int, help="override the preset's field")
+    a("--dropout", type=float, default=0.0, help="residual dropout (off by default)")
+    a("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
+    a("--global-batch", type=int, default=32, help="sequences per optimizer step, all ranks together")
+    a("--micro-batch", type=int, default=8, help="sequences per forward per DP rank; accumulation = B / (b*dp)")
+    a("--steps", type=int, default=100, help="optimizer steps")
+    a("--lr", type=float, default=3e-3, help="peak learning rate")
+    a("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    a("--warmup", type=int, default=20, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.1)
+    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    a("--seed", type=int, default=1337, help="seeds the weights and the batches")
+    a("--dtype", default="fp32", help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling)")
+    a("--dp", type=int, help="data parallel degree (default: world / (tp*pp*cp))")
+    a("--dp-mode", default="ddp", help="ddp | fsdp | hsdp")
+    a("--dp-shard", type=int, help="HSDP shard-group size (ranks that shard one replica)")
+    a("--reduce-dtype", default="fp32", help="FSDP gradient reduce-scatter dtype: fp32 | bf16")
+    a("--tp", type=int, default=1, help="tensor parallel degree")
+    a("--sp", action="store_true", help="sequence parallel (with --tp)")
+    a("--pp", type=int, default=1, help="pipeline parallel degree")
+    a("--pp-schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
+    a("--pp-virtual", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    a("--pp-split", help="explicit layers per stage, e.g. 3,5")
+    a("--cp", type=int, default=1, help="context parallel degree")
+    a("--cp-mode", default="ring", help="ring | ulysses | allgather")
+    a("--ckpt", default="none", help="activation checkpointing: none | full | every:K | sqrt | selective")
+    a("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
+    a("--no-overlap", action="store_true", help="sync gradients after backward instead of during it")
+    a("--device", help="cpu | cuda (default: cuda if available)")
+    a("--compile", action="store_true", help="torch.compile each transformer block")
+    a("--peak-tflops", type=float, help="device peak for MFU (default: device table, or measured on CPU)")
+    a("--out", default="out", help="run folder: checkpoints, trace")
+    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    a("--eval-every", type=int, default=0, help="val loss every N steps (0: off)")
+    a("--eval-batches", type=int, default=4, help="global batches per evaluation")
+    a("--log-every", type=int, default=10, help="print a console line every N steps (0: off)")
+    a("--metrics", help="append one JSON line per step to this file (rank 0)")
+    a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-4 to --out")
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Flag checks that need no data, model or process group."""
+    if args.model not in M.PRESETS:
+        raise UsageError(f"--model: unknown preset {args.model!r}; choose from {', '.join(M.PRESETS)}")
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype: unknown dtype {args.dtype!r}; choose fp32, bf16 or fp16")
+    for flag in ("steps", "global_batch", "micro_batch", "eval_batches"):
+        if getattr(args, flag) < (0 if flag == "steps" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
+    if args.dp_mode not in ("ddp", "fsdp", "hsdp"):
+        raise UsageError(f"--dp-mode: unknown mode {args.dp_mode!r}; choose ddp, fsdp or hsdp")
+    if args.dp_mode == "hsdp" and not args.dp_shard:
+        raise UsageError("--dp-shard: hsdp needs the shard-group size")
+    if args.device not in (None, "cpu", "cuda"):
+        raise UsageError(f"--device: unknown device {args.device!r}; choose cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: cuda requested but no GPU is visible")
+    for flag, needed, module in (("--tp", args.tp > 1, "tp"), ("--pp", args.pp > 1, "pp"),
+                                 ("--cp", args.cp > 1, "cp"), ("--ckpt", args.ckpt != "none", "ckpt"),
+                                 ("--dp-mode", args.dp_mode != "ddp", "fsdp")):
+        if needed and importlib.util.find_spec(f"parallel.{module}") is None:
+            raise UsageError(f"{flag}: not available yet (parallel/{module}.py has not landed)")
+
+
+def model_config(args, vocab_size):
+    base = M.PRESETS[args.model]
+    overrides = {f: getattr(args, f) for f in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim",
+                                               "vocab_size", "seq_len") if getattr(args, f) is not None}
+    fields = {**base.__dict__, "dropout": args.dropout, **overrides}
+    if not fields["vocab_size"]:
+        fields["vocab_size"] = vocab_size
+    cfg = M.ModelConfig(**fields)
+    problem = cfg.validate()
+    if problem:
+        raise UsageError(f"{problem[0]}: {problem[1]}")
+    return cfg
+
+
+def data_folder(args, rank, world):
+    """--data, or the offline pystdlib corpus, which rank 0 prepares on first use."""
+    if args.data:
+        folder = Path(args.data)
+        if not (folder / "meta.json").exists():
+            raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
+                            "run python data/prepare.py NAME")
+        return folder
+    folder = REPO / "data" / "pystdlib"
+    if not (folder / "meta.json").exists():
+        if rank == 0:
+            from data.prepare import prepare
+            prepare("pystdlib", folder)
+        if world > 1:
+            dist.barrier()
+    return folder
+
+
+def init_distributed(args):
+    """Reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK; nccl on CUDA, gloo on CPU."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=5))
+    return rank, world, torch.device(device)
+
+
+def peak_flops(args, device):
+    """Per-device peak FLOP/s and where it came from."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tf in PEAK_TFLOPS:
+            if key in name:
+                return tf * 1e12, f"{name} bf16 dense peak"
+        return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
+    a = torch.randn(512, 512, dtype=DTYPES[args.dtype])
+    b = torch.randn(512, 512, dtype=DTYPES[args.dtype])
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.3:
+        a @ b
+        n += 1
+    rate = 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+    return rate, f"measured CPU {args.dtype} matmul rate (no device table for CPU)"
+
+
+def build_model(cfg, mesh, args, device):
+    """Composition in DESIGN order. Returns (the model chunks this rank runs, the data-parallel wrapper)."""
+    with torch.device("meta"):
+        full = M.GPT(cfg)
+    chunks = importlib.import_module("parallel.pp").split(full, mesh, args) if mesh.pp > 1 else [full]
+    for chunk in chunks:
+        if mesh.tp > 1:
+            importlib.import_module("parallel.tp").parallelize(chunk, mesh, sequence_parallel=args.sp)
+        if mesh.cp > 1:
+            importlib.import_module("parallel.cp").parallelize(chunk, mesh, mode=args.cp_mode)
+        if args.ckpt != "none":
+            importlib.import_module("parallel.ckpt").apply(chunk, args.ckpt)
+    module = nn.ModuleList(chunks)
+    if args.dp_mode == "ddp":
+        for chunk in chunks:
+            M.init_weights(chunk, args.seed, device)
+        from parallel.ddp import DDP
+        wrapper = DDP(module, mesh, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
+    else:
+        dp_module = importlib.import_module(f"parallel.{args.dp_mode}")
+        wrapper = dp_module.wrap(module, mesh, args, init=lambda m: M.init_weights(m, args.seed, device))
+    if args.compile:
+        for chunk in chunks:
+            for block in chunk.layers.values():
+                block.compile()
+    return chunks, wrapper
+
+
+def micro_batches(x, y, micro):
+    return list(zip(x.split(micro), y.split(micro)))
+
+
+def forward_backward(chunks, wrapper, mesh, x, y, args, autocast, loss_scale):
+    """Runs every micro-batch of this rank's share of the global batch; returns the summed loss.
+    Each micro-batch loss is a local mean divided by the accumulation count, and gradients are
+    averaged over dp x cp, so the result is the mean over every token of the global batch."""
+    batches = micro_batches(x, y, args.micro_batch)
+    positions = None
+    if mesh.cp > 1:
+        cp = importlib.import_module("parallel.cp")
+        batches, positions = cp.shard_batches(batches, mesh)
+    if mesh.pp > 1:
+        return importlib.import_module("parallel.pp").train_step(chunks, wrapper, mesh, batches, positions,
+                                                                 autocast, loss_scale)
+    model, total = chunks[0], torch.zeros((), device=x.device)
+    for i, (xb, yb) in enumerate(batches):
+        wrapper.sync_grads = i == len(batches) - 1
+        with autocast:
+            loss = model(xb, yb, positions) / len(batches)
+        (loss * loss_scale).backward()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(chunks, mesh, loader, args, autocast):
+    total = 0.0
+    for step in range(args.eval_batches):
+        x, y = loader.get(step)
+        batches = micro_batches(x, y, args.micro_batch)
+        positions = None
+        if mesh.cp > 1:
+            batches, positions = importlib.import_module("parallel.cp").shard_batches(batches, mesh)
+        if mesh.pp > 1:
+            total += importlib.import_module("parallel.pp").eval_step(chunks, mesh, batches, positions, autocast)
+            continue
+        for xb, yb in batches:
+            with autocast:
+                total += chunks[0](xb, yb, positions).item() / len(batches)
+    return mean_over_replicas(total / args.eval_batches, mesh, x.device)
+
+
+def mean_over_replicas(local_loss, mesh, device):
+    """The global mean loss from each rank's local mean: sum over the last pipeline stage's tp-rank-0
+    ranks, divided by dp x cp. A scalar for logging, so it is not counted as traffic."""
+    if mesh.world == 1:
+        return float(local_loss)
+    owns = mesh.coord["pp"] == mesh.pp - 1 and mesh.coord["tp"] == 0
+    t = torch.tensor([float(local_loss) if owns else 0.0], device=device)
+    dist.all_reduce(t, group=mesh.world_group.pg)
+    return t.item() / mesh.dp_cp_group.size
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS (KB on Linux)
+
+
+def run_config(args, cfg, world):
+    """What must match on --resume: the model and the optimization, not the layout."""
+    train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
+                                            "seed", "dtype", "steps")}
+    return {"model": dict(cfg.__dict__), "train": train, "data": str(args.data or "pystdlib")}
+
+
+def train(args):
+    check_args(args)
+    rank, world, device = init_distributed(args)
+    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
+    if args.global_batch % (args.micro_batch * dp):
+        raise UsageError(f"--global-batch: {args.global_batch} is not divisible by micro-batch x dp = "
+                         f"{args.micro_batch} x {dp}")
+    mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
+    folder = data_folder(args, rank, world)
+    meta = json.loads((folder / "meta.json").read_text())
+    cfg = model_config(args, meta["vocab_size"])
+    loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device)
+    val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device,
+                             prefetch=False) if args.eval_every else None
+    config = run_config(args, cfg, world)
+    resumed = None
+    if args.resume:
+        resumed = checkpoint.load_latest(args.out)
+        checkpoint.check_config(resumed["config"], config)
+    if rank == 0 and world > 1:
+        print(mesh.describe(), flush=True)
+
+    torch.manual_seed(args.seed)
+    chunks, wrapper = build_model(cfg, mesh, args, device)
+    opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
+    scaler = optim.LossScaler(args.dtype == "fp16")
+    start = 0
+    if resumed:
+        wrapper.load_model_state(resumed["model"])
+        opt.load_state_dict(resumed["optimizer"])
+        scaler.load_state_dict(resumed["scaler"])
+        checkpoint.set_rng_state(resumed["rng"])
+        start = resumed["step"]
+
+    peak, peak_source = peak_flops(args, device)
+    tokens_per_step = args.global_batch * cfg.seq_len
+    flops_model = M.flops_per_token(cfg) * tokens_per_step
+    recomputed = importlib.import_module("parallel.ckpt").recomputed_layers(cfg, args.ckpt) if args.ckpt != "none" else 0
+    flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * tokens_per_step
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
+    out = Path(args.out)
+    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
+    if rank == 0:
+        n_total, n_non_emb = M.param_counts(cfg)
+        print(f"model {args.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M non-embedding), "
+              f"{flops_model / tokens_per_step / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.3f} TFLOP/s from "
+              f"{peak_source}; {args.global_batch} x {cfg.seq_len} tokens per step", flush=True)
+
+    profiler = None
+    if args.profile:
+        out.mkdir(parents=True, exist_ok=True)
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(str(out / f"trace_rank{rank}.json")))
+        profiler.start()
+    losses = []
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, dynamic_ncols=True)
+    for step in bar:
+        lr = optim.lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        mesh.stats.reset()
+        t0 = time.perf_counter()
+        x, y = loader.get(step)
+        local_loss = forward_backward(chunks, wrapper, mesh, x, y, args, autocast, scaler.scale)
+        wrapper.finish_grad_sync()
+        grad_norm = optim.unscale_and_clip(wrapper.grads_for_norm(), mesh.world_group, 1 / scaler.scale,
+                                           args.grad_clip)
+        skipped = scaler.update(not torch.isfinite(grad_norm).item())
+        if not skipped:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = mean_over_replicas(local_loss.item(), mesh, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens_per_step,
+               "dt_s": dt, "tok_s": tokens_per_step / dt, "tflops": flops_model / dt / world / 1e12,
+               "mfu": flops_model / dt / world / peak if peak else None,
+               "hfu": flops_hw / dt / world / peak if peak else None,
+               "mem_gb": peak_memory_gb(device), "comm_gb": mesh.stats.total_bytes / 1e9}
+        if args.dtype == "fp16":
+            row.update(loss_scale=scaler.scale, skipped=skipped)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            row["val_loss"] = evaluate(chunks, mesh, val_loader, args, autocast)
+        if metrics:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_s']:.0f}", mfu=f"{(row['mfu'] or 0):.1%}")
+        if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+            extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+            bar.write(f"step {step + 1}: loss {loss:.4f}{extra} lr {lr:.2e} norm {row['grad_norm']:.3f} "
+                      f"{row['tok_s']:.0f} tok/s mfu {(row['mfu'] or 0):.2%} mem {row['mem_gb']:.2f} GB")
+        if profiler:
+            profiler.step()
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            save(out, step + 1, wrapper, opt, scaler, config, rank)
+    if profiler:
+        profiler.stop()
+    loader.close()
+    if metrics:
+        metrics.close()
+    return losses
+
+
+def save(out, step, wrapper, opt, scaler, config, rank):
+    state = wrapper.model_state()  # every rank takes part; rank 0 gets the full state
+    if rank == 0:
+        checkpoint.save(out, step, {"model": state, "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+                                    "step": step, "rng": checkpoint.rng_state(), "config": config})
+
+
+def main(argv=None):
+    try:
+        return train(parse_args(argv))
+    except (UsageError, LayoutError, DataError, CheckpointError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
