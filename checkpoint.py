@@ -73,7 +73,8 @@ def check_config(saved, current):
     """Refuses to resume under a different model or optimization config."""
     for key in sorted(set(saved) | set(current)):
         if saved.get(key) != current.get(key):
-            raise CheckpointError(f"--resume: checkpoint has {key}={saved.get(key)!r}, this run has {current.get(key)!r}")
+            raise CheckpointError(f"--resume: checkpoint has {key}={saved.get(key)!r}, "
+                                  f"this run has {current.get(key)!r}")
 
 
 def load_model_state(run_dir):

@@ -316,7 +316,9 @@ def train(args):
     peak, peak_source = peak_flops(args, device)
     tokens_per_step = args.global_batch * cfg.seq_len
     flops_model = M.flops_per_token(cfg) * tokens_per_step
-    recomputed = importlib.import_module("parallel.ckpt").recomputed_layers(cfg, args.ckpt) if args.ckpt != "none" else 0
+    recomputed = 0
+    if args.ckpt != "none":
+        recomputed = importlib.import_module("parallel.ckpt").recomputed_layers(cfg, args.ckpt)
     flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * tokens_per_step
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     out = Path(args.out)
