@@ -203,7 +203,10 @@ def build_model(cfg, mesh, args, device):
         wrapper = DDP(module, mesh, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     else:
         dp_module = importlib.import_module(f"parallel.{args.dp_mode}")
-        wrapper = dp_module.wrap(module, mesh, args, init=lambda m: M.init_weights(m, args.seed, device))
+        # FSDP materializes one unit at a time: init_param(global name, meta param) -> this rank's
+        # (tp-local) initial tensor on CPU in fp32, the same values init_weights gives.
+        wrapper = dp_module.wrap(module, mesh, args, device=device,
+                                 init_param=lambda name, p: M.local_init(name, p, cfg, args.seed))
     if args.compile:
         for chunk in chunks:
             for block in chunk.layers.values():
