@@ -275,11 +275,12 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS (KB on Linux)
 
 
-def run_config(args, cfg, world):
-    """What must match on --resume: the model and the optimization, not the layout."""
+def run_config(args, cfg, meta):
+    """What must match on --resume: the model, the data and the optimization, not the layout."""
     train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
                                             "seed", "dtype", "steps")}
-    return {"model": dict(cfg.__dict__), "train": train, "data": str(args.data or "pystdlib")}
+    return {"model": dict(cfg.__dict__), "train": train, "data": str(args.data or "pystdlib"),
+            "tokenizer": meta["tokenizer"]}
 
 
 def train(args):
@@ -296,7 +297,7 @@ def train(args):
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device)
     val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device,
                              prefetch=False) if args.eval_every else None
-    config = run_config(args, cfg, world)
+    config = run_config(args, cfg, meta)
     resumed = None
     if args.resume:
         resumed = checkpoint.load_latest(args.out)
@@ -325,7 +326,10 @@ def train(args):
     flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * tokens_per_step
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     out = Path(args.out)
-    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
+    metrics = None
+    if args.metrics and rank == 0:
+        Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
+        metrics = open(args.metrics, "a")
     if rank == 0:
         n_total, n_non_emb = M.param_counts(cfg)
         print(f"model {args.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M non-embedding), "

@@ -1,0 +1,104 @@
+"""model.py: shapes, causality, GQA, presets, layout-independent init, FLOP accounting, Hugging Face export."""
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import model as M
+
+CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=100, seq_len=32)
+
+
+def make(cfg=CFG, seed=0):
+    with torch.device("meta"):
+        gpt = M.GPT(cfg)
+    return M.init_weights(gpt, seed, "cpu")
+
+
+def test_shapes_and_padded_vocab():
+    gpt = make()
+    x = torch.randint(0, 100, (3, 16))
+    assert gpt(x).shape == (3, 16, 128)  # vocab 100 padded to a multiple of 64
+    assert gpt(x, x).dim() == 0
+
+
+def test_causal_a_later_token_never_changes_earlier_logits():
+    gpt = make()
+    x = torch.randint(0, 100, (1, 16))
+    y = x.clone()
+    y[0, 10] = (y[0, 10] + 1) % 100
+    a, b = gpt(x), gpt(y)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
+    gqa = make()
+    mha_cfg = M.ModelConfig(**{**CFG.__dict__, "n_kv_head": CFG.n_head})
+    mha = M.GPT(mha_cfg)
+    state = gqa.state_dict()
+    hd, repeat = CFG.head_dim, CFG.n_head // CFG.n_kv_head
+    for k in list(state):
+        if k.endswith(("k_proj.weight", "v_proj.weight")):  # (Hkv*hd, d) -> (H*hd, d), each kv head serving `repeat` q heads
+            state[k] = state[k].view(CFG.n_kv_head, hd, -1).repeat_interleave(repeat, 0).reshape(CFG.n_head * hd, -1)
+    mha.load_state_dict(state)
+    x = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(gqa(x), mha(x))
+    assert gqa.layers["0"].self_attn.k_proj.weight.shape == (CFG.n_kv_head * hd, CFG.d_model)
+
+
+def test_llama3_presets_have_the_published_parameter_counts():
+    published = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9}
+    for name, n in published.items():
+        total, _ = M.param_counts(M.PRESETS[name])
+        assert abs(total - n) / n < 0.002, (name, total)
+
+
+def test_param_counts_match_the_module():
+    gpt = make()
+    total, non_embedding = M.param_counts(CFG)
+    assert total == sum(p.numel() for p in gpt.parameters())
+    assert total - non_embedding == gpt.embed_tokens.weight.numel()
+
+
+def test_init_depends_on_seed_and_name_only_and_slices_reproduce_the_full_tensor():
+    a, b = make(seed=3), make(seed=3)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(make(seed=4).lm_head.weight, a.lm_head.weight)
+    w = a.layers["1"].mlp.down_proj.weight  # (d, ffn): a row-parallel weight, split along dim 1
+    meta = torch.empty(w.shape[0], w.shape[1] // 2, device="meta")
+    for rank in range(2):
+        meta.tp_shard = (1, rank, 2)
+        torch.testing.assert_close(M.local_init("layers.1.mlp.down_proj.weight", meta, CFG, 3), w.chunk(2, 1)[rank])
+
+
+def test_flops_per_token_matches_torch_flop_counter():
+    """FlopCounterMode counts matmuls (and attention, under the math SDPA backend that decomposes into bmm).
+    PaLM's 6·N counts every parameter; the norm gains are elementwise, not matmuls, so the counter misses
+    exactly 6·(norm params) per token. The embedding lookup is in neither. No other gap."""
+    gpt = make()
+    B, T = 2, CFG.seq_len
+    x = torch.randint(0, 100, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        gpt(x, x).backward()
+    norm_params = (2 * CFG.n_layer + 1) * CFG.d_model
+    expected = (M.flops_per_token(CFG, T) - 6 * norm_params) * B * T
+    assert counter.get_total_flops() == expected
+
+
+def test_hfu_adds_one_forward_per_recomputed_layer():
+    base = M.flops_per_token(CFG)
+    full = M.flops_per_token(CFG, recomputed_layers=CFG.n_layer)
+    layer_params = (M.param_counts(CFG)[1] - CFG.d_model - CFG.padded_vocab * CFG.d_model) / CFG.n_layer
+    assert full - base == CFG.n_layer * (2 * layer_params + 4 * CFG.d_model * CFG.seq_len)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    transformers = __import__("pytest").importorskip("transformers")
+    gpt = make()
+    M.export_hf(CFG, gpt.state_dict(), tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    hf.eval()
+    x = torch.randint(0, 100, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, gpt(x), rtol=1e-5, atol=1e-5)
