@@ -294,6 +294,8 @@ def train(args):
     folder = data_folder(args, rank, world)
     meta = json.loads((folder / "meta.json").read_text())
     cfg = model_config(args, meta["vocab_size"])
+    if mesh.cp > 1:
+        importlib.import_module("parallel.cp").validate(cfg, mesh, args.cp_mode)
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device)
     val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device,
                              prefetch=False) if args.eval_every else None
