@@ -38,7 +38,8 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
     state = gqa.state_dict()
     hd, repeat = CFG.head_dim, CFG.n_head // CFG.n_kv_head
     for k in list(state):
-        if k.endswith(("k_proj.weight", "v_proj.weight")):  # (Hkv*hd, d) -> (H*hd, d), each kv head serving `repeat` q heads
+        # (Hkv*hd, d) -> (H*hd, d): each kv head serves `repeat` consecutive q heads
+        if k.endswith(("k_proj.weight", "v_proj.weight")):
             state[k] = state[k].view(CFG.n_kv_head, hd, -1).repeat_interleave(repeat, 0).reshape(CFG.n_head * hd, -1)
     mha.load_state_dict(state)
     x = torch.randint(0, 100, (2, 16))
