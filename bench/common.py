@@ -1,0 +1,224 @@
+"""Small helpers shared by the bench scripts: where results go, what hardware ran them, timing.
+
+Every result file is one markdown table (or a few) headed by the command that made it, the date and
+the hardware, so a number in the README can always be traced back and re-run:
+
+    common.write_result(args.out, "L3_matmul_alignment", "L3: ...", header, rows, notes=[...])
+    common.answer("L3", "8191 runs at 0.62x the speed of 8192")   # run_all.py collects these lines
+
+A bench script is run as `python bench/NAME.py`; it puts the repository root on sys.path itself.
+"""
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+import model as M
+import optim
+from parallel.mesh import Mesh
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUICK_MODEL = dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=64)  # --quick: a one-layer GPT
+ANSWER_PREFIX = "ANSWER "  # `ANSWER L3: text` on stdout is the headline answer of lab item L3
+
+
+def has_cuda():
+    return torch.cuda.is_available()
+
+
+def default_device():
+    return torch.device("cuda" if has_cuda() else "cpu")
+
+
+def cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def hardware_line(backend=None):
+    """One line naming the hardware: the GPUs if any, else the CPU, plus torch and the backend."""
+    if has_cuda():
+        n = torch.cuda.device_count()
+        what = f"{n}x {torch.cuda.get_device_name(0)}"
+        backend = backend or "nccl"
+    else:
+        what = f"{cpu_cores()}-core CPU ({cpu_name()}), no GPU"
+        backend = backend or "gloo"
+    return f"{what}, torch {torch.__version__}, {backend}"
+
+
+def command_line(argv=None):
+    """The command that reproduces this run, relative to the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(REPO)
+    except ValueError:
+        pass
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", str(script), *args])
+
+
+def markdown_table(header, rows):
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(out_dir, name, title, header, rows, notes=(), command=None, backend=None):
+    """Writes out_dir/name.md: title, command, date, hardware, the table, then notes. Prints it too."""
+    text = "\n".join([
+        f"### {title}",
+        "",
+        f"Command: `{command or command_line()}`  ",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        f"Hardware: {hardware_line(backend)}",
+        "",
+        markdown_table(header, rows),
+        "",
+        *[f"- {n}" for n in notes],
+    ]).rstrip() + "\n"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    print(text, flush=True)
+    return out / f"{name}.md"
+
+
+def answer(item, text):
+    """The headline answer of one lab item, one line on stdout (run_all.py puts it in INDEX.md)."""
+    print(f"{ANSWER_PREFIX}{item}: {text}", flush=True)
+
+
+def add_common_args(parser):
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke tests")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the result markdown files")
+    return parser
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn, device="cpu", min_s=0.2, min_reps=3, warmup=1):
+    """Median seconds of one call of fn(), over at least min_reps calls and min_s seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_s:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_tflops(n, dtype=torch.float32, device="cpu", m=None, k=None, min_s=0.3):
+    """Achieved TFLOP/s of an (m x k) @ (k x n) matmul, counting the useful 2*m*n*k FLOPs."""
+    m, k = m or n, k or n
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    return 2 * m * n * k / time_it(lambda: a @ b, device, min_s=min_s) / 1e12
+
+
+def measured_cpu_peak_tflops(dtype=torch.float32, threads=None, n=2048, min_s=1.0):
+    """The CPU's attainable dense matmul rate with `threads` threads: a stand-in for a device peak
+    (a CPU has no spec-sheet number train.py can look up). Measured, so noisy on a shared machine."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return matmul_tflops(n, dtype, "cpu", min_s=min_s)
+    finally:
+        torch.set_num_threads(old)
+
+
+def gpu_peak_tflops():
+    """The device table's dense bf16 peak of GPU 0 (train.PEAK_TFLOPS), or None."""
+    if not has_cuda():
+        return None
+    from train import PEAK_TFLOPS
+    name = torch.cuda.get_device_name(0)
+    return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def pystdlib_folder():
+    """The offline corpus train.py uses by default, prepared on first use."""
+    folder = REPO / "data" / "pystdlib"
+    if not (folder / "meta.json").exists():
+        from data.prepare import prepare
+        prepare("pystdlib", folder)
+    return folder
+
+
+def build_gpt(preset="tiny", seed=1337, device="cpu", **overrides):
+    """model.GPT from a preset with train.py's initial weights. Presets without a vocabulary get the
+    byte corpus's 257 (what train.py uses on the pystdlib data)."""
+    fields = {**M.PRESETS[preset].__dict__, **overrides}
+    fields["vocab_size"] = fields["vocab_size"] or 257
+    cfg = M.ModelConfig(**fields)
+    with torch.device("meta"):
+        gpt = M.GPT(cfg)
+    return M.init_weights(gpt, seed, device)
+
+
+def autocast(mode, device):
+    return nullcontext() if mode == "fp32" else torch.autocast(device.type, dtype=DTYPES[mode])
+
+
+class TrainStep:
+    """One precision mode's model, AdamW and loss scaler, stepping the way train.py does."""
+
+    def __init__(self, mode, device, preset="tiny", **overrides):
+        self.mode, self.device = mode, device
+        self.model = build_gpt(preset, device=device, **overrides)
+        self.opt = optim.make_adamw(self.model.parameters(), 3e-4, 0.1, device)
+        self.scaler = optim.LossScaler(mode == "fp16")
+        self.world = Mesh().world_group  # one process: norms need no communication
+
+    def forward_backward(self, x, y):
+        with autocast(self.mode, self.device):
+            loss = self.model(x, y)
+        (loss * self.scaler.scale).backward()
+        return loss
+
+    def update(self):
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = optim.unscale_and_clip([(p.grad, 1) for p in params], self.world, 1 / self.scaler.scale, 1.0)
+        if not self.scaler.update(not torch.isfinite(norm).item()):
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+    def __call__(self, x, y):
+        loss = self.forward_backward(x, y)
+        self.update()
+        return loss

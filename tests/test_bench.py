@@ -1,0 +1,144 @@
+"""Smoke tests of the lab bench: each script runs in --quick mode and writes its tables; run_all.py
+runs a registry, kills what runs over its budget, skips GPU-only scripts on CPU and indexes L1-L28.
+No timings are asserted (numbers belong to the bench, not to tests)."""
+import json
+
+import pytest
+import torch
+
+import model as M
+from bench import collectives, common, loader_stall, mfu_sweep, precision, run_all
+
+
+def table_rows(path):
+    """The data rows of the first markdown table in a result file, as lists of cells."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_result_file_has_command_date_hardware(tmp_path):
+    path = common.write_result(tmp_path, "t", "a title", ["a", "b"], [[1, 2.5]], ["a note"], command="python x.py")
+    text = path.read_text()
+    assert "Command: `python x.py`" in text and "Date: 20" in text and "Hardware: " in text
+    assert table_rows(path) == [["1", "2.5"]] and "- a note" in text
+
+
+def test_precision_tables(tmp_path, capsys):
+    precision.main(["--quick", "--out", str(tmp_path)])
+    dtypes = {row[0]: row[1:] for row in table_rows(tmp_path / "L1_dtypes.md")}
+    assert dtypes["parameters (master weights)"] == ["float32"] * 3
+    assert dtypes["q_proj output (Linear activation)"] == ["float32", "bfloat16", "float16"]
+    assert dtypes["AdamW exp_avg"] == ["float32"] * 3 and dtypes["parameter gradients"] == ["float32"] * 3
+    assert dtypes["loss scale (optim.LossScaler)"] == ["1", "1", "65536"]
+    assert all(cell.startswith("fp32") for cell in dtypes["matmul accumulation (measured)"])
+    assert len(table_rows(tmp_path / "L2_autocast_throughput.md")) == 3
+    assert len(table_rows(tmp_path / "L3_matmul_alignment.md")) == 2 * 3  # fp32, bf16 x 255, 256, 264
+    zeroed = {(r[0], r[2], r[3]): float(r[4].rstrip("%")) for r in table_rows(tmp_path / "L4_fp16_underflow.md")}
+    assert zeroed[("4096", "fp16", "1")] > 1.0  # underflow without scaling...
+    assert zeroed[("4096", "fp16", "65536")] < 0.1 and zeroed[("4096", "bf16", "1")] < 0.1  # ...fixed
+    answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ANSWER ")]
+    assert [a.split(":")[0] for a in answers] == ["ANSWER L1", "ANSWER L2", "ANSWER L3", "ANSWER L4"]
+
+
+def test_loader_stall_table(tmp_path):
+    loader_stall.main(["--quick", "--out", str(tmp_path)])
+    rows = table_rows(tmp_path / "L11_loader_stall.md")
+    assert [r[0] for r in rows] == ["off", "on"] and all(r[4].endswith("%") for r in rows)
+
+
+def test_collective_groups_and_bus_factors():
+    assert collectives.partitions(4, 2) == {"intra-node": [[0, 1], [2, 3]], "inter-node": [[0, 2], [1, 3]]}
+    assert collectives.partitions(8, 8) == {"intra-node": [list(range(8))]}
+    assert collectives.partitions(4, 1) == {"inter-node": [[0, 1, 2, 3]]}
+    n = 8
+    assert collectives.BUS_FACTOR["all_reduce"](n) == 2 * 7 / 8 and collectives.BUS_FACTOR["all_gather"](n) == 7 / 8
+    assert collectives.BUS_FACTOR["send_recv"](n) == 1.0
+
+
+def test_collectives_table(tmp_path):
+    collectives.main(["--quick", "--out", str(tmp_path), "--target-s", "0.01"])
+    rows = table_rows(tmp_path / "L12_collectives.md")
+    groups = ("intra-node", "inter-node")
+    assert {(r[0], r[2]) for r in rows} == {(g, op) for g in groups for op in collectives.BUS_FACTOR}
+    assert len(rows) == 2 * 5 * 2 and all(float(r[7]) > 0 for r in rows)
+    assert "LOOPBACK ONLY" in (tmp_path / "L12_collectives.md").read_text()
+    assert len(table_rows(tmp_path / "L12_collectives_peak.md")) == 5
+
+
+def test_flops_per_step_table(tmp_path):
+    mfu_sweep.main(["--flops-only", "--out", str(tmp_path)])
+    rows = {r[0]: r for r in table_rows(tmp_path / "L21_flops_per_step.md")}
+    assert set(M.PRESETS) <= set(rows)
+    cfg = mfu_sweep.config_of("llama3-405b")
+    assert float(rows["llama3-405b"][7]) == pytest.approx(M.flops_per_token(cfg) / 1e9, rel=1e-3)
+    assert float(rows["llama3-405b"][10]) == pytest.approx(M.flops_per_token(cfg) * 2 ** 24, rel=1e-3)
+
+
+def test_metrics_summary_skips_the_first_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    rows = [dict(step=1, mfu=0.01, hfu=0.01, tok_s=1.0, tflops=1.0, comm_gb=0.0, dt_s=9.0, mem_gb=1.0)]
+    rows += [dict(step=s, mfu=0.3, hfu=0.4, tok_s=100.0, tflops=2.0, comm_gb=0.5, dt_s=0.1, mem_gb=1.0 + s)
+             for s in (2, 3, 4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"val_loss": 3.0}) + "\n")
+    s = mfu_sweep.summarize(path)
+    assert (s["mfu"], s["hfu"], s["tok_s"], s["dt_s"], s["mem_gb"], s["steps"]) == (0.3, 0.4, 100.0, 0.1, 5.0, 3)
+
+
+def test_mfu_sweep_runs_train_py(tmp_path):
+    mfu_sweep.main(["--quick", "--out", str(tmp_path)])
+    (row,) = table_rows(tmp_path / "L22_L24_mfu_sweep.md")
+    assert row[:3] == ["ddp 1", "1", "2"] and row[3].endswith("%") and row[5] == "1.000"  # no recompute: HFU = MFU
+
+
+def test_default_layouts_follow_the_parallel_files(monkeypatch, tmp_path):
+    (tmp_path / "parallel").mkdir()
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    assert [n for n, _, _ in mfu_sweep.default_layouts(2)] == ["ddp 1", "ddp 2"]
+    (tmp_path / "parallel" / "tp.py").write_text("")
+    (tmp_path / "parallel" / "ckpt.py").write_text("")
+    layouts = mfu_sweep.default_layouts(2)
+    assert ("tp 2", 2, ["--tp", "2"]) in layouts and ("ddp 1 + ckpt full", 1, ["--ckpt", "full"]) in layouts
+    assert mfu_sweep.parse_layout("tp2=2:--tp 2 --sp") == ("tp2", 2, ["--tp", "2", "--sp"])
+
+
+def fake_registry(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("print('ANSWER L3: fast enough')\nprint('ANSWER L12: 1 GB/s')\n")
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\nprint('ANSWER L4: never', flush=True)\ntime.sleep(60)\n")
+    return [run_all.Script(str(ok), ["L3", "L12"], 60), run_all.Script(str(slow), ["L4"], 2),
+            run_all.Script(str(tmp_path / "absent.py"), ["L26"], 10),
+            run_all.Script(str(ok), ["L20"], 60, gpu_only=True, name="gpu")]
+
+
+def test_run_all_runs_kills_skips_and_indexes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_all, "REGISTRY", fake_registry(tmp_path))
+    monkeypatch.setattr(common, "has_cuda", lambda: False)
+    results = tmp_path / "results"
+    assert run_all.main(["--results", str(results)]) == 1  # the slow one timed out
+    out = capsys.readouterr().out
+    assert "ok.py: ok" in out and "slow.py: timed out after 2 s" in out
+    assert "absent.py: MISSING" in out and "SKIPPED, needs a GPU" in out
+    answers = json.loads((results / "answers.json").read_text())
+    assert answers["L3"]["text"] == "fast enough" and answers["L4"]["text"] == "never"
+    index = (results / "INDEX.md").read_text()
+    items = [line.split("|")[1].strip() for line in index.splitlines() if line.startswith("| L")]
+    assert items == [f"L{i}" for i in range(1, 29)]
+    assert "| L12 |" in index and "1 GB/s" in index and "timed out" in index
+    assert (results / "logs" / "ok.log").read_text().count("ANSWER") == 2
+
+
+def test_run_all_registry_covers_the_measured_items():
+    listed = {item for s in run_all.REGISTRY for item in s.items}
+    assert {"L1", "L2", "L3", "L4", "L11", "L12", "L21", "L22", "L23", "L24"} <= listed
+    assert set(run_all.QUESTIONS) == {f"L{i}" for i in range(1, 29)}
+    assert all(item in listed or item in run_all.TESTED for item in run_all.QUESTIONS)
+    assert sum(s.budget_s for s in run_all.REGISTRY if not s.gpu_only) < 30 * 60
+    assert all(s.path.startswith("bench/") and s.path.endswith(".py") for s in run_all.REGISTRY)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_precision_on_gpu(tmp_path):
+    precision.main(["--quick", "--device", "cuda", "--out", str(tmp_path)])
+    assert (tmp_path / "L4_fp16_underflow.md").exists()
+
