@@ -107,13 +107,15 @@ def check_args(args):
         raise UsageError(f"--dp-mode: unknown mode {args.dp_mode!r}; choose ddp, fsdp or hsdp")
     if args.dp_mode == "hsdp" and not args.dp_shard:
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
+    if args.reduce_dtype not in ("fp32", "bf16"):
+        raise UsageError(f"--reduce-dtype: unknown dtype {args.reduce_dtype!r}; choose fp32 or bf16")
     if args.device not in (None, "cpu", "cuda"):
         raise UsageError(f"--device: unknown device {args.device!r}; choose cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
     for flag, needed, module in (("--tp", args.tp > 1, "tp"), ("--pp", args.pp > 1, "pp"),
                                  ("--cp", args.cp > 1, "cp"), ("--ckpt", args.ckpt != "none", "ckpt"),
-                                 ("--dp-mode", args.dp_mode != "ddp", "fsdp")):
+                                 ("--dp-mode", args.dp_mode != "ddp", args.dp_mode)):
         if needed and importlib.util.find_spec(f"parallel.{module}") is None:
             raise UsageError(f"{flag}: not available yet (parallel/{module}.py has not landed)")
 
