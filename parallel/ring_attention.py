@@ -107,7 +107,7 @@ def pick_kernel(q):
     """The fused kernel that returns the log-sum-exp for this device and dtype, else plain math."""
     hd = q.shape[-1]
     if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
-            and has_op("_scaled_dot_product_flash_attention")):
+            and torch.cuda.get_device_capability(q.device) >= (8, 0) and has_op("_scaled_dot_product_flash_attention")):
         return "flash_cuda"
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and has_op("_scaled_dot_product_flash_attention_for_cpu")

@@ -1,0 +1,71 @@
+"""Multi-node launch on one machine: train.sbatch under a stand-in SLURM (scontrol and srun on PATH) starts
+two `torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT` launchers,
+one per "node", over loopback; their dp 2 x cp 2 run logs the same losses as one process."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.dist import free_port
+from tests.layouts import BASE
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = ["--steps", "3"]
+
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol show hostnames LIST: both "nodes" are this machine
+echo 127.0.0.1; echo 127.0.0.1
+"""
+FAKE_SRUN = """#!/bin/bash
+# srun [options] COMMAND...: one task per node; here the nodes are background processes on this machine
+while [[ "$1" == --* ]]; do shift; done
+echo "$@" > "$FAKE_SLURM_DIR/command"
+pids=()
+for node in $(seq "$SLURM_NNODES"); do
+    "$@" > "$FAKE_SLURM_DIR/node$node.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def read_losses(path):
+    return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines()]
+
+
+def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_SLURM_DIR": str(tmp_path),
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2",
+           "SLURM_JOB_ID": "test", "SLURM_SUBMIT_DIR": str(REPO), "RDZV_PORT": str(free_port())}
+    run = BASE + STEPS + ["--cp", "2"]  # world 4 = dp 2 x cp 2: dp spans the two "nodes"
+    launched = subprocess.Popen(["bash", str(REPO / "train.sbatch"), *run, "--out", str(tmp_path / "run"),
+                                 "--metrics", str(tmp_path / "launched.jsonl")],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen([sys.executable, "train.py", *BASE, *STEPS, "--out", str(tmp_path / "single"),
+                               "--metrics", str(tmp_path / "single.jsonl")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = launched.communicate(timeout=180)
+        single_out, _ = single.communicate(timeout=120)
+    finally:
+        for p in (launched, single):
+            if p.poll() is None:
+                p.kill()
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
+    assert launched.returncode == 0, out + logs[-6000:]
+    assert single.returncode == 0, single_out
+    command = (tmp_path / "command").read_text()
+    assert (f".venv/bin/torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d "
+            f"--rdzv-endpoint 127.0.0.1:{env['RDZV_PORT']} --rdzv-id test train.py") in command
+    assert "mesh: world 4 = dp 2 x pp 1 x cp 2 x tp 1" in logs
+    got, expected = read_losses(tmp_path / "launched.jsonl"), read_losses(tmp_path / "single.jsonl")
+    assert len(got) == 3
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0)
