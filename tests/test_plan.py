@@ -1,0 +1,197 @@
+"""The layout planner (bench/plan.py): its byte and memory formulas, the Llama 3 405B runs it must
+reproduce, and the notes' scaling recipe it must rediscover. Closed formulas only: fast, no GPU."""
+import subprocess
+import sys
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from bench import plan as P
+from model import PRESETS, flops_per_token, param_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = replace(PRESETS["tiny"], vocab_size=50257)
+FP32 = dict(w_bytes=4, g_bytes=4, a_bytes=4)
+
+
+# ---------------------------------------------------------------- bytes per rank, ring terms
+
+def test_ddp_all_reduces_every_gradient_once():
+    total, _ = param_counts(TINY)
+    got = P.comm_bytes(TINY, P.Layout(dp=4, micro=2), 256, 16, **FP32)  # M = 2: still one all-reduce
+    assert got == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": pytest.approx(2 * 3 / 4 * 4 * total)}
+
+
+def test_fsdp_sends_three_halves_of_ddp_per_gather_round():
+    ddp = P.comm_bytes(TINY, P.Layout(dp=8, micro=1), 256, 8, **FP32)["dp"]
+    fsdp = P.comm_bytes(TINY, P.Layout(dp=8, dp_mode="fsdp", micro=1), 256, 8, **FP32)["dp"]
+    assert fsdp == pytest.approx(1.5 * ddp)  # notes: ~3P vs 2P
+    accum = P.comm_bytes(TINY, P.Layout(dp=8, dp_mode="fsdp", micro=1), 256, 32, **FP32)["dp"]
+    assert accum == pytest.approx(4 * fsdp)  # ZeRO-3 gathers again for each of the M = 4 microbatches
+
+
+def test_hsdp_is_fsdp_in_the_shard_plus_an_all_reduce_across_replicas():
+    total, _ = param_counts(TINY)
+    got = P.comm_bytes(TINY, P.Layout(dp=8, dp_mode="hsdp", shard=4), 256, 8, **FP32)["dp"]
+    assert got == pytest.approx(3 * 4 * 3 / 4 * total + 2 * 1 / 2 * 4 * total / 4)
+
+
+def test_tp_cp_pp_bytes():
+    d, hd, t = TINY.d_model, TINY.head_dim, 256
+    tp = P.comm_bytes(TINY, P.Layout(tp=2), 256, 1, **FP32)["tp"]
+    assert tp == pytest.approx((4 * 10 + 3) * 1 / 2 * t * d * 4)  # SP collectives of t x d fp32
+    ring = P.comm_bytes(TINY, P.Layout(cp=4), 256, 1, **FP32)["cp"]
+    kv = 2 * hd * TINY.n_kv_head * 4 * t / 4  # this rank's K and V
+    assert ring == pytest.approx(4 * 3 * 3 * kv)  # 4 layers, 3 passes of (cp - 1) blocks
+    pp = P.comm_bytes(TINY, P.Layout(pp=4, micro=1), 256, 8, **FP32)["pp"]
+    assert pp == pytest.approx(8 * 2 * t * d * 4)  # M = 8: an activation out and a gradient back
+
+
+# ---------------------------------------------------------------- memory
+
+def test_memory_shards_model_state_and_checkpointing_shrinks_activations():
+    total, _ = param_counts(TINY)
+    bare = dict(overhead_gb=0, frag=0, w_bytes=0, a_bytes=4)
+    ddp = P.memory(TINY, P.Layout(dp=8), 256, 8, **bare)
+    assert ddp["master"] + ddp["grads"] + ddp["adam"] == pytest.approx(16 * total)
+    fsdp = P.memory(TINY, P.Layout(dp=8, dp_mode="fsdp"), 256, 8, **bare)
+    assert fsdp["master"] + fsdp["adam"] == pytest.approx(12 * total / 8)
+    hsdp = P.memory(TINY, P.Layout(dp=8, dp_mode="hsdp", shard=2), 256, 8, **bare)
+    assert hsdp["adam"] == pytest.approx(8 * total / 2)
+    acts = [P.memory(TINY, P.Layout(dp=8, ckpt=c), 256, 8, **bare)["activations"] for c in P.CKPTS]
+    assert acts[0] > acts[1] > acts[2]
+    none = acts[0]
+    assert P.memory(TINY, P.Layout(tp=2, dp=4), 256, 8, **bare)["activations"] < none  # SP shards them
+    assert P.memory(TINY, P.Layout(cp=2, dp=4), 256, 8, **bare)["activations"] == pytest.approx(none / 2)
+    small_vocab = replace(TINY, vocab_size=64)  # so that stage 0, not the head's stage, is the fuller
+    gpipe, onef = (P.memory(small_vocab, P.Layout(pp=4, micro=1, schedule=s), 256, 16, **bare)["activations"]
+                   for s in ("gpipe", "1f1b"))
+    assert gpipe == pytest.approx(4 * onef)  # stage 0 holds M = 16 microbatches vs P = 4
+
+
+def test_pipeline_bubble_matches_the_notes():
+    """Utilization M / (M + P - 1): 4/7 at P = M = 4 (the notes); interleaving divides the bubble by V."""
+    cl = P.Cluster(4)
+    interleaved = P.Layout(pp=4, micro=1, schedule="interleaved", V=2)
+    for lay, want in ((P.Layout(pp=4, micro=1), 4 / 7), (interleaved, 4 / 5.5)):
+        t = P.step_time(replace(TINY, n_layer=8), cl, lay, 256, 4)
+        busy = t["total"] - t["pp"] - t["dp"]
+        assert (busy - t["bubble"]) / busy == pytest.approx(want)
+
+
+def test_mfu_is_model_flops_over_peak_time():
+    cl = P.Cluster(8)
+    t = P.step_time(TINY, cl, P.Layout(dp=8, ckpt="full"), 256, 64)
+    flops = flops_per_token(TINY, 256) * 64 * 256
+    assert t["mfu"] == pytest.approx(flops / (8 * 989e12 * t["total"]))
+    assert t["hfu"] > t["mfu"]  # full checkpointing recomputes the forward
+
+
+# ---------------------------------------------------------------- Llama 3 405B, paper Table 4
+
+LLAMA3 = [  # (gpus, seq, published (dp, tp, pp, cp), reported BF16 MFU); 16M tokens per batch
+    (8192, 8192, (64, 8, 16, 1), 0.43),
+    (16384, 8192, (128, 8, 16, 1), 0.41),
+    (16384, 131072, (8, 8, 16, 16), 0.38),
+]
+CFG405 = PRESETS["llama3-405b"]
+
+
+@lru_cache(maxsize=None)
+def plans405(gpus, seq):
+    return P.plan(CFG405, P.Cluster(gpus), seq, 2**24 // seq, top=10)
+
+
+def published(gpus, seq, mesh):
+    """The best fitting variant of the published layout: FSDP-style sharding over dp, interleaved 1F1B,
+    one sequence per microbatch, no full checkpointing. The paper leaves V and the CP kernel open."""
+    dp, tp, pp, cp = mesh
+    cl, batch, best = P.Cluster(gpus), 2**24 // seq, None
+    for V in (2, 4, 8):
+        for ckpt in ("none", "selective"):
+            for cp_mode in ("ring", "allgather") if cp > 1 else ("ring",):
+                lay = P.Layout(dp, tp, pp, cp, "fsdp", 0, 1, ckpt, "interleaved", V, cp_mode)
+                if P.invalid(CFG405, cl, lay, seq, batch):
+                    continue
+                p = P.evaluate(CFG405, cl, lay, seq, batch)
+                if p.fits and (best is None or p.mfu > best.mfu):
+                    best = p
+    return best
+
+
+@pytest.mark.parametrize("gpus,seq,mesh,reported", LLAMA3)
+def test_llama3_405b_published_layout_fits_and_matches_reported_mfu(gpus, seq, mesh, reported):
+    p = published(gpus, seq, mesh)
+    assert p is not None, "the published layout must fit in 80 GB"
+    assert abs(p.mfu - reported) <= 0.06, P.bill(p, P.Cluster(gpus))
+
+
+@pytest.mark.parametrize("gpus,seq,mesh,reported", LLAMA3)
+def test_llama3_405b_published_layout_is_in_the_top_10(gpus, seq, mesh, reported):
+    meshes = [(p.layout.dp, p.layout.tp, p.layout.pp, p.layout.cp) for p in plans405(gpus, seq)]
+    assert mesh in meshes, meshes
+
+
+# ---------------------------------------------------------------- the notes' scaling recipe
+
+def winner(model, gpus, seq=None, cfg=None):
+    cfg = cfg or PRESETS[model]
+    seq = seq or cfg.seq_len
+    return P.plan(cfg, P.Cluster(gpus), seq, max(1, P.default_batch_tokens(cfg) // seq), top=1)[0].layout
+
+
+@pytest.mark.parametrize("gpus", [8, 32, 128])
+def test_ddp_wins_for_a_1b_model_up_to_128_gpus(gpus):
+    lay = winner("1b", gpus)
+    assert (lay.dp_mode, lay.tp, lay.pp, lay.cp) == ("ddp", 1, 1, 1), lay
+
+
+@pytest.mark.parametrize("gpus", [64, 256])
+def test_fsdp_wins_once_the_model_state_does_not_fit(gpus):
+    cfg, cl, seq = PRESETS["llama3-8b"], P.Cluster(gpus), 8192
+    batch = P.default_batch_tokens(cfg) // seq
+    ddp = P.evaluate(cfg, cl, P.Layout(dp=gpus, ckpt="full"), seq, batch)
+    assert not ddp.fits  # 8B params x 18 B > 80 GB
+    lay = winner("llama3-8b", gpus)
+    assert lay.dp_mode in ("fsdp", "hsdp"), lay
+
+
+def test_model_parallelism_appears_past_50b_params_and_1000_gpus():
+    lay = winner("llama3-70b", 1024)
+    assert lay.tp * lay.pp * lay.cp > 1, lay
+
+
+def test_context_parallelism_appears_for_long_sequences():
+    assert winner("llama3-8b", 256, seq=131072).cp > 1
+
+
+# ---------------------------------------------------------------- command line
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "plan.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_top_10_for_405b_at_128k_tokens():
+    r = run_cli("--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line[:3].strip().isdigit() and "dp=" in line]
+    assert len(rows) == 10 and "MFU" in r.stdout and "memory" in r.stdout, r.stdout
+
+
+def test_cli_bills_one_layout_and_rejects_a_bad_one(capsys):
+    assert P.main(["--model", "llama3-405b", "--gpus", "8192", "--layout",
+                   "dp=64,tp=8,pp=16,dp_mode=fsdp,ckpt=selective,V=4"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU" in out and "bubble" in out and "fits" in out, out
+    assert P.main(["--model", "llama3-405b", "--gpus", "8192", "--layout", "dp=64,tp=16,pp=8"]) == 2
+    assert "tp must divide" in capsys.readouterr().err
+
+
+def test_cli_compares_fsdp_inside_and_across_nodes(capsys):
+    """L15: the same mesh with its FSDP group spread over 8 nodes vs inside each node (hsdp)."""
+    assert P.main(["--model", "llama3-8b", "--gpus", "64", "--top", "3", "--compare-fsdp-scope"]) == 0
+    l15 = capsys.readouterr().out.split("L15")[1]
+    assert "dp_mode=fsdp" in l15 and "dp_mode=hsdp,shard=8" in l15 and l15.count("MFU") == 2, l15
