@@ -177,6 +177,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.run_layers = run_layers
         self.loss_fn = cross_entropy_loss
+        self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions
 
     def forward(self, x, targets=None, positions=None):
         """x: token ids (B, T) on the first stage, else hidden states (B, T, d).
@@ -184,7 +185,7 @@ class GPT(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (B, T, d)
         if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(x.shape[1] * self.seq_shards, device=x.device)
         cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.run_layers(self.layers, x, cos.to(x.dtype), sin.to(x.dtype))
         if self.lm_head is None:
@@ -221,8 +222,10 @@ def local_init(name, param, cfg, seed):
 @torch.no_grad()
 def init_weights(model, seed, device):
     """Materializes a meta-device model on `device` with the layout-independent initial weights."""
-    model.to_empty(device=device)
+    marks = {name: dict(p.__dict__) for name, p in model.named_parameters()}  # tp_shard, tp_partial_grad
+    model.to_empty(device=device)  # new Parameter objects: the marks must be carried over
     for name, p in model.named_parameters():
+        p.__dict__.update(marks[name])
         p.copy_(local_init(name, p, model.cfg, seed))
     return model
 
