@@ -1,0 +1,333 @@
+"""Pipeline parallel: the layers are split into stages, and micro-batches flow through them.
+
+Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a layer's 2·N_layer + 4·d·T
+          forward FLOPs per token, the head's 2·d·vocab on the last chunk, the embedding's memory on the
+          first), or --pp-split; rank r holds virtual stages r, r+P, ... (round robin, V = --pp-virtual).
+Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d
+          elements each (b·T/tp·d under sequence parallel), point to point to the neighbouring rank:
+          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline, plus one 6-integer shape broadcast.
+Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
+          receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
+Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
+          most P micro-batches in flight under 1F1B (GPipe: all M); each is freed after its backward.
+Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches).
+Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
+"""
+import argparse
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from parallel import pp_schedule as S
+from parallel.mesh import LayoutError
+
+DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Attached to each chunk as `chunk.pipeline`."""
+    virtual_stage: int
+    n_virtual: int
+    schedule: str
+    layers: tuple  # global layer indices
+
+
+# ---------------------------------------------------------------- the split
+
+def cost_model(cfg):
+    """(forward FLOPs per token, parameters) of one layer, of the head, of the embedding."""
+    d, vocab = cfg.d_model, cfg.padded_vocab
+    layer_params = d * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head) + 3 * d * cfg.ffn_dim + 2 * d
+    return {"layer": (2 * layer_params + 4 * d * cfg.seq_len, layer_params),
+            "head": (2 * d * vocab, d * vocab + d), "embed": (0, d * vocab)}
+
+
+def min_max_partition(n, parts, cost):
+    """Counts (each >= 1, summing to n) minimizing max_k cost(k, count_k), by dynamic programming."""
+    best = {(0, 0): (0, [])}  # (parts used, layers used) -> (max cost so far, counts)
+    for k in range(parts):
+        for used in range(k + 1, n - (parts - k - 1) + 1):
+            options = [(max(best[(k, used - m)][0], cost(k, m)), best[(k, used - m)][1] + [m])
+                       for m in range(1, used - k + 1) if (k, used - m) in best]
+            best[(k + 1, used)] = min(options, key=lambda o: o[0])
+    return best[(parts, n)]
+
+
+def balanced_counts(cfg, parts):
+    """Minimize the slowest chunk's FLOPs; among those splits, the largest chunk's parameter memory."""
+    c = cost_model(cfg)
+
+    def flops(k, m):
+        return m * c["layer"][0] + (c["head"][0] if k == parts - 1 else 0) + (c["embed"][0] if k == 0 else 0)
+
+    def memory(k, m):
+        if flops(k, m) > slowest:
+            return math.inf
+        return m * c["layer"][1] + (c["head"][1] if k == parts - 1 else 0) + (c["embed"][1] if k == 0 else 0)
+
+    slowest = min_max_partition(cfg.n_layer, parts, flops)[0]
+    return min_max_partition(cfg.n_layer, parts, memory)[1]
+
+
+def micro_batch_count(args, mesh):
+    return args.global_batch // (args.micro_batch * mesh.dp)
+
+
+def layer_counts(cfg, P, V, args, M):
+    """Layers per virtual stage, after checking the pipeline flags against the model and the batch."""
+    n, parts = cfg.n_layer, P * V
+    if args.pp_schedule not in S.SCHEDULES:
+        raise LayoutError("--pp-schedule", f"unknown schedule {args.pp_schedule!r}; choose {', '.join(S.SCHEDULES)}")
+    if V < 1:
+        raise LayoutError("--pp-virtual", f"must be >= 1, got {V}")
+    if V > 1 and args.pp_schedule != "interleaved":
+        raise LayoutError("--pp-virtual", f"{V} chunks per stage need --pp-schedule interleaved")
+    if n < parts:
+        raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; the model has {n}")
+    if V > 1 and M > P and M % P:
+        raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count M = global-batch / "
+                          f"(micro-batch·dp) = {M} to be a multiple of pp = {P} (or at most {P})")
+    if not args.pp_split:
+        if V > 1 and n % parts:
+            raise LayoutError("--pp-virtual", f"interleaved needs n_layer {n} divisible by pp·V = {P}·{V} "
+                              "(or an explicit --pp-split)")
+        return balanced_counts(cfg, parts)
+    try:
+        counts = [int(s) for s in str(args.pp_split).split(",")]
+    except ValueError:
+        raise LayoutError("--pp-split", f"expected comma-separated layer counts, got {args.pp_split!r}") from None
+    if len(counts) != parts:
+        raise LayoutError("--pp-split", f"{len(counts)} counts given, pp·V = {P}·{V} = {parts} needed")
+    if min(counts) < 1:
+        raise LayoutError("--pp-split", f"every stage needs at least one layer, got {args.pp_split}")
+    if sum(counts) != n:
+        raise LayoutError("--pp-split", f"counts {args.pp_split} sum to {sum(counts)}, the model has {n} layers")
+    return counts
+
+
+def split(full, mesh, args):
+    """The chunks (GPTs on the meta device) this rank runs, in virtual-stage order. Only the first
+    virtual stage keeps embed_tokens and only the last keeps norm, lm_head and the loss."""
+    P, V, rank = mesh.pp, args.pp_virtual, mesh.coord["pp"]
+    counts = layer_counts(full.cfg, P, V, args, micro_batch_count(args, mesh))
+    starts = [sum(counts[:v]) for v in range(P * V)]
+    chunks = []
+    for c in range(V):
+        v = S.stage_of(rank, c, P)
+        keep = range(starts[v], starts[v] + counts[v])
+        chunk = copy.deepcopy(full)  # meta tensors: no memory
+        for name in list(chunk.layers):
+            if int(name) not in keep:
+                del chunk.layers[name]
+        if v > 0:
+            chunk.embed_tokens = None
+        if v < P * V - 1:
+            chunk.norm = chunk.lm_head = None
+        chunk.pipeline = Stage(v, P * V, args.pp_schedule, tuple(keep))
+        chunks.append(chunk)
+    return chunks
+
+
+# ---------------------------------------------------------------- the executor
+
+class PipelineError(RuntimeError):
+    """An action failed on this stage; the message names the stage and the action."""
+
+
+@dataclass
+class StageRecord:
+    """What one rank's pipeline did in one step (seconds; events relative to the step's start)."""
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    max_in_flight: int = 0  # most activation sets (forwards awaiting their backward) alive at once
+    events: list = field(default_factory=list)  # (action, start, end) for every compute
+
+    @property
+    def idle_s(self):
+        return self.wall_s - self.busy_s
+
+    @property
+    def utilization(self):
+        return self.busy_s / self.wall_s if self.wall_s else 0.0
+
+
+@lru_cache(maxsize=64)
+def actions_for(schedule, P, M, V, rank, train=True):
+    return (S.build(schedule, P, M, V) if train else S.forward_only(P, M, V))[rank]
+
+
+class Pipeline:
+    """One rank's run of one action list. Tensors live in dicts keyed by (chunk, micro-batch)."""
+
+    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, sync_cuda):
+        self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
+        self.loss_scale, self.wrapper, self.sync_cuda = loss_scale, wrapper, sync_cuda
+        self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
+        self.last = self.P * len(chunks) - 1
+        self.device = batches[0][0].device
+        T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
+        self.positions = positions if positions is not None else torch.arange(T, device=self.device)
+        self.inputs, self.outputs, self.input_grads = {}, {}, {}
+        self.receives = {}  # (op, chunk, mb) -> (buffer, the works of its batch)
+        self.sends = []  # Posted batches with sends in flight
+        self.shape = None  # (shape, dtype) of the activations between stages
+        self.loss = torch.zeros((), device=self.device)
+        self.record = StageRecord()
+        self.in_flight = 0
+
+    def run(self, actions):
+        self.last_backward = {a.chunk: a for a in actions if a.op == "B"}
+        t0 = time.perf_counter()
+        for step in S.batches(actions):
+            try:
+                if step[0].op in S.COMPUTE:
+                    start = time.perf_counter()
+                    (self.forward if step[0].op == "F" else self.backward)(step[0])
+                    if self.sync_cuda:
+                        torch.cuda.synchronize(self.device)
+                    end = time.perf_counter()
+                    self.record.busy_s += end - start
+                    self.record.events.append((step[0], start - t0, end - t0))
+                elif step[0].op == "SHAPE":
+                    self.exchange_shape()
+                else:
+                    self.post(step)
+            except Exception as e:
+                raise PipelineError(f"pipeline stage {self.rank} failed at {step[0]}: {type(e).__name__}: {e}") from e
+        for posted in self.sends:
+            posted.wait()
+        self.record.wall_s = time.perf_counter() - t0
+        return self.loss, self.record
+
+    def stage(self, chunk):
+        return S.stage_of(self.rank, chunk, self.P)
+
+    def forward(self, a):
+        tokens, targets = self.batches[a.mb]
+        v = self.stage(a.chunk)
+        x = tokens if v == 0 else self.take("RECV_F", a.chunk, a.mb)  # (b, T, d) or (b, T/tp, d) under sp
+        if v > 0 and torch.is_grad_enabled():
+            x.requires_grad_(True)
+        with self.autocast:
+            out = self.chunks[a.chunk](x, targets if v == self.last else None, self.positions)
+        if v == self.last:
+            out = out / len(self.batches)  # local mean / M: the step sums to the mean over the batch
+            self.loss += out.detach()
+        self.outputs[(a.chunk, a.mb)] = out
+        if torch.is_grad_enabled():
+            self.inputs[(a.chunk, a.mb)] = x
+            self.in_flight += 1
+            self.record.max_in_flight = max(self.record.max_in_flight, self.in_flight)
+        elif v == self.last:
+            del self.outputs[(a.chunk, a.mb)]
+
+    def backward(self, a):
+        key, v = (a.chunk, a.mb), self.stage(a.chunk)
+        self.wrapper.sync_grads = self.last_backward[a.chunk] == a  # DDP/FSDP reduce once per chunk and step
+        out, x = self.outputs.pop(key), self.inputs.pop(key)
+        if v == self.last:
+            (out * self.loss_scale).backward()
+        else:
+            torch.autograd.backward(out, self.take("RECV_B", a.chunk, a.mb))
+        if v > 0:
+            self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
+        self.in_flight -= 1  # out, x and the graph between them are freed here
+
+    def exchange_shape(self):
+        """Stage 0 broadcasts the activation shape and dtype after its first forward."""
+        header = torch.zeros(6, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            out = self.outputs[(0, 0)]
+            header[0], header[1] = DTYPE_CODES.index(out.dtype), out.dim()
+            header[2:2 + out.dim()] = torch.tensor(out.shape)
+        self.group.broadcast(header, src=0)
+        code, ndim = int(header[0]), int(header[1])
+        self.shape = (tuple(header[2:2 + ndim].tolist()), DTYPE_CODES[code])
+
+    def post(self, batch):
+        """One batch_isend_irecv for a run of consecutive sends and receives."""
+        sends, receives = [], []
+        for a in batch:
+            key = (a.chunk, a.mb)
+            if a.op == "SEND_F":
+                out = self.outputs[key] if torch.is_grad_enabled() else self.outputs.pop(key)
+                sends.append((out.detach().contiguous(), a.peer))
+            elif a.op == "SEND_B":
+                sends.append((self.input_grads.pop(key).contiguous(), a.peer))
+            else:
+                receives.append((a, torch.empty(self.shape[0], dtype=self.shape[1], device=self.device)))
+        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]), [t for t, _ in sends])
+        for a, buf in receives:
+            self.receives[(a.op, a.chunk, a.mb)] = (buf, posted)
+        self.sends = [p for p in self.sends if not p.completed()]
+        if sends:
+            self.sends.append(posted)
+
+    def take(self, op, chunk, mb):
+        buf, posted = self.receives.pop((op, chunk, mb))
+        posted.wait()
+        return buf
+
+
+class Posted:
+    """The works of one batch_isend_irecv (NCCL returns one for the whole batch) and the tensors it
+    sends, kept alive until it completes. Waits once: a second wait on a gloo p2p work blocks."""
+
+    def __init__(self, works, tensors):
+        self.works, self.tensors, self.done = works, tensors, False
+
+    def wait(self):
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done, self.tensors = True, None
+
+    def completed(self):
+        return self.done or all(w.is_completed() for w in self.works)
+
+
+def execute(chunks, mesh, batches, positions, autocast, loss_scale=1.0, wrapper=None, train=True, sync_cuda=False):
+    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, StageRecord)."""
+    schedule = chunks[0].pipeline.schedule
+    actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
+    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, sync_cuda).run(actions)
+
+
+def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale):
+    """Forward and backward of every micro-batch; the summed local loss (nonzero on the last stage)."""
+    return execute(chunks, mesh, batches, positions, autocast, loss_scale, wrapper)[0]
+
+
+def eval_step(chunks, mesh, batches, positions, autocast):
+    """The mean loss over the micro-batches (last stage; 0.0 elsewhere)."""
+    with torch.no_grad():
+        return execute(chunks, mesh, batches, positions, autocast, train=False)[0].item()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Draw a pipeline schedule and its theoretical utilization.")
+    p.add_argument("--pp", type=int, default=4, help="stages P")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(S.SCHEDULES))
+    p.add_argument("--virtual", type=int, default=1, help="chunks per stage V (interleaved)")
+    args = p.parse_args(argv)
+    P, M, V = args.pp, args.microbatches, args.virtual
+    problem = (P < 1 and "--pp: must be >= 1") or (M < 1 and "--microbatches: must be >= 1") or (
+        V < 1 and "--virtual: must be >= 1") or (V > 1 and args.schedule != "interleaved" and
+                                                 "--virtual: V > 1 needs --schedule interleaved") or (
+        V > 1 and M > P and M % P and "--microbatches: interleaved needs M a multiple of P (or M <= P)")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    print(S.draw(args.schedule, P, M, V))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Pipeline schedules as plain data: for every stage, the ordered list of actions it runs.
+
+A model of P·V virtual stages is spread round-robin over P ranks: rank r holds virtual stages
+r, r+P, r+2P, ... as its local chunks 0, 1, ..., V-1. A schedule is first a compute order per rank
+(forward / backward of micro-batch i on local chunk c); `with_communication` then adds the sends
+and receives each compute implies and a SHAPE broadcast (stage 0 tells every stage the activation
+shape after its first forward). Nothing here touches torch: the executor in pp.py runs the lists,
+and the tests check them (each (chunk, mb) once, forward before backward, sends match receives,
+no deadlock even when a communication batch blocks its stream until every op in it is matched,
+as NCCL's does). `draw` renders the classic timeline with forward = 1 tick and backward = 2.
+"""
+from typing import NamedTuple
+
+
+class Action(NamedTuple):
+    op: str  # F, B (compute); SEND_F, RECV_F, SEND_B, RECV_B (p2p); SHAPE (broadcast from stage 0)
+    chunk: int = 0  # local chunk index on this rank
+    mb: int = 0  # micro-batch
+    peer: int = -1  # pp rank on the other end of a send or receive
+
+    def __str__(self):
+        return f"{self.op}(c{self.chunk},m{self.mb}{'' if self.peer < 0 else f'->{self.peer}'})"
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+COMPUTE, SENDS, RECVS = ("F", "B"), ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
+
+
+def stage_of(rank, chunk, P):
+    """The virtual stage a rank's local chunk runs."""
+    return chunk * P + rank
+
+
+def place(v, P):
+    """(rank, local chunk) of virtual stage v."""
+    return v % P, v // P
+
+
+# ---------------------------------------------------------------- compute orders
+
+def gpipe(P, M, V=1):
+    """Every forward, then every backward (in reverse): M activation sets live on every stage."""
+    fwd = [Action("F", c, i) for c in range(V) for i in range(M)]
+    bwd = [Action("B", c, i) for c in reversed(range(V)) for i in reversed(range(M))]
+    return [fwd + bwd for _ in range(P)]
+
+
+def one_f_one_b(P, M, V=1):
+    """PipeDream-flush: stage r runs P-r-1 warmup forwards, then alternates one forward and one
+    backward (steady state), then drains the remaining backwards (cooldown). At most P in flight."""
+    if V > 1:
+        return interleaved(P, M, V)
+    orders = []
+    for r in range(P):
+        warm = min(P - r - 1, M)
+        order = [Action("F", 0, i) for i in range(warm)]
+        for k in range(M - warm):
+            order += [Action("F", 0, warm + k), Action("B", 0, k)]
+        orders.append(order + [Action("B", 0, i) for i in range(M - warm, M)])
+    return orders
+
+
+def interleaved(P, M, V):
+    """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1, ...
+    (backwards through the chunks in reverse); warmup (P-r-1)·2 + (V-1)·P units, then 1F1B.
+    Each chunk is 1/V of a stage, so the fill and drain shrink V times: bubble (P-1)/(V·M)."""
+    if V == 1:
+        return one_f_one_b(P, M)
+    fwd, bwd = [], []
+    for start in range(0, M, P):
+        group = range(start, min(start + P, M))
+        fwd += [Action("F", c, i) for c in range(V) for i in group]
+        bwd += [Action("B", c, i) for c in reversed(range(V)) for i in group]
+    orders = []
+    for r in range(P):
+        warm = min((P - r - 1) * 2 + (V - 1) * P, M * V)
+        order = fwd[:warm]
+        for k in range(M * V - warm):
+            order += [fwd[warm + k], bwd[k]]
+        orders.append(order + bwd[M * V - warm:])
+    return orders
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def theoretical_utilization(P, M, V=1):
+    """Busy / (busy + bubble) with equal stages: M/(M+P-1), and VM/(VM+P-1) when interleaved."""
+    return V * M / (V * M + P - 1)
+
+
+# ---------------------------------------------------------------- communication
+
+def with_communication(orders, P, V):
+    """Adds the p2p actions the compute orders imply, and the SHAPE broadcast.
+
+    Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts it
+    right after the compute that makes it; the receiver posts its receive before its first compute
+    that starts at or after that tick, so the transfer overlaps whatever the receiver is busy with.
+    Every rank then posts its messages in order of (tick, message), one global order that respects
+    every data dependency, so in-order streams cannot deadlock (`check_no_deadlock` verifies it).
+    """
+    last = P * V - 1
+    timeline = simulate(orders, P, V)
+    gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # gaps[r][k]: comm before compute k
+
+    def gap_for(r, tick):
+        return next((k for k, (start, _, _) in enumerate(timeline[r]) if start >= tick), len(orders[r]))
+
+    gaps[0][1].append(((1, -1, ""), Action("SHAPE")))  # stage 0 knows the shape after its first forward
+    for r in range(1, P):
+        gaps[r][gap_for(r, 1)].append(((1, -1, ""), Action("SHAPE")))
+    for r in range(P):
+        for k, (_, end, a) in enumerate(timeline[r]):
+            v = stage_of(r, a.chunk, P)
+            if a.op == "F" and v < last:
+                (dst, c), kinds = place(v + 1, P), ("SEND_F", "RECV_F")
+            elif a.op == "B" and v > 0:
+                (dst, c), kinds = place(v - 1, P), ("SEND_B", "RECV_B")
+            else:
+                continue
+            key = (end, r, f"{a.op}{a.chunk}.{a.mb}")  # the same on both ends of the message
+            gaps[r][k + 1].append((key, Action(kinds[0], a.chunk, a.mb, dst)))
+            gaps[dst][gap_for(dst, end)].append((key, Action(kinds[1], c, a.mb, r)))
+    out = []
+    for r, order in enumerate(orders):
+        actions = []
+        for k in range(len(order) + 1):
+            actions += [a for _, a in sorted(gaps[r][k])]
+            if k < len(order):
+                actions.append(order[k])
+        out.append(actions)
+    return out
+
+
+def build(schedule, P, M, V=1):
+    """Every rank's full action list for one optimizer step."""
+    return with_communication(SCHEDULES[schedule](P, M, V), P, V)
+
+
+def forward_only(P, M, V=1):
+    """Evaluation: forwards in micro-batch order through the chunks, no backward."""
+    orders = [[Action("F", c, i) for i in range(M) for c in range(V)] for _ in range(P)]
+    return with_communication(orders, P, V)
+
+
+def batches(actions):
+    """Groups a rank's actions into runnable steps: a compute or SHAPE alone, or a run of
+    consecutive p2p actions, which the executor posts as one batch_isend_irecv."""
+    out = []
+    for a in actions:
+        if a.op in SENDS + RECVS and out and out[-1][0].op in SENDS + RECVS:
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
+
+
+# ---------------------------------------------------------------- checks and timelines
+
+def check_no_deadlock(actions, P, V):
+    """Runs the action lists under NCCL-like rules: each rank posts its p2p batches in order onto one
+    stream; only the batch at the head of a stream makes progress; a send and the matching receive
+    (the k-th on each (src, dst) channel) transfer when both are at their stream heads; a batch
+    completes when all its ops have; SHAPE is a collective the rank waits for. Computes wait for
+    their receives. Raises DeadlockError naming each rank's stuck action."""
+    steps = [batches(a) for a in actions]
+    pc, posted = [0] * P, [False] * P  # program counter; whether the current step's batch is posted
+    stream = [[] for _ in range(P)]  # per rank, posted batches: lists of ops [kind, channel, index, done, action]
+    received = [set() for _ in range(P)]  # completed receives as (op, chunk, mb)
+    counts = {}  # (kind, src, dst) -> ops posted so far on that channel
+
+    def post(r, batch):
+        ops = []
+        for a in batch:
+            if a.op == "SHAPE":
+                ops.append(["SHAPE", None, 0, False, a])
+                continue
+            kind, channel = ("send", (r, a.peer)) if a.op in SENDS else ("recv", (a.peer, r))
+            k = counts.get((kind, channel), 0)
+            counts[(kind, channel)] = k + 1
+            ops.append([kind, channel, k, False, a])
+        stream[r].append(ops)
+
+    def runnable(r, a):
+        if a.op == "SHAPE":
+            return not any(op[0] == "SHAPE" for ops in stream[r] for op in ops)
+        if a.op in COMPUTE:
+            v = stage_of(r, a.chunk, P)
+            needs = (a.op == "F" and v > 0) or (a.op == "B" and v < P * V - 1)
+            return not needs or ("RECV_" + a.op, a.chunk, a.mb) in received[r]
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):  # each rank's program runs until it waits
+            while pc[r] < len(steps[r]):
+                step = steps[r][pc[r]]
+                if step[0].op not in COMPUTE and not posted[r]:
+                    post(r, step)
+                    posted[r] = True
+                if not runnable(r, step[0]):
+                    break
+                pc[r], posted[r], progress = pc[r] + 1, False, True
+        heads = [stream[r][0] if stream[r] else [] for r in range(P)]
+        if all(any(op[0] == "SHAPE" for op in h) for h in heads):
+            for h in heads:
+                for op in h:
+                    op[3] = op[3] or op[0] == "SHAPE"
+        for h in heads:
+            for op in h:
+                if op[0] == "send" and not op[3]:
+                    dst = op[1][1]
+                    match = [o for o in heads[dst] if o[0] == "recv" and o[1] == op[1] and o[2] == op[2]]
+                    if match:
+                        op[3] = match[0][3] = True
+        for r in range(P):
+            while stream[r] and all(op[3] for op in stream[r][0]):
+                for op in stream[r].pop(0):
+                    if op[0] == "recv":
+                        received[r].add((op[4].op, op[4].chunk, op[4].mb))
+                progress = True
+    stuck = {r: str(steps[r][pc[r]][0]) if pc[r] < len(steps[r]) else "unfinished communication"
+             for r in range(P) if pc[r] < len(steps[r]) or stream[r]}
+    if stuck:
+        raise DeadlockError(f"schedule deadlocks; stuck at {stuck}")
+
+
+def simulate(orders, P, V, f=1, b=2):
+    """Start and end tick of every compute when each runs as soon as its rank is free and its input
+    is ready (forward f ticks, backward b). Returns per rank a list of (start, end, action)."""
+    last = P * V - 1
+    finish = {}  # (op, virtual stage, mb) -> end tick
+    free, pc = [0] * P, [0] * P
+    timeline = [[] for _ in range(P)]
+    while any(pc[r] < len(orders[r]) for r in range(P)):
+        moved = False
+        for r in range(P):
+            while pc[r] < len(orders[r]):
+                a = orders[r][pc[r]]
+                v = stage_of(r, a.chunk, P)
+                dep = (("F", v - 1, a.mb) if v > 0 else None) if a.op == "F" else (
+                    ("B", v + 1, a.mb) if v < last else ("F", v, a.mb))
+                if dep is not None and dep not in finish:
+                    break
+                start = max(free[r], finish.get(dep, 0))
+                free[r] = finish[(a.op, v, a.mb)] = start + (f if a.op == "F" else b)
+                timeline[r].append((start, free[r], a))
+                pc[r] += 1
+                moved = True
+        if not moved:
+            raise DeadlockError(f"compute order deadlocks at {[str(orders[r][pc[r]]) for r in range(P)]}")
+    return timeline
+
+
+def draw(schedule, P, M, V=1):
+    """The classic diagram, one row per stage: F3 = forward of micro-batch 3 (one tick), B3 and its
+    '--' tail = backward (two ticks), a letter after the number = the chunk (interleaved), . = idle."""
+    timeline = simulate(SCHEDULES[schedule](P, M, V), P, V)
+    width = len(str(M - 1)) + 1 + (V > 1)
+    end = max(e for row in timeline for _, e, _ in row)
+    lines = [f"{schedule}: P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")]
+    for r, row in enumerate(timeline):
+        cells = ["." * width] * end
+        for start, stop, a in row:
+            label = f"{a.op}{a.mb}{'abcdefgh'[a.chunk] if V > 1 else ''}".ljust(width)
+            cells[start] = label
+            for t in range(start + 1, stop):
+                cells[t] = "-" * width
+        lines.append(f"stage {r} |" + " ".join(cells))
+    busy = sum(e - s for s, e, _ in timeline[0])
+    lines.append(f"simulated utilization {busy / end:.3f} ({busy} busy of {end} ticks per stage); "
+                 f"theory M/(M+P-1) = {M}/{M + P - 1} = {theoretical_utilization(P, M):.3f}"
+                 + (f", interleaved VM/(VM+P-1) = {V * M}/{V * M + P - 1} = {theoretical_utilization(P, M, V):.3f}"
+                    if V > 1 else "")
+                 + (" (gpipe: the same bubble, M activation sets in flight, not P)" if schedule == "gpipe" else ""))
+    return "\n".join(lines)
