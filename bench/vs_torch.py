@@ -1,0 +1,125 @@
+"""Our DDP and FSDP against torch's own, side by side (same model, world, data, seed; gloo CPU).
+
+    python bench/vs_torch.py                  # world 2, a 4-layer d=256 GPT, 12 timed steps each
+    python bench/vs_torch.py --quick          # smoke test sizes
+
+Pairs: parallel.ddp.DDP vs torch.nn.parallel.DistributedDataParallel, and parallel.fsdp.FSDP vs FSDP2
+`fully_shard` (torch.distributed.fsdp in torch >= 2.6, torch.distributed._composable.fsdp before), one unit
+per block plus the root, fp32, no clipping. Every run starts from model.init_weights and reads the same
+per-rank batches, so the losses must agree to float tolerance; the table shows the largest difference.
+Runs alternate ours/torch `--rounds` times so that a busy shared machine hurts both alike; the ratio is
+median(our step time) / median(torch's). Target: <= 1.10.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import model as M  # noqa: E402
+import optim  # noqa: E402
+from bench import common  # noqa: E402
+from parallel.mesh import Mesh  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+
+def fully_shard_fn():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def build(impl, cfg, mesh, seed):
+    """(module to call, optimizer params, finish) for one implementation, from the same initial weights."""
+    with torch.device("meta"):
+        gpt = M.GPT(cfg)
+    if impl == "ours-fsdp":
+        from parallel.fsdp import FSDP
+        wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
+                       lambda name, p: M.local_init(name, p, cfg, seed), "cpu")
+        return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
+    M.init_weights(gpt, seed, "cpu")
+    if impl == "ours-ddp":
+        from parallel.ddp import DDP
+        wrapper = DDP(nn.ModuleList([gpt]), mesh)
+        return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
+    if impl == "torch-ddp":
+        ddp = nn.parallel.DistributedDataParallel(gpt)
+        return ddp, list(ddp.parameters()), lambda: None
+    fully_shard = fully_shard_fn()
+    from torch.distributed.device_mesh import init_device_mesh
+    device_mesh = init_device_mesh("cpu", (mesh.world,))
+    for block in gpt.layers.values():
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(gpt, mesh=device_mesh)
+    return gpt, list(gpt.parameters()), lambda: None
+
+
+def _run(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed):
+    cfg = M.ModelConfig(**cfg_fields)
+    mesh = Mesh(rank, world)
+    torch.manual_seed(seed)
+    net, params, finish = build(impl, cfg, mesh, seed)
+    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    losses, times = [], []
+    for _ in range(warmup + steps):
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = net(x[:, :-1], x[:, 1:])
+        loss.backward()
+        finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return dict(losses=losses, times=times[warmup:])
+
+
+def main(argv=None):
+    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=2, help="alternating ours/torch runs per pair")
+    p.add_argument("--micro-batch", type=int, default=4)
+    args = p.parse_args(argv)
+    fields = dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, ffn_dim=768, vocab_size=512, seq_len=128)
+    if args.quick:
+        fields = dict(common.QUICK_MODEL, vocab_size=64, seq_len=16)
+        args.steps, args.rounds = 3, 1
+    n_params = M.param_counts(M.ModelConfig(**fields))[0]
+    rows, answers = [], []
+    for ours, theirs in (("ours-ddp", "torch-ddp"), ("ours-fsdp", "torch-fsdp2")):
+        results = {ours: [], theirs: []}
+        for _ in range(args.rounds):
+            for impl in (ours, theirs):
+                results[impl].append(run_ranks(_run, args.world, args=(impl, fields, args.micro_batch, args.steps, 2,
+                                                                       1337), timeout=600))
+        # the step time of a run: the slowest rank's, per step; the median over all steps of all rounds
+        step_s = {impl: statistics.median(max(ts) for rs in runs for ts in zip(*(r["times"] for r in rs)))
+                  for impl, runs in results.items()}
+        diff = max(abs(a - b) for ra, rb in zip(results[ours], results[theirs])
+                   for a, b in zip(ra[0]["losses"], rb[0]["losses"]))
+        ratio = step_s[ours] / step_s[theirs]
+        rows.append([ours, theirs, f"{step_s[ours] * 1e3:.1f}", f"{step_s[theirs] * 1e3:.1f}", f"{ratio:.2f}",
+                     f"{diff:.1e}", "yes" if ratio <= 1.10 else "no"])
+        answers.append(f"{ours} {ratio:.2f}x {theirs} (losses within {diff:.0e})")
+    notes = [f"world {args.world} gloo ranks, 1 thread each; GPT {fields}, {n_params / 1e6:.2f}M params, micro-batch "
+             f"{args.micro_batch}; {args.rounds} alternating runs x {args.steps} timed steps (after 2 warm-up)",
+             "step = forward + backward + gradient sync + AdamW; time = slowest rank; median over steps",
+             "torch-fsdp2: fully_shard on each block, then on the root (embedding, norm, head), fp32"]
+    common.write_result(args.out, "vs_torch", "Our DDP/FSDP vs torch DDP/FSDP2 (median step time)",
+                        ["ours", "torch", "ours ms", "torch ms", "ratio", "max loss diff", "<= 1.10x"], rows,
+                        notes=notes)
+    common.answer("L8", "; ".join(answers))
+
+
+if __name__ == "__main__":
+    main()
