@@ -11,7 +11,7 @@ from tests.layouts import BASE, assert_same_losses, train_losses
 
 REPO = Path(__file__).resolve().parent.parent
 NEEDED = [name for name in ("tp", "pp", "fsdp", "cp") if not (REPO / "parallel" / f"{name}.py").exists()]
-FLAGS = ["--steps", "5", "--dp", "2", "--dp-mode", "fsdp", "--cp", "2", "--cp-mode", "ring",
+FLAGS = ["--steps", "5", "--peak-tflops", "1", "--dp", "2", "--dp-mode", "fsdp", "--cp", "2", "--cp-mode", "ring",
          "--pp", "2", "--pp-schedule", "1f1b", "--tp", "2"]
 
 
@@ -24,7 +24,7 @@ def _rank_main(rank, world, argv):
 
 @pytest.mark.skipif(bool(NEEDED), reason=f"parallel/{{{','.join(NEEDED)}}}.py not landed yet")
 def test_dp2_fsdp_cp2_ring_pp2_1f1b_tp2_equals_one_process():
-    reference = train_losses(1, ["--steps", "5"])
+    reference = train_losses(1, ["--steps", "5", "--peak-tflops", "1"])
     argv = BASE + ["--out", "/nonexistent-unused"] + FLAGS
     (losses, stdout), *_ = run_ranks(_rank_main, 16, args=(argv,), timeout=400)
     assert "mesh: world 16 = dp 2 x pp 2 x cp 2 x tp 2" in stdout  # rank 0 describes the mesh at start (L28)

@@ -130,6 +130,36 @@ def test_other_modes_send_the_docstring_bytes(mode):
         assert bwd == pytest.approx({"reduce_scatter": n_layer * (cp - 1) * 2 * kv_bytes}, rel=0.01)
 
 
+def _grad_rank(rank, world):
+    """Step-1 gradients of a cp run, after DDP's sync over dp x cp, against one process on the whole sequence."""
+    from parallel.ddp import DDP
+    cfg = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
+    x = torch.randint(0, 64, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    x, y = x[:, :-1], x[:, 1:]
+    whole = M.init_weights(M.GPT(cfg), seed=0, device="cpu")
+    whole(x, y).backward()
+    expected = {name: p.grad for name, p in whole.named_parameters()}
+    mesh = Mesh(rank, world, dp=1, cp=world)
+    errors = {}
+    for mode in CP.MODES:
+        gpt = M.init_weights(CP.parallelize(M.GPT(cfg), mesh, mode), seed=0, device="cpu")
+        wrapper = DDP(torch.nn.ModuleList([gpt]), mesh)
+        [(x_local, y_local)], positions = CP.shard_batches([(x, y)], mesh)
+        gpt(x_local, y_local, positions).backward()
+        wrapper.finish_grad_sync()
+        errors[mode] = max(((p.grad - expected[n]).abs().max() / expected[n].abs().max()).item()
+                           for n, p in gpt.named_parameters())
+    return errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_grads_after_sync_equal_one_process(cp):
+    """The loss is a mean over local tokens and DDP averages over dp x cp: together, the one-process gradient
+    (an exact check of the scale, which Adam's scale invariance would hide from a loss comparison)."""
+    for rank, errors in enumerate(run_ranks(_grad_rank, cp)):
+        assert max(errors.values()) < 1e-5, f"cp {cp} rank {rank}: max relative grad error per mode {errors}"
+
+
 def test_shard_batches_zigzag():
     mesh = Mesh(0, 1)  # only cp_group.rank/size are read: fake a cp rank of 4
     mesh.cp_group.rank, mesh.cp_group.size = 1, 4
@@ -147,6 +177,7 @@ LAYOUTS = {  # world -> {name: flags}; each world's layouts run one after anothe
         "ring-cp2xdp2": ["--cp", "2", "--dp", "2"], "ring-cp2xtp2": ["--cp", "2", "--tp", "2"]},
 }
 HAVE_TP = (REPO / "parallel" / "tp.py").exists()
+NO_PEAK = ["--peak-tflops", "1"]  # MFU is not under test: skip train.py's 0.3 s CPU matmul measurement per run
 
 
 def _layouts_rank(rank, world, layouts, unsynced_last):
@@ -157,20 +188,20 @@ def _layouts_rank(rank, world, layouts, unsynced_last):
         if name.endswith("tp2") and not HAVE_TP:
             continue
         try:
-            out[name] = train.main(BASE + ["--out", "/nonexistent-unused"] + flags)
+            out[name] = train.main(BASE + NO_PEAK + ["--out", "/nonexistent-unused"] + flags)
         except Exception as e:  # noqa: BLE001 - reported per layout by the test that reads it
             out[name] = f"{type(e).__name__}: {e}"
     if unsynced_last:
         from parallel import ddp
         ddp.DDP.finish_grad_sync = lambda self: None
-        out["unsynced"] = train.main(BASE + ["--out", "/nonexistent-unused", "--cp", "2", "--steps", "3",
-                                             "--no-overlap"])
+        out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", "/nonexistent-unused", "--cp", "2", "--steps", "3",
+                                                       "--no-overlap"])
     return out
 
 
 @pytest.fixture(scope="module")
 def layout_runs():
-    losses = {"one process": train_losses(1, [])}
+    losses = {"one process": train_losses(1, NO_PEAK)}
     for world, layouts in LAYOUTS.items():
         losses.update(run_ranks(_layouts_rank, world, args=(layouts, world == 2), timeout=400)[0])
     return losses

@@ -13,7 +13,7 @@ from tests.dist import free_port
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["--steps", "3"]
+STEPS = ["--steps", "3", "--peak-tflops", "1"]  # no CPU peak measurement: MFU is not under test
 
 FAKE_SCONTROL = """#!/bin/bash
 # scontrol show hostnames LIST: both "nodes" are this machine
