@@ -1,18 +1,18 @@
 """Context parallel: the sequence is split over the cp group; only attention needs the other ranks' tokens.
 
-Split:    zigzag. The sequence is cut into 2·CP chunks; cp rank r holds chunks r and 2CP-1-r, so under causal
-          masking every rank does the same attention work. Tokens, targets and RoPE positions move together;
-          norms, MLPs and the loss are token-local (the loss is the mean over local tokens, and the DP wrapper
-          averages gradients over dp x cp, because cp ranks hold the same weights and see other tokens).
-L25, which collective lets a local query see all keys and values (bytes per layer per rank, forward; b
-micro-batch, s = T/CP local tokens, e bytes per element, K_r,V_r = b·s·Hkv·hd·e each):
-  ring:      send/recv (batch_isend_irecv) of K,V blocks around the ring: (CP-1)·2·|K_r|, each hop overlapped
-             with attention; backward the same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
-  ulysses:   all-to-all: (s tokens, all heads) -> (all T tokens, H/CP heads), SDPA, all-to-all back:
+Split:    zigzag: 2·CP chunks, cp rank r holds chunks r and 2CP-1-r, so causal attention work is equal on every
+          rank. Tokens, targets and RoPE positions move together; norms, MLPs and the loss (a mean over local
+          tokens) are token-local; the DP wrapper averages gradients over dp x cp (same weights, other tokens).
+L25, the collective that lets a local query see all keys and values. Bytes sent per rank per layer in forward
+(b micro-batch, s = T/CP local tokens, e bytes/element, |K_r| = |V_r| = b·s·Hkv·hd·e); a step sends this
+x n_layer x micro-batches, plus backward:
+  ring:      send/recv (batch_isend_irecv) of K,V around the ring, each hop overlapped with a block's attention:
+             (CP-1)·2·|K_r|; backward the same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
+  ulysses:   all-to-all (s tokens, all H heads) -> (all T tokens, H/CP heads), SDPA, all-to-all back:
              (CP-1)/CP · b·s·(2·H + 2·Hkv)·hd·e; backward the same.
-  allgather: all-gather of K,V (Llama 3): (CP-1)·2·|K_r|; backward a reduce-scatter of dK,dV of the same size.
-Memory:   activations per rank are 1/CP of the sequence; ring keeps two K,V blocks, allgather the whole
-          sequence's K,V, ulysses the whole sequence for H/CP heads.
+  allgather: all-gather of K,V (Llama 3's choice): (CP-1)·2·|K_r|; backward a reduce-scatter of dK,dV, same size.
+Memory:   activations are 1/CP of the sequence per rank; attention holds two K,V blocks (ring), the whole
+          sequence's K,V (allgather) or the whole sequence for H/CP heads (ulysses).
 """
 import math
 
