@@ -14,7 +14,7 @@ import socket
 import traceback
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "model", "train"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "model", "train"])
 
 
 class RankError(RuntimeError):
