@@ -1,0 +1,203 @@
+"""Activation checkpointing (parallel/ckpt.py): same losses as no checkpointing, with and without tp; what is
+stored (sqrt keeps ceil(N/C) boundaries); what is recomputed (matches recomputed_layers, the HFU term;
+selective repeats no matmul); dropout recomputes the same mask (L19); bad policies exit 2."""
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import model as M
+import train
+from parallel import ckpt
+from parallel.mesh import LayoutError
+from tests.dist import run_ranks
+from tests.layouts import BASE, assert_same_losses
+
+FAST = ["--peak-tflops", "1"]
+POLICIES = ["full", "every:2", "sqrt", "segment:3", "selective"]
+TP_RUNS = {  # name: flags, on 2 ranks
+    "tp2 full": ["--tp", "2", "--ckpt", "full"],
+    "tp2-sp every:2": ["--tp", "2", "--sp", "--ckpt", "every:2"],
+    "tp2 sqrt": ["--tp", "2", "--ckpt", "sqrt"],
+    "tp2-sp selective": ["--tp", "2", "--sp", "--ckpt", "selective"],
+    "tp2 dropout none": ["--tp", "2", "--dropout", "0.2"],
+    "tp2 dropout full": ["--tp", "2", "--dropout", "0.2", "--ckpt", "full"],
+}
+
+
+def _argv(out_dir, flags):
+    return BASE + FAST + ["--out", str(out_dir)] + flags
+
+
+def _train_each(rank, world, argvs):
+    return [train.main(argv) for argv in argvs]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """In-process runs: one intra-op thread, as each gloo rank uses (2 threads on a busy 2-core CPU spin)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt_runs")
+    losses = {"none": train.main(_argv(out / "none", []))}
+    for policy in POLICIES:
+        losses[policy] = train.main(_argv(out / policy, ["--ckpt", policy, "--metrics", str(out / f"{policy}.jsonl")]))
+    tp_losses = run_ranks(_train_each, 2, args=([_argv(out / n, f) for n, f in TP_RUNS.items()],), timeout=600)[0]
+    losses.update(zip(TP_RUNS, tp_losses))
+    return losses, out
+
+
+@pytest.mark.parametrize("name", POLICIES + [n for n in TP_RUNS if "dropout" not in n])
+def test_ckpt_layout_matches_one_process(name, runs):
+    losses, _ = runs
+    assert_same_losses(losses[name], losses["none"], rtol=1e-5)
+
+
+def test_tp_dropout_recomputes_identically_in_training(runs):
+    losses, _ = runs
+    assert_same_losses(losses["tp2 dropout full"], losses["tp2 dropout none"], rtol=1e-6)
+    assert losses["tp2 dropout none"] != losses["none"]  # dropout is really on
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_hfu_counts_the_recomputed_layers(policy, runs):
+    _, out = runs
+    rows = [json.loads(line) for line in (out / f"{policy}.jsonl").read_text().splitlines()]
+    cfg = train.model_config(train.parse_args(_argv(out, [])), 257)
+    ratio = M.flops_per_token(cfg, recomputed_layers=ckpt.recomputed_layers(cfg, policy)) / M.flops_per_token(cfg)
+    assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in rows)
+    assert (ratio > 1) == (policy not in ("selective",))
+
+
+# ---------------------------------------------------------------- what is stored and what is recomputed
+
+CFG = M.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
+
+
+def build(cfg, policy, seed=0):
+    with torch.device("meta"):
+        m = M.GPT(cfg)
+    ckpt.apply(m, policy)
+    return M.init_weights(m, seed, "cpu")
+
+
+def stored_hidden_states(cfg, policy):
+    """How many distinct (B, T, d) tensors autograd keeps from run_layers' forward for backward."""
+    m = build(cfg, policy)
+    x = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
+    cos, sin = M.rope_angles(torch.arange(cfg.seq_len), cfg.head_dim, cfg.rope_theta)
+    saved = {}
+
+    def pack(t):
+        if t.shape == x.shape:
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m.run_layers(m.layers, x, cos, sin)
+    return len(saved)
+
+
+@pytest.mark.parametrize("n_layer", [1, 4, 5, 10, 16])
+def test_sqrt_stores_only_segment_boundaries(n_layer):
+    cfg = M.ModelConfig(**{**CFG.__dict__, "n_layer": n_layer})
+    c = math.ceil(math.sqrt(n_layer))
+    assert stored_hidden_states(cfg, "sqrt") == math.ceil(n_layer / c)
+    assert stored_hidden_states(cfg, "full") == n_layer
+    assert stored_hidden_states(cfg, "segment:2") == math.ceil(n_layer / 2)
+    assert stored_hidden_states(cfg, "none") > 3 * n_layer  # norms, residuals, attention inputs, ...
+
+
+class ForwardFlops(TorchDispatchMode):
+    """Counts matmul calls and the FLOPs of forward matmuls and forward attention that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mm_calls, self.attention_calls, self.mm_flops, self.attention_flops = 0, 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "mm":
+            (m, k), n = args[0].shape, args[1].shape[1]
+            self.mm_calls += 1
+            self.mm_flops += 2 * m * k * n
+        elif name.startswith("_scaled_dot_product") and not name.endswith("backward"):
+            B, H, T, hd = args[0].shape
+            self.attention_calls += 1
+            self.attention_flops += 4 * B * H * T * T * hd  # QK^T and AV, no causal discount (PaLM)
+        return func(*args, **(kwargs or {}))
+
+
+def backward_counts(cfg, policy, batch=2):
+    m = build(cfg, policy)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    loss = m(ids[:, :-1], ids[:, 1:])
+    with ForwardFlops() as counter:
+        loss.backward()
+    return counter
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_recomputed_flops_match_recomputed_layers(policy):
+    """The forward work that backward repeats, counted op by op, equals recomputed_layers x one layer's forward
+    FLOPs (the HFU term): each checkpointed layer's 7 matmuls and attention, less each segment's final
+    down_proj (torch stops recomputing once backward has what it needs). Selective repeats no matmul."""
+    cfg = M.ModelConfig(**{**CFG.__dict__, "n_layer": 5})
+    batch = 2
+    base, got = backward_counts(cfg, "none", batch), backward_counts(cfg, policy, batch)
+    layers = ckpt.recomputed_layers(cfg, policy)
+    tokens = batch * cfg.seq_len
+    layer_flops = M.flops_per_token(cfg, recomputed_layers=1) - M.flops_per_token(cfg)
+    executed = (got.mm_flops - base.mm_flops) + got.attention_flops
+    assert executed == pytest.approx(layers * layer_flops * tokens, rel=0.01)  # norm weights: not matmuls
+    checkpointed, segments = {"full": (5, 5), "every:2": (3, 3), "sqrt": (5, 2), "segment:3": (5, 2),
+                              "selective": (0, 0)}[policy]
+    assert got.mm_calls - base.mm_calls == 7 * checkpointed - segments
+    assert got.attention_calls == checkpointed
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_recompute_reproduces_dropout(policy):
+    cfg = M.ModelConfig(**{**CFG.__dict__, "dropout": 0.3})
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for p in ("none", policy):
+        m = build(cfg, p)
+        torch.manual_seed(7)
+        m(ids[:, :-1], ids[:, 1:]).backward()
+        grads[p] = {n: q.grad for n, q in m.named_parameters()}
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads[policy][name], g, rtol=0, atol=0, msg=name)
+
+
+def test_checkpointing_keeps_parameter_names():
+    names = [n for n, _ in build(CFG, "sqrt").named_parameters()]
+    assert names == [n for n, _ in build(CFG, "none").named_parameters()]
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("policy", ["bogus", "every:0", "every:x", "segment:", "every"])
+def test_bad_ckpt_policy_exits_2(policy):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        train.main(_argv("/nonexistent-never-written", ["--ckpt", policy]))
+    assert e.value.code == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --ckpt: "), lines
+
+
+def test_parse():
+    assert ckpt.parse("every:3") == ("every", 3) and ckpt.parse("sqrt") == ("sqrt", None)
+    with pytest.raises(LayoutError, match="--ckpt: unknown policy"):
+        ckpt.parse("sometimes")
