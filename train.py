@@ -77,7 +77,7 @@ def parse_args(argv=None):
     a("--pp-split", help="explicit layers per stage, e.g. 3,5")
     a("--cp", type=int, default=1, help="context parallel degree")
     a("--cp-mode", default="ring", help="ring | ulysses | allgather")
-    a("--ckpt", default="none", help="activation checkpointing: none | full | every:K | sqrt | selective")
+    a("--ckpt", default="none", help="activation checkpointing: none | full | every:K | segment:C | sqrt | selective")
     a("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
     a("--no-overlap", action="store_true", help="sync gradients after backward instead of during it")
     a("--device", help="cpu | cuda (default: cuda if available)")
