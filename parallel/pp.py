@@ -165,9 +165,9 @@ def actions_for(schedule, P, M, V, rank, train=True):
 class Pipeline:
     """One rank's run of one action list. Tensors live in dicts keyed by (chunk, micro-batch)."""
 
-    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, sync_cuda):
+    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed):
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
-        self.loss_scale, self.wrapper, self.sync_cuda = loss_scale, wrapper, sync_cuda
+        self.loss_scale, self.wrapper, self.timed = loss_scale, wrapper, timed
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
         self.last = self.P * len(chunks) - 1
         self.device = batches[0][0].device
@@ -179,17 +179,18 @@ class Pipeline:
         self.shape = None  # (shape, dtype) of the activations between stages
         self.loss = torch.zeros((), device=self.device)
         self.record = StageRecord()
-        self.in_flight = 0
 
     def run(self, actions):
         self.last_backward = {a.chunk: a for a in actions if a.op == "B"}
+        self.barrier()
         t0 = time.perf_counter()
         for step in S.batches(actions):
             try:
                 if step[0].op in S.COMPUTE:
+                    received = self.wait_for_input(step[0])  # idle while the neighbour is not done
                     start = time.perf_counter()
-                    (self.forward if step[0].op == "F" else self.backward)(step[0])
-                    if self.sync_cuda:
+                    (self.forward if step[0].op == "F" else self.backward)(step[0], received)
+                    if self.timed and self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     end = time.perf_counter()
                     self.record.busy_s += end - start
@@ -202,16 +203,28 @@ class Pipeline:
                 raise PipelineError(f"pipeline stage {self.rank} failed at {step[0]}: {type(e).__name__}: {e}") from e
         for posted in self.sends:
             posted.wait()
+        self.barrier()  # so that a stage's idle time includes the fill before and the drain after its work
         self.record.wall_s = time.perf_counter() - t0
         return self.loss, self.record
+
+    def barrier(self):
+        if self.timed:
+            self.group.all_reduce(torch.zeros(1, device=self.device))
 
     def stage(self, chunk):
         return S.stage_of(self.rank, chunk, self.P)
 
-    def forward(self, a):
+    def wait_for_input(self, a):
+        """The activation (forward) or output gradient (backward) a neighbour sent, once it has arrived."""
+        v = self.stage(a.chunk)
+        if (a.op == "F" and v == 0) or (a.op == "B" and v == self.last):
+            return None
+        return self.take("RECV_" + a.op, a.chunk, a.mb)
+
+    def forward(self, a, received):
         tokens, targets = self.batches[a.mb]
         v = self.stage(a.chunk)
-        x = tokens if v == 0 else self.take("RECV_F", a.chunk, a.mb)  # (b, T, d) or (b, T/tp, d) under sp
+        x = tokens if v == 0 else received  # (b, T, d), or (b, T/tp, d) under sp
         if v > 0 and torch.is_grad_enabled():
             x.requires_grad_(True)
         with self.autocast:
@@ -222,22 +235,21 @@ class Pipeline:
         self.outputs[(a.chunk, a.mb)] = out
         if torch.is_grad_enabled():
             self.inputs[(a.chunk, a.mb)] = x
-            self.in_flight += 1
-            self.record.max_in_flight = max(self.record.max_in_flight, self.in_flight)
+            self.record.max_in_flight = max(self.record.max_in_flight, len(self.outputs))  # graphs held
         elif v == self.last:
             del self.outputs[(a.chunk, a.mb)]
 
-    def backward(self, a):
+    def backward(self, a, received):
         key, v = (a.chunk, a.mb), self.stage(a.chunk)
         self.wrapper.sync_grads = self.last_backward[a.chunk] == a  # DDP/FSDP reduce once per chunk and step
         out, x = self.outputs.pop(key), self.inputs.pop(key)
         if v == self.last:
             (out * self.loss_scale).backward()
         else:
-            torch.autograd.backward(out, self.take("RECV_B", a.chunk, a.mb))
+            torch.autograd.backward(out, received)  # received: d loss / d out, the shape of out
         if v > 0:
             self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
-        self.in_flight -= 1  # out, x and the graph between them are freed here
+        # out, x and the graph between them are no longer referenced: freed here
 
     def exchange_shape(self):
         """Stage 0 broadcasts the activation shape and dtype after its first forward."""
@@ -292,11 +304,13 @@ class Posted:
         return self.done or all(w.is_completed() for w in self.works)
 
 
-def execute(chunks, mesh, batches, positions, autocast, loss_scale=1.0, wrapper=None, train=True, sync_cuda=False):
-    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, StageRecord)."""
+def execute(chunks, mesh, batches, positions, autocast, loss_scale=1.0, wrapper=None, train=True, timed=False):
+    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, StageRecord).
+    timed: the stages start and end the step together (a pp-group barrier), and on CUDA each compute is
+    synchronized, so that busy / wall_s is the stage's utilization (benchmarks; off in training)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
-    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, sync_cuda).run(actions)
+    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed).run(actions)
 
 
 def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale):

@@ -6,6 +6,7 @@ stage 0 under 1F1B (M under GPipe), and a rank that raises mid-schedule ends eve
 The layout runs share four launches (module fixtures); each test asserts one property."""
 import importlib.util
 import io
+import json
 import time
 from argparse import Namespace
 from contextlib import nullcontext, redirect_stderr
@@ -181,8 +182,14 @@ def test_bad_pipeline_flags_through_train_are_one_line_and_exit_2():
 
 # ---------------------------------------------------------------- layout equivalence on gloo ranks
 
-def _train_many(rank, world, runs):
-    return [train.main(a) for a in runs]
+def _train_many(rank, world, runs, metrics_dir):
+    """Each run's (losses, final val loss): one evaluation after the last step, through pp.eval_step."""
+    out = []
+    for i, a in enumerate(runs):
+        metrics = f"{metrics_dir}/run{i}.jsonl"
+        losses = train.main(a + ["--eval-every", "10", "--eval-batches", "1", "--metrics", metrics])
+        out.append((losses, json.loads(open(metrics).read().splitlines()[-1])["val_loss"] if rank == 0 else None))
+    return out
 
 
 SCHEDULE_RUNS = {  # name: (world, reference layers, flags); global batch 8, so M = 8 / micro-batch
@@ -206,30 +213,38 @@ COMPOSED = {k: v for k, v in COMPOSED_RUNS.items() if LANDED.get(NEEDS.get(k), T
 
 
 @pytest.fixture(scope="module")
-def references():
-    a, b = run_ranks(_train_many, 1, args=([argv(), argv("--n-layer", "8")],), timeout=300)[0]
+def references(tmp_path_factory):
+    runs = [argv(), argv("--n-layer", "8")]
+    a, b = run_ranks(_train_many, 1, args=(runs, str(tmp_path_factory.mktemp("ref"))), timeout=300)[0]
     return {4: a, 8: b}
 
 
 @pytest.fixture(scope="module")
-def schedule_losses():
+def schedule_losses(tmp_path_factory):
     out = {}
     for world in (2, 4):
         names = [k for k, (w, _, _) in SCHEDULE_RUNS.items() if w == world]
         runs = [argv(*SCHEDULE_RUNS[k][2]) for k in names]
-        out.update(zip(names, run_ranks(_train_many, world, args=(runs,), timeout=400)[0]))
+        folder = str(tmp_path_factory.mktemp(f"pp{world}"))
+        out.update(zip(names, run_ranks(_train_many, world, args=(runs, folder), timeout=400)[0]))
     return out
 
 
 @pytest.fixture(scope="module")
-def composed_losses():
+def composed_losses(tmp_path_factory):
     runs = [argv(*flags) for flags in COMPOSED.values()]
-    return dict(zip(COMPOSED, run_ranks(_train_many, 4, args=(runs,), timeout=400)[0]))
+    folder = str(tmp_path_factory.mktemp("composed"))
+    return dict(zip(COMPOSED, run_ranks(_train_many, 4, args=(runs, folder), timeout=400)[0]))
 
 
 @pytest.mark.parametrize("name", list(SCHEDULE_RUNS))
 def test_every_schedule_matches_one_process(name, schedule_losses, references):
-    assert_same_losses(schedule_losses[name], references[SCHEDULE_RUNS[name][1]], rtol=1e-5)
+    assert_same_losses(schedule_losses[name][0], references[SCHEDULE_RUNS[name][1]][0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [k for k in SCHEDULE_RUNS if k.startswith("pp4")])
+def test_the_pipelined_evaluation_matches_one_process(name, schedule_losses, references):
+    assert schedule_losses[name][1] == pytest.approx(references[SCHEDULE_RUNS[name][1]][1], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(COMPOSED_RUNS))
@@ -237,7 +252,7 @@ def test_pipeline_composed_with_other_axes_matches_one_process(name, composed_lo
     if name not in COMPOSED:
         pytest.skip(f"parallel/{NEEDS[name]}.py has not landed")
     n_layer = 8 if "--n-layer" in COMPOSED[name] else 4
-    assert_same_losses(composed_losses[name], references[n_layer], rtol=1e-5)
+    assert_same_losses(composed_losses[name][0], references[n_layer][0], rtol=1e-5)
 
 
 # ---------------------------------------------------------------- the executor's records and failures
