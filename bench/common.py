@@ -86,8 +86,8 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
-def write_result(out_dir, name, title, header, rows, notes=(), command=None, backend=None):
-    """Writes out_dir/name.md: title, command, date, hardware, the table, then notes. Prints it too."""
+def write_result(out_dir, name, title, header, rows, notes=(), command=None, backend=None, echo=True):
+    """Writes out_dir/name.md: title, command, date, hardware, the table, then notes. Prints it too (echo)."""
     text = "\n".join([
         f"### {title}",
         "",
@@ -102,7 +102,8 @@ def write_result(out_dir, name, title, header, rows, notes=(), command=None, bac
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
-    print(text, flush=True)
+    if echo:
+        print(text, flush=True)
     return out / f"{name}.md"
 
 

@@ -43,10 +43,19 @@ def config_of(preset, seq_len=None, vocab_size=None, **overrides):
     return M.ModelConfig(**fields)
 
 
+def recomputed_full(cfg):
+    """Layers whose forward runs twice under --ckpt full: parallel.ckpt's count (torch's checkpoint skips
+    each segment's last matmul) once that file exists, else every layer."""
+    if (common.REPO / "parallel" / "ckpt.py").exists():
+        from parallel.ckpt import recomputed_layers
+        return recomputed_layers(cfg, "full")
+    return cfg.n_layer
+
+
 def flops_row(name, cfg, tokens):
     total, non_emb = M.param_counts(cfg)
     per_token = M.flops_per_token(cfg)
-    recompute = M.flops_per_token(cfg, recomputed_layers=cfg.n_layer)
+    recompute = M.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
     step = per_token * tokens
     return [name, cfg.n_layer, cfg.d_model, cfg.vocab_size, f"{total / 1e9:.3g}", f"{non_emb / 1e9:.3g}", cfg.seq_len,
             f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}",
@@ -58,7 +67,9 @@ def flops_table(rows, out):
               "tokens/step", "FLOP/step", "H100-s/step at peak"]
     notes = ["FLOP/token = 6·N_non-embedding + 12·L·d·T (PaLM appendix B, no causal discount); the lm_head "
              "counts as a matmul, the embedding lookup does not. FLOP/step = FLOP/token x tokens/step.",
-             "HFU/MFU full ckpt: recomputing every layer's forward adds 2·N_layer + 4·d·T per layer per token.",
+             "HFU/MFU full ckpt: recomputing a layer's forward adds 2·N_layer + 4·d·T per token; "
+             "parallel.ckpt.recomputed_layers(cfg, 'full') says how many layers' worth (torch's checkpoint "
+             "does not redo each segment's last matmul).",
              "Presets without a vocabulary use 257 (tiny, the byte corpus) or GPT-2's 50257; tokens/step: tiny "
              "32 x 256 (train.py's default), small/medium 0.5M (GPT-2), 1b 1M, Llama 3 models 16M (their final "
              "batch). H100-s/step: FLOP/step / 989.4 TFLOP/s; divide by the GPU count and the MFU."]
@@ -113,8 +124,9 @@ def summarize(metrics_path):
     return pick
 
 
-def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=False):
-    """Runs every layout x micro-batch; returns table rows and the raw summaries."""
+def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=False, after_each=None):
+    """Runs every layout x micro-batch; returns [(name, world, micro, flags, summary or None, error)] and
+    the CPU peaks used. after_each(results, peaks) runs after every run (the table so far survives a kill)."""
     cores = common.cpu_cores()
     dtype = common.DTYPES[base[base.index("--dtype") + 1]]  # the CPU peak in the dtype the runs compute in
     peaks = {}
@@ -141,10 +153,12 @@ def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=F
                 error = f"timed out after {timeout}s"
             summary = summarize(metrics) if error is None and metrics.exists() else None
             results.append((name, world, micro, flags, summary, error))
+            if after_each:
+                after_each(results, peaks)
     return results, peaks
 
 
-def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_sweep"):
+def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_sweep", final=True):
     header = ["layout", "world", "micro-batch", "MFU", "HFU", "HFU/MFU", "tok/s", "TFLOP/s per rank", "step ms",
               "peak mem GB", "comm GB/step/rank"]
     rows = []
@@ -171,10 +185,12 @@ def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_swee
                      "peak RSS (includes ~0.4 GB of Python + torch), not device memory.")
     else:
         notes.append("Memory: torch.cuda.max_memory_allocated on rank 0.")
+    if not final:
+        notes.append(f"PARTIAL: {len(results)} runs so far.")
     common.write_result(out, name, "L22-L24: MFU and HFU by layout and micro-batch"
-                        + (" (CPU only)" if cpu else ""), header, rows, notes)
+                        + (" (CPU only)" if cpu else ""), header, rows, notes, echo=final)
     ok = [r for r in results if r[4] is not None]
-    if ok:
+    if ok and final:
         best = max(ok, key=lambda r: r[4]["mfu"])
         common.answer("L22", f"best MFU {best[4]['mfu']:.1%} ({best[0]}, micro {best[2]}; {device.type})")
         ranking = sorted(ok, key=lambda r: -r[4]["mfu"])
@@ -189,7 +205,7 @@ def main(argv=None):
     p.add_argument("--global-batch", type=int, help="sequences per step in the sweep (default 16 CPU, 32 GPU)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per step for the FLOP row of --model")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes (default 2,8 CPU; 4,8 GPU)")
-    p.add_argument("--steps", type=int, help="steps per run (default 6 CPU, 10 GPU)")
+    p.add_argument("--steps", type=int, help="steps per run (default 5 CPU, 10 GPU)")
     p.add_argument("--layout", action="append", help="NAME=WORLD:FLAGS, repeatable; replaces the default list")
     p.add_argument("--dtype", help="fp32 | bf16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
@@ -214,7 +230,7 @@ def main(argv=None):
     preset = args.model or ("small" if gpu else "tiny")
     seq_len = args.seq_len or (32 if args.quick else (1024 if gpu else 256))
     global_batch = args.global_batch or (4 if args.quick else (32 if gpu else 16))
-    steps = args.steps or (2 if args.quick else (10 if gpu else 6))
+    steps = args.steps or (2 if args.quick else (10 if gpu else 5))
     micro = [int(m) for m in (args.micro_batches or ("2" if args.quick else ("4,8" if gpu else "2,8"))).split(",")]
     dtype = args.dtype or ("bf16" if gpu else "fp32")
     max_world = torch.cuda.device_count() if gpu else min(2, common.cpu_cores())
@@ -227,10 +243,12 @@ def main(argv=None):
     base = ["--model", preset, "--seq-len", str(seq_len), "--global-batch", str(global_batch), "--dtype", dtype,
             "--warmup", "2", "--log-every", "0", "--eval-every", "0"]
     with tempfile.TemporaryDirectory(prefix="mfu_sweep_") as tmp:
-        results, peaks = run_sweep(layouts, micro, base, device, steps, args.timeout, tmp, args.quick)
+        def partial(results, peaks):
+            sweep_table(results, peaks, base, device, steps, args.out, args.name, final=False)
+        results, peaks = run_sweep(layouts, micro, base, device, steps, args.timeout, tmp, args.quick, partial)
     ok = sweep_table(results, peaks, base, device, steps, args.out, args.name)
     cfg = config_of(preset, seq_len)
-    predicted = M.flops_per_token(cfg, recomputed_layers=cfg.n_layer) / M.flops_per_token(cfg)
+    predicted = M.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / M.flops_per_token(cfg)
     ckpt = [r for r in ok if "--ckpt" in r[3]]
     measured = f"; measured {ckpt[0][4]['hfu'] / ckpt[0][4]['mfu']:.3f} ({ckpt[0][0]})" if ckpt else \
         " (parallel/ckpt.py not on main yet: predicted only)"

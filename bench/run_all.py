@@ -106,9 +106,11 @@ REGISTRY = [
     Script("bench/loader_stall.py", ["L11"], 120),
     Script("bench/collectives.py", ["L12"], 120),
     Script("bench/mfu_sweep.py", ["L20", "L21", "L22", "L23", "L24"], 300),
-    Script("bench/plan.py", ["L15", "L24", "L28"], 60,
+    Script("bench/plan.py", ["L24", "L28"], 60,
            ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"]),
-    Script("bench/vs_torch.py", ["L8"], 180),
+    Script("bench/plan.py", ["L15"], 60, ["--model", "llama3-8b", "--gpus", "64", "--compare-fsdp-scope"],
+           name="plan_fsdp_scope"),
+    Script("bench/vs_torch.py", ["L8"], 150),
     Script("bench/dp_memory.py", ["L13", "L14"], 120),
     Script("bench/ddp_buckets.py", ["L9", "L10"], 120),
     Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 150),
@@ -229,6 +231,8 @@ def main(argv=None):
     p.add_argument("--budget-min", type=float, default=29.0, help="stop starting scripts after this many minutes")
     p.add_argument("--results", default=str(common.RESULTS), help="results folder (INDEX.md, answers.json, logs/)")
     p.add_argument("--index-only", action="store_true", help="rebuild INDEX.md from answers.json, run nothing")
+    p.add_argument("--budget-scale", type=float, default=1.0,
+                   help="multiply every script's budget (a slow or shared machine); --budget-min still caps the run")
     args = p.parse_args(argv)
     gpu = common.has_cuda()
     if args.list:
@@ -263,7 +267,7 @@ def main(argv=None):
                 print(f"{head}: SKIPPED, the {args.budget_min:g}-minute budget is spent", flush=True)
                 statuses.append((s, "skipped: total budget spent", 0.0))
                 continue
-            budget = min(s.budget_s, left)
+            budget = min(s.budget_s * args.budget_scale, left)
             print(f"{head}: running (budget {budget:.0f} s, log {results / 'logs' / s.label}.log)", flush=True)
             status, seconds, got = run_script(s, results, budget)
             print(f"{head}: {status} in {seconds:.0f} s", flush=True)

@@ -43,7 +43,7 @@ def test_precision_tables(tmp_path, capsys):
 def test_loader_stall_table(tmp_path):
     loader_stall.main(["--quick", "--out", str(tmp_path)])
     rows = table_rows(tmp_path / "L11_loader_stall.md")
-    assert [r[0] for r in rows] == ["off", "on"] and all(r[4].endswith("%") for r in rows)
+    assert [r[0] for r in rows] == ["off", "on"] and all(r[5].endswith("%") for r in rows)
 
 
 def test_collective_groups_and_bus_factors():
