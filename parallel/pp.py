@@ -174,7 +174,7 @@ class Pipeline:
         T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
         self.inputs, self.outputs, self.input_grads = {}, {}, {}
-        self.receives = {}  # (op, chunk, mb) -> (buffer, the works of its batch)
+        self.receives = {}  # (op, chunk, mb) -> (buffer, the Posted batch it arrives in)
         self.sends = []  # Posted batches with sends in flight
         self.shape = None  # (shape, dtype) of the activations between stages
         self.loss = torch.zeros((), device=self.device)
@@ -332,13 +332,13 @@ def main(argv=None):
     p.add_argument("--virtual", type=int, default=1, help="chunks per stage V (interleaved)")
     args = p.parse_args(argv)
     P, M, V = args.pp, args.microbatches, args.virtual
-    problem = (P < 1 and "--pp: must be >= 1") or (M < 1 and "--microbatches: must be >= 1") or (
-        V < 1 and "--virtual: must be >= 1") or (V > 1 and args.schedule != "interleaved" and
-                                                 "--virtual: V > 1 needs --schedule interleaved") or (
-        V > 1 and M > P and M % P and "--microbatches: interleaved needs M a multiple of P (or M <= P)")
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    for bad, message in ((P < 1, "--pp: must be >= 1"), (M < 1, "--microbatches: must be >= 1"),
+                         (V < 1, "--virtual: must be >= 1"),
+                         (V > 1 and args.schedule != "interleaved", "--virtual: V > 1 needs --schedule interleaved"),
+                         (V > 1 and M > P and M % P, "--microbatches: interleaved needs M a multiple of P or M <= P")):
+        if bad:
+            print(f"error: {message}", file=sys.stderr)
+            return 2
     print(S.draw(args.schedule, P, M, V))
     return 0
 

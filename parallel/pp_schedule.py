@@ -19,7 +19,8 @@ class Action(NamedTuple):
     peer: int = -1  # pp rank on the other end of a send or receive
 
     def __str__(self):
-        return f"{self.op}(c{self.chunk},m{self.mb}{'' if self.peer < 0 else f'->{self.peer}'})"
+        peer = "" if self.peer < 0 else ("->" if self.op in SENDS else "<-") + str(self.peer)
+        return f"{self.op}(c{self.chunk},m{self.mb}{peer})"
 
 
 class DeadlockError(RuntimeError):
@@ -263,7 +264,9 @@ def draw(schedule, P, M, V=1):
     timeline = simulate(SCHEDULES[schedule](P, M, V), P, V)
     width = len(str(M - 1)) + 1 + (V > 1)
     end = max(e for row in timeline for _, e, _ in row)
-    lines = [f"{schedule}: P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")]
+    lines = [f"{schedule}: P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")
+             + "; F3 = forward of micro-batch 3 (1 tick), B3 -- = its backward (2 ticks)"
+             + (", a/b/.. = the chunk" if V > 1 else "") + ", . = idle"]
     for r, row in enumerate(timeline):
         cells = ["." * width] * end
         for start, stop, a in row:
