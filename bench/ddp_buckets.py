@@ -1,6 +1,6 @@
 """L9 + L10: DDP bucket size vs the number of all-reduce calls, and how much of the sync hides under backward.
 
-    python bench/ddp_buckets.py               # world 2 gloo, a 6-layer d=256 GPT
+    python bench/ddp_buckets.py               # world 2 gloo, a 4-layer d=256 GPT
     python bench/ddp_buckets.py --quick
 
 For each --bucket-mb (0 = one bucket per parameter, the naive version) with overlap on and off, each
@@ -29,19 +29,20 @@ from tests.dist import run_ranks  # noqa: E402
 
 
 def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed=1337):
+    """One DDP model per setting, stepped round-robin so that a busy host slows every setting alike."""
     cfg = M.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world)
-    out = []
+    runs = []
     for bucket_mb, overlap in settings:
         with torch.device("meta"):
             gpt = M.GPT(cfg)
         M.init_weights(gpt, seed, "cpu")
         ddp = DDP(nn.ModuleList([gpt]), mesh, bucket_mb=bucket_mb, overlap=overlap)
-        opt = optim.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu")
-        gen = torch.Generator().manual_seed(rank)
-        rows = []
-        for _ in range(warmup + steps):
-            x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
+        runs.append((gpt, ddp, optim.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu"), []))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(warmup + steps):
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
+        for gpt, ddp, opt, rows in runs:
             torch.distributed.barrier()
             mesh.stats.reset()
             t0 = time.perf_counter()
@@ -53,6 +54,8 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
             opt.step()
             opt.zero_grad(set_to_none=True)
             rows.append((t2 - t0, t1 - t0, t2 - t1, mesh.stats.calls["all_reduce"], in_backward))
+    out = []
+    for (bucket_mb, overlap), (_, ddp, _, rows) in zip(settings, runs):
         rows = rows[warmup:]
         out.append(dict(bucket_mb=bucket_mb, overlap=overlap, buckets=len(ddp.buckets),
                         step=statistics.median(r[0] for r in rows), fwd_bwd=statistics.median(r[1] for r in rows),
@@ -63,10 +66,10 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
 def main(argv=None):
     p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch", type=int, default=4)
     args = p.parse_args(argv)
-    fields = dict(n_layer=6, d_model=256, n_head=8, n_kv_head=4, ffn_dim=768, vocab_size=512, seq_len=128)
+    fields = dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, ffn_dim=768, vocab_size=512, seq_len=128)
     sizes = [0, 0.25, 1, 4, 25]
     if args.quick:
         fields, sizes, args.steps = dict(common.QUICK_MODEL, vocab_size=64, seq_len=16), [0, 25], 2

@@ -8,11 +8,21 @@ Overlap:     gradients are packed into buckets (--bucket-mb) in reverse creation
              --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each
              parameter in its own bucket, the naive one-all-reduce-per-tensor version.
 Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam),
-             plus one fp32 bucket buffer per in-flight bucket.
+             plus one fp32 copy of each bucket while its all-reduce is in flight. Gradient accumulation
+             (sync_grads False) costs nothing extra: micro-batches add into p.grad, and only the last
+             one's backward launches the all-reduces.
 Average, not sum: each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
 gradient of the mean over the global batch, and the learning rate does not depend on the world size.
 """
+from collections import namedtuple
+
 import torch
+
+# One stretch of a global tensor held by this rank, for sharded checkpoints: elements [start, end) of the flattened
+# optimizer param `param` (Adam's state maps the same way) are elements [offset, offset + end - start) of this
+# rank's tp block of global tensor `name`: the tp_shard = (dim, rank, world) chunk of it (or all of it, None),
+# of shape `shape`. writer: this rank is the one copy of these elements that a checkpoint writes.
+Piece = namedtuple("Piece", "name param start end shape tp_shard offset writer")
 
 
 def grad_replicas(p, mesh):
@@ -103,6 +113,13 @@ class DDP:
 
     def grads_for_norm(self):
         return [(p.grad, grad_replicas(p, self.mesh)) for p in self.params if p.grad is not None]
+
+    def owned_pieces(self):
+        """Every param whole; written by dp x cp rank 0 (tp-replicated params: by tp rank 0 of those)."""
+        first = self.mesh.dp_cp_group.rank == 0
+        return [Piece(strip_chunk_prefix(name), p, 0, p.numel(), tuple(p.shape), getattr(p, "tp_shard", None), 0,
+                      first and (hasattr(p, "tp_shard") or self.mesh.coord["tp"] == 0))
+                for name, p in self.module.named_parameters() if p.requires_grad]
 
     def model_state(self):
         """The full model state by global name (a replicated model: every rank has it)."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from parallel.mesh import LayoutError
+from parallel.ddp import Piece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a gathered unit
@@ -39,8 +39,7 @@ class Unit:
         self.slots = sorted(slots, key=lambda s: s[3].dim() < 2)
         self.sizes = [s[3].numel() for s in self.slots]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        numel = sum(self.sizes)
-        self.shard_numel = -(-numel // group.size)
+        self.shard_numel = -(-sum(self.sizes) // group.size)
         self.padded = self.shard_numel * group.size
         self.start = group.rank * self.shard_numel  # this rank's shard is flat[start:start + shard_numel]
         self.local = torch.zeros(self.shard_numel, device=device)  # fp32 master shard
@@ -86,6 +85,7 @@ class Unit:
         return True
 
     def wait_gathered(self):
+        """The gathered (padded,) buffer, waiting for the all-gather in flight (or launching one)."""
         if self.full is None:
             self.start_gather()
             full, handle, _ = self.pending
@@ -243,20 +243,14 @@ class FSDP:
         for out, handle, _ in unit.reductions:
             if handle is not None:
                 handle.wait()
-            shard_grad = self.reduce_across_replicas(out.float()) / self.grad_divisor()
+            shard_grad = self.average(out.float())
             for p, (a, b) in zip(unit.params, unit.ranges):
-                if p.grad is None:
-                    p.grad = shard_grad[a:b].view_as(p)
-                else:
-                    p.grad += shard_grad[a:b].view_as(p)
+                p.grad = shard_grad[a:b].view_as(p) if p.grad is None else p.grad + shard_grad[a:b].view_as(p)
         unit.reductions = []
 
-    def reduce_across_replicas(self, shard_grad):
-        """HSDP all-reduces the shard gradients over replica groups here; FSDP has one replica."""
-        return shard_grad
-
-    def grad_divisor(self):
-        return self.group.size
+    def average(self, shard_grad):
+        """The summed gradient shard -> the mean over the group (HSDP also all-reduces across replicas here)."""
+        return shard_grad / self.group.size
 
     def finish_grad_sync(self):
         """Waits for the reduce-scatters, averages, all-reduces sequence-parallel norm grads over tp."""
@@ -295,7 +289,21 @@ class FSDP:
                     state[slot[2]] = view.detach().cpu().clone()
         return state
 
-    def model_state(self):
+    def owned_pieces(self):
+        """This rank's shard as parallel.ddp.Pieces, one per (optimizer param, slot) overlap. HSDP replicas hold
+        the same shards: only the first shard group (dp x cp ranks [0, K·cp)) writes; tp-replicated: tp rank 0."""
+        first = self.mesh.dp_cp_group.rank < self.group.size
+        pieces = []
+        for unit in self.units:
+            slot_start = {id(slot[3]): a for slot, a in zip(unit.slots, unit.offsets)}  # in the unit's flat buffer
+            for i, s, e, (_, _, name, meta) in unit.segments():
+                tp = getattr(meta, "tp_shard", None)
+                offset = unit.start + unit.ranges[i][0] + s - slot_start[id(meta)]  # within the tp-local tensor
+                pieces.append(Piece(name, unit.params[i], s, e, tuple(meta.shape), tp, offset,
+                                    first and (tp is not None or self.mesh.coord["tp"] == 0)))
+        return pieces
+
+    def model_state(self):  # every rank of the group takes part
         return self._gather_state(lambda unit: unit.local)
 
     def full_grads(self):
@@ -311,14 +319,7 @@ class FSDP:
             unit.local.copy_(flat[unit.start:unit.start + unit.shard_numel])
 
 
-def dtypes(args):
-    if args.reduce_dtype not in ("fp32", "bf16"):
-        raise LayoutError("--reduce-dtype", f"unknown dtype {args.reduce_dtype!r}; choose fp32 or bf16")
-    return DTYPES[args.dtype], DTYPES[args.reduce_dtype]
-
-
-def wrap(module, mesh, args, device, init_param):
-    """module: nn.ModuleList of GPT chunks on the meta device. Shards over dp x cp."""
-    compute_dtype, reduce_dtype = dtypes(args)
-    return FSDP(module, mesh, mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
-                overlap=not args.no_overlap)
+def wrap(module, mesh, args, device, init_param, cls=FSDP, group=None):
+    """module: nn.ModuleList of GPT chunks on the meta device. FSDP shards over dp x cp."""
+    return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, DTYPES[args.dtype],
+               DTYPES[args.reduce_dtype], overlap=not args.no_overlap)

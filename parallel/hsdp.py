@@ -8,22 +8,18 @@ Sends:    FSDP's traffic inside the shard group, (K-1)/K · P · (2·A·compute 
 Overlap:  as FSDP; the replica all-reduces run after the last reduce-scatter, in finish_grad_sync.
 Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
 """
-from parallel.fsdp import FSDP, dtypes
+from parallel import fsdp
+from parallel.fsdp import FSDP
 
 
 class HSDP(FSDP):
-    def reduce_across_replicas(self, shard_grad):
-        self.mesh.replicate_group.all_reduce(shard_grad)  # sum over replicas of the same shard
-        return shard_grad
-
-    def grad_divisor(self):
-        return self.group.size * self.mesh.replicate_group.size  # the mean over every dp x cp rank
+    def average(self, shard_grad):
+        self.mesh.replicate_group.all_reduce(shard_grad)  # sum over the replicas of this shard
+        return shard_grad / (self.group.size * self.mesh.replicate_group.size)  # mean over every dp x cp rank
 
     def replicas(self, meta_param):
         return super().replicas(meta_param) * self.mesh.replicate_group.size
 
 
 def wrap(module, mesh, args, device, init_param):
-    compute_dtype, reduce_dtype = dtypes(args)
-    return HSDP(module, mesh, mesh.shard_group, init_param, device, compute_dtype, reduce_dtype,
-                overlap=not args.no_overlap)
+    return fsdp.wrap(module, mesh, args, device, init_param, cls=HSDP, group=mesh.shard_group)

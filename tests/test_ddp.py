@@ -15,6 +15,10 @@ from tests.dist import run_ranks
 CFG = M.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
+def _backward_orders(rank, world, bucket_mb):
+    return {overlap: _backward_order(rank, world, overlap, bucket_mb) for overlap in (True, False)}
+
+
 def _backward_order(rank, world, overlap, bucket_mb):
     """Runs one backward and returns how many all-reduces had been launched when the last gradient
     (the embedding's, the first layer's) was produced, i.e. while backward was still running."""
@@ -37,9 +41,14 @@ def _backward_order(rank, world, overlap, bucket_mb):
                                                                      if any(p is q for q in ddp.buckets[0].params)])
 
 
+@pytest.fixture(scope="module")
+def backward_orders():
+    return run_ranks(_backward_orders, 2, args=(0.02,))[0]
+
+
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ddp_first_bucket_all_reduce_launches_before_backward_ends(overlap):
-    r = run_ranks(_backward_order, 2, args=(overlap, 0.02))[0]
+def test_ddp_first_bucket_all_reduce_launches_before_backward_ends(overlap, backward_orders):
+    r = backward_orders[overlap]
     print(f"\noverlap={overlap}: {r['buckets']} buckets, {r['calls']} all-reduce calls, "
           f"{r['before_end']} launched before the last gradient existed, {r['launched_in_backward']} during backward")
     assert r["buckets"] > 2 and r["calls"] == r["buckets"]  # one all-reduce per bucket (L10)

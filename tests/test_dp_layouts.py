@@ -55,9 +55,8 @@ def _first_step_and_losses(rank, world, flags, out_dir):
 
 
 LAYOUTS = {  # name: (world, flags); BASE is global batch 8, micro-batch 4 -> accumulation 8 / (micro x dp)
-    "ddp2": (2, ["--profile"]),
-    "ddp2-accum-no-overlap": (2, ["--micro-batch", "2", "--no-overlap"]),
-    "ddp4-accum-tiny-buckets": (4, ["--micro-batch", "1", "--bucket-mb", "0.01"]),
+    "ddp2-no-overlap": (2, ["--no-overlap"]),
+    "ddp4-accum-tiny-buckets": (4, ["--micro-batch", "1", "--bucket-mb", "0.01", "--profile"]),
     "fsdp2": (2, ["--dp-mode", "fsdp", "--profile"]),
     "fsdp4-accum-no-overlap": (4, ["--dp-mode", "fsdp", "--micro-batch", "1", "--no-overlap"]),
     "hsdp2x2-accum": (4, ["--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "1"]),
