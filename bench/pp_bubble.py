@@ -19,6 +19,7 @@ at min(1, C/k) speed) to show how much of the gap to M/(M+P-1) that explains; on
 coincide.
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
     cfg, steps = (QUICK, 1) if args.quick else (FULL, args.steps)
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()[0]
     per_rank = run_ranks(_measure, P, args=(cfg, args.schedule, micro_counts, steps), timeout=900)
     cores = common.cpu_cores()
     rows, worst = [], 0.0
@@ -123,7 +124,9 @@ def main(argv=None):
              "(StageRecord from parallel/pp.py); utilization = busy / (busy + idle).",
              f"largest deviation from M/(M+P-1): {worst:.1%} (acceptance: within 15%); "
              f"the {cores}-core model is the processor-sharing prediction (see the script's docstring).",
-             f"wall time of the whole measurement: {time.time() - t0:.0f} s"]
+             f"wall time of the whole measurement: {time.time() - t0:.0f} s; 1-minute load average "
+             f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs on the cores stretch single "
+             "forwards and backwards at random, and a pipeline turns each such stall into idle time downstream)."]
     title = f"L26: pipeline utilization, measured vs M/(M+P-1) ({args.schedule})"
     common.write_result(args.out, "L26_pp_bubble", title, header, rows, notes=notes)
     summary = ", ".join(f"M={r[0]}: {r[2]} vs {r[1].split(' = ')[1]}" for r in rows)

@@ -9,6 +9,7 @@ and the tests check them (each (chunk, mb) once, forward before backward, sends 
 no deadlock even when a communication batch blocks its stream until every op in it is matched,
 as NCCL's does). `draw` renders the classic timeline with forward = 1 tick and backward = 2.
 """
+import bisect
 from typing import NamedTuple
 
 
@@ -108,8 +109,10 @@ def with_communication(orders, P, V):
     timeline = simulate(orders, P, V)
     gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # gaps[r][k]: comm before compute k
 
+    starts = [[start for start, _, _ in row] for row in timeline]  # increasing on each rank
+
     def gap_for(r, tick):
-        return next((k for k, (start, _, _) in enumerate(timeline[r]) if start >= tick), len(orders[r]))
+        return bisect.bisect_left(starts[r], tick)  # before the first compute starting at or after tick
 
     gaps[0][1].append(((1, -1, ""), Action("SHAPE")))  # stage 0 knows the shape after its first forward
     for r in range(1, P):
