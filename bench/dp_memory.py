@@ -87,7 +87,8 @@ def main(argv=None):
         r = run_ranks(_one_step, world, args=(mode, shard, fields, args.micro_batch), timeout=300)[-1]  # last rank
         state = r["param"] + r["grad"] + r["adam"]
         sent, want = sum(r["sent"].values()), theory_bytes(mode, world, shard, P)
-        label = dict(ddp=f"DDP, {world} ranks", fsdp=f"FSDP M={world}", hsdp=f"HSDP {world // (shard or 1)}x{shard}")
+        label = dict(ddp=f"DDP, {world} ranks", fsdp=f"FSDP M={world}",
+                     hsdp=f"HSDP K={shard} x R={world // (shard or 1)}")
         ag = f"{r['gathers'].get('forward', 0)} / {r['gathers'].get('backward', 0)}" if r["units"] else "-"
         rows.append([label[mode], f"{r['param'] / 1e6:.3f}", f"{r['grad'] / 1e6:.3f}", f"{r['adam'] / 1e6:.3f}",
                      f"{state / 1e6:.3f}", f"{state / (16 * P):.3f}", ag, r["calls"].get("reduce_scatter", 0),
@@ -103,8 +104,8 @@ def main(argv=None):
                "replicated; measured on the last rank after one step from tensor storage (views counted once)",
                "FSDP units: one per block + one for embedding/norm/head; a unit is gathered once in forward and once "
                "in backward per micro-batch, and reduce-scattered once per step",
-               "theory: FSDP 3(M-1)/M x 4P, HSDP KxR: 3(K-1)/K x 4P + 2(R-1)/R x 4P/K, DDP 2(g-1)/g x 4P "
-               "(padding makes FSDP send a hair more)"])
+               "theory: FSDP 3(M-1)/M x 4P, HSDP (shard K, replicas R): 3(K-1)/K x 4P + 2(R-1)/R x 4P/K, "
+               "DDP 2(g-1)/g x 4P (padding makes FSDP send a hair more)"])
     world, frac, gathers, units = fsdp8
     common.answer("L13", f"FSDP M={world} keeps {frac:.3f} of the replicated 16 B/param per rank")
     common.answer("L14", f"{gathers.get('forward')} all-gathers in forward and {gathers.get('backward')} in backward "
