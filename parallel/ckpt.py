@@ -1,19 +1,17 @@
 """Activation checkpointing (--ckpt): keep fewer activations in forward, recompute them in backward.
 
-Split:    nothing across ranks: a chunk's transformer blocks are grouped into checkpointed segments, of
-          which only the input (the (b, s, d) residual stream at the boundary) is kept; backward re-runs the
-          segment's forward from it, then its backward.
-Policies: full      every block is a segment: N boundaries stored, N blocks recomputed;
-          every:K   blocks whose global index is a multiple of K are checkpointed alone, the rest keep all;
-          segment:C segments of C consecutive blocks: ceil(N/C) boundaries, plus one segment's activations
-                    while it is recomputed: memory O(N/C + C); sqrt is C = ceil(sqrt N), O(sqrt N) (L18 sweeps C);
-          selective every block, but matmul and attention outputs are saved and only the cheap elementwise
-                    ops (norms, rope, silu·up, dropout) are recomputed: no matmul FLOPs are repeated.
-Costs:    one more forward of each recomputed block: counted in HFU, not in MFU (L20, L23). Under tp the
-          recomputed forward repeats its collectives. RNG: torch.utils.checkpoint(preserve_rng_state=True)
-          restores the CPU and CUDA generators, so dropout draws the same mask again (L19).
-Memory:   per block, its saved activations (~ b·s·(10·d + 3·ffn) floats plus the heads' attention stats)
-          are replaced by its b·s·d input.
+Split:    nothing across ranks: a chunk's blocks are grouped into checkpointed segments; only a segment's input
+          (the (b, s, d) residual stream at the boundary) is kept, and backward re-runs its forward from there.
+Policies: full      every block alone: N boundaries stored, N blocks recomputed;
+          every:K   the blocks whose global index is a multiple of K alone; the others keep everything;
+          segment:C C consecutive blocks per segment: ceil(N/C) boundaries, plus one segment's activations
+                    while it is recomputed: O(N/C + C); sqrt is C = ceil(sqrt N), O(sqrt N) (L18 sweeps C);
+          selective every block, saving matmul and attention outputs (torch's selective checkpointing policy):
+                    only elementwise ops (norms, rope, silu·up, dropout) are recomputed, no matmul FLOPs.
+Costs:    one more forward of each recomputed block: counted in HFU, not in MFU (L20, L23); under tp it repeats
+          the block's collectives. Nothing is communicated by this file; nothing overlaps.
+RNG:      torch.utils.checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
+          draws the same masks again (L19). Memory: see bench/results/ckpt_memory.md (L17).
 """
 import math
 from functools import partial
