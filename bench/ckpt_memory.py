@@ -9,7 +9,8 @@ after every aten op through a TorchDispatchMode, minus the value before the step
 batch are already allocated then); on a GPU, torch.cuda's allocated-bytes counters. "kept after forward"
 is what the autograd graph holds between forward and backward; "peak" adds backward's working set (the
 recomputed segment, gradients of activations). Deterministic on CPU: no RSS, no sampling thread.
-Step time: median forward + backward without the op watcher, policies timed in turn (one intra-op thread).
+Step time: median forward + backward without the op watcher, policies timed in turn; on CPU in process CPU
+time with one intra-op thread, so other users of a shared machine do not enter it.
 L18 sweeps the segment length C of segment:C (segment:1 = full, segment:ceil(sqrt N) = sqrt).
 """
 import argparse
@@ -18,6 +19,7 @@ import datetime
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +94,23 @@ def measure_memory(cfg, policy, x, y, device, read):
     return gpt, kept, watcher.peak
 
 
+def step_seconds(fn, device):
+    """Seconds of one call: CPU time of this process on CPU (one intra-op thread, so it is the compute time,
+    whatever else the shared machine runs), wall time on a GPU."""
+    if device.type == "cuda":
+        return common.time_it(fn, device, min_s=0, min_reps=1, warmup=0)
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def cpu_peak_flops(n=1024, reps=5):
+    """The best 1-thread fp32 matmul rate, in CPU time: the stand-in for a device peak on CPU."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return max(2 * n ** 3 / max(step_seconds(lambda: a @ b, torch.device("cpu")), 1e-9) for _ in range(reps))
+
+
 def measure(cfg, policies, x, y, device, read, peak_flops, rounds):
     """One row per policy. Step times: the median over `rounds` rounds that time every policy once each, so
     that a shared machine's slow moments hit all policies alike."""
@@ -104,8 +123,7 @@ def measure(cfg, policies, x, y, device, read, peak_flops, rounds):
                          stored=sum(checkpointed for _, checkpointed in ckpt.segments(keys, policy)), times=[]))
     for _ in range(rounds):
         for row, gpt in zip(rows, models):
-            row["times"].append(common.time_it(lambda gpt=gpt: gpt(x, y).backward(), device, min_s=0, min_reps=1,
-                                               warmup=0))
+            row["times"].append(step_seconds(lambda gpt=gpt: gpt(x, y).backward(), device))
     tokens = x.numel()
     for row in rows:
         row["step_s"] = statistics.median(row["times"])
@@ -139,8 +157,7 @@ def main(argv=None):
     if device.type == "cuda":
         peak_flops, peak_src = (common.gpu_peak_tflops() or 0) * 1e12, "device table, bf16 dense"
     else:
-        peak_flops = max(common.measured_cpu_peak_tflops(threads=1, min_s=0.5) for _ in range(3)) * 1e12
-        peak_src = "best of 3 measured 1-thread fp32 2048^3 matmul rates"
+        peak_flops, peak_src = cpu_peak_flops(), "best of 5 1-thread fp32 1024^3 matmuls, in CPU time"
 
     n, c = cfg.n_layer, math.ceil(math.sqrt(cfg.n_layer))
     sweep = sorted({1, 2, c, max(1, n // 2), n})
@@ -150,15 +167,19 @@ def main(argv=None):
     seg_rows = [measured["full" if C == 1 else "sqrt" if C == c else f"segment:{C}"] for C in sweep]
 
     base = rows[0]
+    step = "step CPU-s" if device.type == "cpu" else "step s"
     header = ["policy", "boundaries stored", "kept after fwd MB", "peak MB", "peak vs none",
-              "step s", "step vs none", "recomputed layers", "MFU", "HFU"]
+              step, "step vs none", "recomputed layers", "MFU", "HFU"]
     table = [[r["policy"], r["stored"], mb(r["kept"]), mb(r["peak"]),
               "n/a" if r["peak"] is None else f"{r['peak'] / base['peak']:.2f}",
               f"{r['step_s']:.3f}", f"{r['step_s'] / base['step_s']:.2f}", f"{r['recomputed']:.2f}",
               f"{r['mfu']:.1%}", f"{r['hfu']:.1%}"] for r in rows]
-    seg_header = ["C", "segments ceil(N/C)", "N/C + C", "kept after fwd MB", "peak MB", "step s", "recomputed layers"]
+    seg_header = ["C", "segments ceil(N/C)", "N/C + C", "kept after fwd MB", "peak MB", step, "recomputed layers"]
     seg_table = [[C, r["stored"], f"{n / C + C:.1f}", mb(r["kept"]), mb(r["peak"]), f"{r['step_s']:.3f}",
                   f"{r['recomputed']:.2f}"] for C, r in zip(sweep, seg_rows)]
+    boundary = 4 * args.batch * cfg.seq_len * cfg.d_model  # one fp32 (b, T, d) hidden state
+    kept = {r["policy"]: r["kept"] or 0 for r in rows}
+    per_block = (kept["none"] - kept["full"]) / n + boundary  # full keeps only each block's input
     memory_how = ("CUDA allocated bytes" if device.type == "cuda" else
                   "glibc mallinfo2 in-use bytes after every aten op" if read else "unavailable (no glibc)")
     text = "\n".join([
@@ -181,10 +202,16 @@ def main(argv=None):
         f"{peak_flops / 1e12:.3g} TFLOP/s ({peak_src}). HFU/MFU = 1 + recomputed x layer share; MFU falls with "
         "recompute because the useful work is the same and the step is longer.",
         "- every:K checkpoints the blocks whose index is a multiple of K; sqrt = segment:ceil(sqrt N); selective "
-        "saves matmul and attention outputs and recomputes only elementwise ops (no matmul FLOPs repeated).",
+        "saves matmul and attention outputs and recomputes only elementwise ops (no matmul FLOPs repeated, so "
+        "HFU = MFU); its extra time here is the elementwise recompute plus the Python dispatch mode that torch's "
+        "selective checkpointing runs over every op.",
         "- recomputed layers < checkpointed blocks: torch's checkpoint stops recomputing a segment once backward "
         "has every saved tensor back, so each segment's last down_proj is not repeated.",
-        "- Step times on a shared CPU are noisy; the memory columns are exact and repeatable.",
+        f"- Why C=1 beats C=sqrt(N) here: O(N/C + C) counts a stored boundary and a recomputed block's internals "
+        f"alike. Measured, a block keeps {mb(per_block)} MB for backward against its {mb(boundary)} MB input "
+        f"(ratio {per_block / boundary:.0f}), so N/C·s + C·A is least at C = sqrt(N·s/A) = "
+        f"{math.sqrt(n * boundary / per_block):.2f}: the sqrt rule holds when blocks are as cheap as boundaries.",
+        "- The memory columns are exact and repeat to the byte; step times still vary a few percent.",
     ]) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +225,9 @@ def main(argv=None):
                       f"{by['full']['step_s'] / by['none']['step_s']:.2f} with full")
         best = min(zip(sweep, seg_rows), key=lambda cr: cr[1]["peak"])
         common.answer("L18", f"segment length C in {sweep}: peak {', '.join(mb(r['peak']) for r in seg_rows)} MB; "
-                      f"least at C={best[0]}; recompute is one forward for every C")
+                      f"least at C={best[0]}; recompute is one forward for every C; a block keeps "
+                      f"{per_block / boundary:.0f}x its input, so the O(N/C + C) optimum moves from sqrt(N) to "
+                      f"sqrt(N/{per_block / boundary:.0f})")
     common.answer("L20", f"full checkpointing: MFU {by['full']['mfu']:.1%} vs {by['none']['mfu']:.1%} without, "
                   f"HFU {by['full']['hfu']:.1%} (HFU/MFU = {by['full']['hfu'] / by['full']['mfu']:.2f})")
     return rows, seg_rows
