@@ -31,7 +31,7 @@ LAYOUTS = {  # name: (world, flags)
     "tp4-sp": (4, ["--tp", "4", "--sp"]),
     "tp2-dp2-ddp-accum": (4, ["--tp", "2", "--micro-batch", "2"]),
     "tp2-dp2-fsdp-sp": (4, ["--tp", "2", "--sp", "--dp-mode", "fsdp"]),
-    "tp2-dp2-hsdp-sp": (4, ["--tp", "2", "--sp", "--dp-mode", "hsdp", "--dp-shard", "1"]),
+    "tp2-dp4-hsdp2x2-sp": (8, ["--tp", "2", "--sp", "--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "1"]),
 }
 
 
@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_runs")
     jobs = {2: [("mlp", _sharded_mlp_rank, ()), ("vocab", _vocab_loss_rank, ()), ("comm", _comm_rank, (3,))],
             3: [("bad", _bad_flags_rank, ([flags for flags, _ in BAD_TP.values()],))],
-            4: [("comm", _comm_rank, (3,))]}
+            4: [("comm", _comm_rank, (3,))], 8: []}
     for name, (world, flags) in LAYOUTS.items():
         jobs[world].append((name, _train, (_argv(out / name, flags),)))
     results = {1: [{"ref": train.main(_argv(out / "ref", []))}]}
