@@ -17,6 +17,7 @@ L24  each layout x micro-batch is a real `python train.py` (world 1) or `python 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,17 @@ def launch(world, train_args, env, timeout):
     return subprocess.run(cmd, cwd=common.REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def error_line(stderr):
+    """The line that says what went wrong: train.py's `error: ...`, else the last exception line."""
+    lines = [re.sub(r"^\[(default)?\d*\]:\s*|^\[rank\d+\]:\s*", "", line.strip()) for line in stderr.splitlines()]
+    lines = [line for line in lines if line]
+    for pattern in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b"):
+        found = [line for line in lines if re.match(pattern, line)]
+        if found:
+            return found[-1][:200]
+    return (lines or ["no output"])[-1][:200]
+
+
 def summarize(metrics_path):
     """Medians over the steps after the first (kernel selection, allocator warm-up), max of memory."""
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
@@ -124,10 +136,10 @@ def summarize(metrics_path):
     return pick
 
 
-def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=False, after_each=None):
+def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=False, after_each=None,
+              threads_per_rank=1):
     """Runs every layout x micro-batch; returns [(name, world, micro, flags, summary or None, error)] and
     the CPU peaks used. after_each(results, peaks) runs after every run (the table so far survives a kill)."""
-    cores = common.cpu_cores()
     dtype = common.DTYPES[base[base.index("--dtype") + 1]]  # the CPU peak in the dtype the runs compute in
     peaks = {}
     results = []
@@ -136,7 +148,7 @@ def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=F
             env = dict(os.environ)
             args = [*base, "--micro-batch", str(micro), "--steps", str(steps), *flags]
             if device.type == "cpu":
-                threads = max(1, cores // world)
+                threads = threads_per_rank
                 if threads not in peaks:
                     peaks[threads] = common.measured_cpu_peak_tflops(dtype, threads, n=512 if quick else 2048,
                                                                      min_s=0.2 if quick else 1.0)
@@ -148,7 +160,7 @@ def run_sweep(layouts, micro_batches, base, device, steps, timeout, tmp, quick=F
             print(f"[mfu_sweep] {label}: world {world}: train.py {' '.join(args)}", flush=True)
             try:
                 proc = launch(world, args, env, timeout)
-                error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+                error = None if proc.returncode == 0 else error_line(proc.stderr)
             except subprocess.TimeoutExpired:
                 error = f"timed out after {timeout}s"
             summary = summarize(metrics) if error is None and metrics.exists() else None
@@ -174,15 +186,18 @@ def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_swee
              "medians over the steps after the first (from --metrics), peak memory is the max.",
              "MFU = 6·N_non-emb + 12·L·d·T FLOPs per token x tokens / (G · peak · t_step); HFU adds recomputed "
              "forwards (activation checkpointing). HFU != MFU exactly when something is recomputed: with "
-             "--ckpt full every layer's forward runs twice, so HFU/MFU = flops_per_token(recomputed=L) / "
-             "flops_per_token(). Neither counts the optimizer, norms, softmax or communication, so both are "
-             "below the busy fraction of the device."]
+             "--ckpt full each layer's forward runs again in backward, so HFU/MFU = flops_per_token(recomputed="
+             "parallel.ckpt.recomputed_layers(cfg, 'full')) / flops_per_token() (a little under L layers: torch's "
+             "checkpoint skips each segment's last matmul). Neither counts the optimizer, norms, softmax or "
+             "communication, so both are below the busy fraction of the device."]
     if cpu:
         notes.append("CPU ONLY: G · peak is this machine's measured matmul rate in the run's dtype "
                      + ", ".join(f"{tf * 1e3:.1f} GFLOP/s with {t} thread(s)" for t, tf in sorted(peaks.items()))
-                     + "; a world-N run gives each rank cores/N threads (OMP_NUM_THREADS) and that rank's peak. "
-                     "Shared 2-core machine: rows move by tens of percent from run to run. Memory is rank 0's "
-                     "peak RSS (includes ~0.4 GB of Python + torch), not device memory.")
+                     + "; every rank runs that many threads (OMP_NUM_THREADS), so a rank is one 'device' and "
+                     "G = world. One thread per rank by default: on a shared CPU, more threads than free cores "
+                     "make OpenMP spin and steps slow down by 10x. Shared 2-core machine: rows move by tens of "
+                     "percent from run to run. Memory is rank 0's peak RSS (includes ~0.4 GB of Python + torch), "
+                     "not device memory.")
     else:
         notes.append("Memory: torch.cuda.max_memory_allocated on rank 0.")
     if not final:
@@ -211,6 +226,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
     p.add_argument("--flops-only", action="store_true", help="only the L21 table")
     p.add_argument("--name", default="L22_L24_mfu_sweep", help="file name of the sweep table")
+    p.add_argument("--threads-per-rank", type=int, default=1, help="CPU threads of each rank (OMP_NUM_THREADS)")
     args = p.parse_args(argv)
     device = common.default_device()
     gpu = device.type == "cuda"
@@ -245,15 +261,19 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="mfu_sweep_") as tmp:
         def partial(results, peaks):
             sweep_table(results, peaks, base, device, steps, args.out, args.name, final=False)
-        results, peaks = run_sweep(layouts, micro, base, device, steps, args.timeout, tmp, args.quick, partial)
+        results, peaks = run_sweep(layouts, micro, base, device, steps, args.timeout, tmp, args.quick, partial,
+                                   args.threads_per_rank)
     ok = sweep_table(results, peaks, base, device, steps, args.out, args.name)
     cfg = config_of(preset, seq_len)
     predicted = M.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / M.flops_per_token(cfg)
     ckpt = [r for r in ok if "--ckpt" in r[3]]
     measured = f"; measured {ckpt[0][4]['hfu'] / ckpt[0][4]['mfu']:.3f} ({ckpt[0][0]})" if ckpt else \
-        " (parallel/ckpt.py not on main yet: predicted only)"
+        " (no --ckpt run in this sweep succeeded: predicted only)"
     common.answer("L23", f"HFU counts recomputed forwards, MFU does not: full ckpt on {preset} at T={seq_len} gives "
                          f"HFU/MFU = {predicted:.3f} predicted{measured}; without recompute HFU = MFU")
+    if len(ok) < len(results):
+        print(f"mfu_sweep: {len(results) - len(ok)} of {len(results)} runs failed (see the table)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

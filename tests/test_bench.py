@@ -142,3 +142,9 @@ def test_precision_on_gpu(tmp_path):
     precision.main(["--quick", "--device", "cuda", "--out", str(tmp_path)])
     assert (tmp_path / "L4_fp16_underflow.md").exists()
 
+
+
+def test_sweep_reports_the_line_that_says_what_failed():
+    torchrun_tail = "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n" + "=" * 40 + "\n"
+    assert mfu_sweep.error_line(torchrun_tail) == "ValueError: boom"
+    assert mfu_sweep.error_line("noise\nerror: --tp: 3 does not divide 8\n") == "error: --tp: 3 does not divide 8"
