@@ -5,6 +5,8 @@
 
 Every run uses fp32 on CPU, the offline corpus, dropout off, and a short schedule; `flags` add the layout.
 """
+import tempfile
+
 import numpy as np
 
 import train
@@ -20,11 +22,11 @@ def _rank_main(rank, world, argv):
 
 
 def train_losses(world, flags, out_dir=None, timeout=180):
-    """Rank 0's per-step losses (every rank returns the same global mean)."""
-    argv = BASE + ["--out", str(out_dir or "/nonexistent-unused")] + list(flags)
-    if world == 1:
-        return run_ranks(_rank_main, 1, args=(argv,), timeout=timeout)[0]
-    return run_ranks(_rank_main, world, args=(argv,), timeout=timeout)[0]
+    """Rank 0's per-step losses (every rank returns the same global mean). The run folder is a fresh
+    temporary one unless out_dir is given."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = BASE + ["--out", str(out_dir or tmp)] + list(flags)
+        return run_ranks(_rank_main, world, args=(argv,), timeout=timeout)[0]
 
 
 def assert_same_losses(got, expected, rtol=1e-5):

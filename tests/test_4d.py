@@ -23,9 +23,9 @@ def _rank_main(rank, world, argv):
 
 
 @pytest.mark.skipif(bool(NEEDED), reason=f"parallel/{{{','.join(NEEDED)}}}.py not landed yet")
-def test_dp2_fsdp_cp2_ring_pp2_1f1b_tp2_equals_one_process():
+def test_dp2_fsdp_cp2_ring_pp2_1f1b_tp2_equals_one_process(tmp_path):
     reference = train_losses(1, ["--steps", "5", "--peak-tflops", "1"])
-    argv = BASE + ["--out", "/nonexistent-unused"] + FLAGS
+    argv = BASE + ["--out", str(tmp_path)] + FLAGS
     (losses, stdout), *_ = run_ranks(_rank_main, 16, args=(argv,), timeout=400)
     assert "mesh: world 16 = dp 2 x pp 2 x cp 2 x tp 2" in stdout  # rank 0 describes the mesh at start (L28)
     assert len(losses) == 5

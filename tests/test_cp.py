@@ -180,7 +180,7 @@ HAVE_TP = (REPO / "parallel" / "tp.py").exists()
 NO_PEAK = ["--peak-tflops", "1"]  # MFU is not under test: skip train.py's 0.3 s CPU matmul measurement per run
 
 
-def _layouts_rank(rank, world, layouts, unsynced_last):
+def _layouts_rank(rank, world, layouts, unsynced_last, out_dir):
     """Runs train.main for each layout in turn; a failing layout is reported, not raised.
     unsynced_last: finally a 3-step cp run with DDP's gradient sync skipped (the picotron bug)."""
     out = {}
@@ -188,22 +188,23 @@ def _layouts_rank(rank, world, layouts, unsynced_last):
         if name.endswith("tp2") and not HAVE_TP:
             continue
         try:
-            out[name] = train.main(BASE + NO_PEAK + ["--out", "/nonexistent-unused"] + flags)
+            out[name] = train.main(BASE + NO_PEAK + ["--out", out_dir] + flags)
         except Exception as e:  # noqa: BLE001 - reported per layout by the test that reads it
             out[name] = f"{type(e).__name__}: {e}"
     if unsynced_last:
         from parallel import ddp
         ddp.DDP.finish_grad_sync = lambda self: None
-        out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", "/nonexistent-unused", "--cp", "2", "--steps", "3",
+        out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", out_dir, "--cp", "2", "--steps", "3",
                                                        "--no-overlap"])
     return out
 
 
 @pytest.fixture(scope="module")
-def layout_runs():
+def layout_runs(tmp_path_factory):
     losses = {"one process": train_losses(1, NO_PEAK)}
     for world, layouts in LAYOUTS.items():
-        losses.update(run_ranks(_layouts_rank, world, args=(layouts, world == 2), timeout=400)[0])
+        out_dir = str(tmp_path_factory.mktemp(f"cp_world{world}"))
+        losses.update(run_ranks(_layouts_rank, world, args=(layouts, world == 2, out_dir), timeout=400)[0])
     return losses
 
 
@@ -230,7 +231,7 @@ def _bad_rank(rank, world, argv):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            train.main(BASE + ["--out", "/nonexistent-unused"] + argv)
+            train.main(BASE + ["--out", "/nonexistent-never-written"] + argv)
         except SystemExit as e:
             return e.code, err.getvalue()
     return 0, err.getvalue()
