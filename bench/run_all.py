@@ -4,12 +4,13 @@
     python bench/run_all.py --only precision.py --only collectives.py
     python bench/run_all.py --list          # the registry, without running anything
 
-Each script runs in its own process group with a time budget (killed when it runs over), its output
-goes to bench/results/logs/NAME.log, and the lines `ANSWER Lk: text` it prints (bench/common.answer)
-are the headline answers. bench/results/INDEX.md lists L1-L28: the question, the scripts and tests that
-answer it, and the latest measured answer (kept in bench/results/answers.json across partial runs).
-Scripts that need a GPU are skipped on a CPU machine with a message; a script that has not landed yet
-is reported as missing. The budgets add up to under 30 minutes; --budget-min caps the whole run.
+Each script runs in its own process group with a time budget (killed when it runs over), with --out set
+to the results folder (--results, default bench/results); its output goes to logs/NAME.log there, and
+the lines `ANSWER Lk: text` it prints (bench/common.answer) are the headline answers. INDEX.md lists
+L1-L28: the question, the scripts and tests that answer it, and the latest measured answer (kept in
+answers.json across partial runs). Scripts that need a GPU are skipped on a CPU machine with a message;
+a script that has not landed yet is reported as missing. The budgets add up to under 30 minutes;
+--budget-min caps the whole run and --budget-scale stretches every budget on a slow or shared machine.
 """
 import argparse
 import datetime
@@ -94,6 +95,7 @@ class Script:
     args: list = field(default_factory=list)
     gpu_only: bool = False
     name: str = ""               # log name (defaults to the file name)
+    takes_out: bool = True       # accepts --out DIR (run_all passes its results folder)
 
     @property
     def label(self):
@@ -107,15 +109,16 @@ REGISTRY = [
     Script("bench/collectives.py", ["L12"], 120),
     Script("bench/mfu_sweep.py", ["L20", "L21", "L22", "L23", "L24"], 300),
     Script("bench/plan.py", ["L24", "L28"], 60,
-           ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"]),
+           ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"],
+           takes_out=False),
     Script("bench/plan.py", ["L15"], 60, ["--model", "llama3-8b", "--gpus", "64", "--compare-fsdp-scope"],
-           name="plan_fsdp_scope"),
+           name="plan_fsdp_scope", takes_out=False),
     Script("bench/vs_torch.py", ["L8"], 150),
     Script("bench/dp_memory.py", ["L13", "L14"], 120),
     Script("bench/ddp_buckets.py", ["L9", "L10"], 120),
     Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 150),
     Script("bench/pp_bubble.py", ["L26"], 150),
-    Script("bench/ring_vs_sdpa.py", ["L25"], 120),
+    Script("bench/ring_vs_sdpa.py", ["L25"], 120, gpu_only=True),  # the bf16 flash kernels
     # GPU only: the small preset with and without full checkpointing (L20 on real hardware).
     Script("bench/mfu_sweep.py", ["L20", "L23"], 300, ["--model", "small", "--layout", "ckpt none=1:",
                                                        "--layout", "ckpt full=1:--ckpt full", "--micro-batches", "8",
@@ -131,7 +134,7 @@ def run_script(script, results, budget_s):
     log_dir = Path(results) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{script.label}.log"
-    cmd = [sys.executable, script.path, *script.args]
+    cmd = [sys.executable, script.path, *script.args, *(["--out", str(results)] if script.takes_out else [])]
     answers = {}
     start = time.perf_counter()
     with open(log_path, "w") as log:
