@@ -41,7 +41,7 @@ FULL = dict(n_layer=4, d_model=512, n_head=8, n_kv_head=8, ffn_dim=1536, vocab_s
 QUICK = dict(n_layer=4, d_model=64, n_head=4, n_kv_head=4, ffn_dim=128, vocab_size=257, seq_len=32)
 
 
-def _measure(rank, world, cfg_fields, schedule, micro_counts, steps, warmup=1):
+def _measure(rank, world, cfg_fields, schedule, micro_counts, steps, min_micro_batches, warmup=1):
     cfg = M.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world, pp=world)
     with torch.device("meta"):
@@ -58,7 +58,7 @@ def _measure(rank, world, cfg_fields, schedule, micro_counts, steps, warmup=1):
         batches = [(torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=gen),
                     torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=gen)) for _ in range(n_micro)]
         rows = []
-        for step in range(warmup + max(steps, 16 // n_micro)):  # short steps: more of them, a steadier median
+        for step in range(warmup + max(steps, min_micro_batches // n_micro)):  # short steps: more of them
             _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), 1.0, wrapper, timed=True)
             for p in wrapper.params:
                 p.grad = None
@@ -103,9 +103,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="measured steps per M (after one warmup step)")
     args = p.parse_args(argv)
     P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
-    cfg, steps = (QUICK, 1) if args.quick else (FULL, args.steps)
+    cfg, steps, min_micro_batches = (QUICK, 1, 0) if args.quick else (FULL, args.steps, 16)
     t0, load_before = time.time(), os.getloadavg()[0]
-    per_rank = run_ranks(_measure, P, args=(cfg, args.schedule, micro_counts, steps), timeout=900)
+    per_rank = run_ranks(_measure, P, args=(cfg, args.schedule, micro_counts, steps, min_micro_batches), timeout=900)
     cores = common.cpu_cores()
     rows, worst = [], 0.0
     for m in micro_counts:
@@ -119,8 +119,8 @@ def main(argv=None):
     header = ["M", "theory M/(M+P-1)", "measured (mean of stages)", "stage range", "measured vs theory",
               f"{cores}-core model", "stage-0 F ms", "stage-0 B ms", "step s"]
     notes = [f"P = {P} stages, {args.schedule}, one gloo rank and one thread per stage, {cores} CPU cores; model "
-             f"{cfg}, micro-batch 1 x {cfg['seq_len']} tokens; median of max({steps}, 16/M) steps after one warmup "
-             "step.",
+             f"{cfg}, micro-batch 1 x {cfg['seq_len']} tokens; median of max({steps}, {min_micro_batches}/M) steps "
+             "after one warmup step.",
              "busy = seconds inside a stage's forward/backward calls, idle = the rest of its step "
              "(StageRecord from parallel/pp.py); utilization = busy / (busy + idle).",
              f"largest deviation from M/(M+P-1): {worst:.1%} (acceptance: within 15%); "

@@ -28,7 +28,7 @@ GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved"
 
 
 def argv(*flags):
-    return BASE + ["--peak-tflops", "1", "--out", "/nonexistent-unused"] + list(flags)
+    return BASE + ["--peak-tflops", "1"] + list(flags)
 
 
 # ---------------------------------------------------------------- pure schedules
@@ -151,9 +151,9 @@ def test_bad_pipeline_flags_raise_a_layout_error_naming_the_flag(flag, kwargs, n
     assert err.value.flag == flag and "\n" not in str(err.value)
 
 
-def test_pp_not_dividing_the_world_is_one_line_and_exit_2(capsys):
+def test_pp_not_dividing_the_world_is_one_line_and_exit_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        train.main(argv("--pp", "2"))
+        train.main(argv("--pp", "2", "--out", str(tmp_path)))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "does not divide the world size 1" in err and "\n" not in err
@@ -171,9 +171,10 @@ def _exit_and_stderr(rank, world, argvs):
     return out
 
 
-def test_bad_pipeline_flags_through_train_are_one_line_and_exit_2():
-    cases = [argv("--pp", "2", "--pp-split", "1,2"), argv("--pp", "2", "--n-layer", "1"),
-             argv("--pp", "2", "--pp-schedule", "interleaved", "--pp-virtual", "2", "--n-layer", "6")]
+def test_bad_pipeline_flags_through_train_are_one_line_and_exit_2(tmp_path):
+    cases = [argv("--out", str(tmp_path), *flags) for flags in (
+        ["--pp", "2", "--pp-split", "1,2"], ["--pp", "2", "--n-layer", "1"],
+        ["--pp", "2", "--pp-schedule", "interleaved", "--pp-virtual", "2", "--n-layer", "6"])]
     results = run_ranks(_exit_and_stderr, 2, args=(cases,), timeout=120)
     for (code, err), expected in zip(results[0], ["--pp-split", "--pp:", "--pp-virtual"]):
         assert code == 2 and err.startswith(f"error: {expected}") and err.count("\n") == 1, err
@@ -182,12 +183,13 @@ def test_bad_pipeline_flags_through_train_are_one_line_and_exit_2():
 
 # ---------------------------------------------------------------- layout equivalence on gloo ranks
 
-def _train_many(rank, world, runs, metrics_dir):
+def _train_many(rank, world, runs, folder):
     """Each run's (losses, final val loss): one evaluation after the last step, through pp.eval_step."""
     out = []
     for i, a in enumerate(runs):
-        metrics = f"{metrics_dir}/run{i}.jsonl"
-        losses = train.main(a + ["--eval-every", "10", "--eval-batches", "1", "--metrics", metrics])
+        metrics = f"{folder}/run{i}.jsonl"
+        losses = train.main(a + ["--eval-every", "10", "--eval-batches", "1", "--metrics", metrics,
+                                 "--out", f"{folder}/run{i}"])
         out.append((losses, json.loads(open(metrics).read().splitlines()[-1])["val_loss"] if rank == 0 else None))
     return out
 
