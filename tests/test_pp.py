@@ -205,12 +205,15 @@ COMPOSED_RUNS = {  # world 4 unless noted
     "pp2xdp2-fsdp": ["--pp", "2", "--dp", "2", "--micro-batch", "2", "--dp-mode", "fsdp"],
     "pp2xdp2-ddp-interleaved": ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--n-layer", "8",
                                 "--pp-schedule", "interleaved", "--pp-virtual", "2"],
+    "pp2xdp2-fsdp-interleaved": ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--n-layer", "8",
+                                 "--pp-schedule", "interleaved", "--pp-virtual", "2", "--dp-mode", "fsdp"],
     "pp2xtp2": ["--pp", "2", "--tp", "2"],
     "pp2xtp2-sp": ["--pp", "2", "--tp", "2", "--sp"],
     "pp2xcp2": ["--pp", "2", "--cp", "2"],
     "pp4-ckpt-full": ["--pp", "4", "--micro-batch", "2", "--ckpt", "full"],
 }
-NEEDS = {"pp2xdp2-fsdp": "fsdp", "pp2xtp2": "tp", "pp2xtp2-sp": "tp", "pp2xcp2": "cp", "pp4-ckpt-full": "ckpt"}
+NEEDS = {"pp2xdp2-fsdp": "fsdp", "pp2xdp2-fsdp-interleaved": "fsdp",
+         "pp2xtp2": "tp", "pp2xtp2-sp": "tp", "pp2xcp2": "cp", "pp4-ckpt-full": "ckpt"}
 COMPOSED = {k: v for k, v in COMPOSED_RUNS.items() if LANDED.get(NEEDS.get(k), True)}
 
 
