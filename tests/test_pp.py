@@ -200,7 +200,7 @@ SCHEDULE_RUNS = {  # name: (world, reference layers, flags); global batch 8, so 
     for s, n, extra in (("gpipe", 4, []), ("1f1b", 4, []),
                         ("interleaved", 8, ["--n-layer", "8", "--pp-virtual", "2"]))}
 LANDED = {m: importlib.util.find_spec(f"parallel.{m}") is not None for m in ("fsdp", "tp", "cp", "ckpt")}
-COMPOSED_RUNS = {  # world 4 unless noted
+COMPOSED_RUNS = {  # all on 4 ranks
     "pp2xdp2-ddp": ["--pp", "2", "--dp", "2", "--micro-batch", "2"],
     "pp2xdp2-fsdp": ["--pp", "2", "--dp", "2", "--micro-batch", "2", "--dp-mode", "fsdp"],
     "pp2xdp2-ddp-interleaved": ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--n-layer", "8",
@@ -284,16 +284,30 @@ def _in_flight(rank, world):
     for schedule in ("gpipe", "1f1b"):
         chunks, batches = tiny_pipeline(mesh, schedule, 8)
         wrapper = DDP(torch.nn.ModuleList(chunks), mesh)
+        mesh.stats.reset()
         _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), 1.0, wrapper)
-        out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s)
+        out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s,
+                         mesh.stats.bytes["send"], mesh.stats.calls["send"])
     return out
 
 
-def test_1f1b_keeps_at_most_P_activation_sets_in_flight_on_stage_0_and_gpipe_M():
-    records = run_ranks(_in_flight, 4, timeout=120)
-    assert records[0]["1f1b"][0] == 4 and records[0]["gpipe"][0] == 8
-    assert [r["1f1b"][0] for r in records] == [4, 3, 2, 1]  # stage r holds P - r
-    assert all(r[s][1] == 16 and r[s][2] for r in records for s in r)  # 8 forwards + 8 backwards recorded
+@pytest.fixture(scope="module")
+def stage_records():
+    return run_ranks(_in_flight, 4, timeout=120)
+
+
+def test_1f1b_keeps_at_most_P_activation_sets_in_flight_on_stage_0_and_gpipe_M(stage_records):
+    assert stage_records[0]["1f1b"][0] == 4 and stage_records[0]["gpipe"][0] == 8
+    assert [r["1f1b"][0] for r in stage_records] == [4, 3, 2, 1]  # stage r holds P - r
+    assert all(r[s][1] == 16 and r[s][2] for r in stage_records for s in r)  # 8 forwards + 8 backwards recorded
+
+
+def test_each_boundary_sends_one_activation_forward_and_one_gradient_back_per_micro_batch(stage_records):
+    activation = 1 * 16 * TINY.d_model * 4  # (b, T, d) fp32 bytes
+    for rank, r in enumerate(stage_records):
+        messages = 8 * ((rank < 3) + (rank > 0))  # forward to the next stage, backward to the previous
+        for schedule in r:
+            assert r[schedule][3:] == (messages * activation, messages)
 
 
 class Broken(RuntimeError):
