@@ -33,7 +33,8 @@ def infer_dp(world, tp=1, pp=1, cp=1, dp=None):
             raise LayoutError(flag, f"must be >= 1, got {n}")
     if dp is None:
         if world % inner:
-            raise LayoutError("--tp", f"tp·pp·cp = {inner} does not divide the world size {world}")
+            culprit = next((f for f, n in (("--pp", pp), ("--cp", cp), ("--tp", tp)) if world % n), "--tp")
+            raise LayoutError(culprit, f"tp·pp·cp = {tp}·{pp}·{cp} = {inner} does not divide the world size {world}")
         return world // inner
     if dp < 1:
         raise LayoutError("--dp", f"must be >= 1, got {dp}")

@@ -48,6 +48,8 @@ def test_describe_names_the_physical_scope_of_each_group():
 @pytest.mark.parametrize("kwargs, flag", [
     ({"world": 4, "dp": 3}, "--dp"),
     ({"world": 6, "tp": 4}, "--tp"),
+    ({"world": 1, "pp": 2}, "--pp"),
+    ({"world": 4, "cp": 3}, "--cp"),
     ({"world": 4, "tp": 0}, "--tp"),
 ])
 def test_impossible_layouts_name_their_flag(kwargs, flag):
