@@ -66,13 +66,17 @@ def hardware_line(backend=None):
 
 
 def command_line(argv=None):
-    """The command that reproduces this run, relative to the repository root."""
+    """The command that reproduces this run, relative to the repository root (without --out)."""
     script = Path(sys.argv[0]).resolve()
     try:
         script = script.relative_to(REPO)
     except ValueError:
         pass
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in args[:-1]:  # where the tables go does not change them
+        i = args.index("--out")
+        del args[i:i + 2]
+    args = [a for a in args if not a.startswith("--out=")]
     return shlex.join(["python", str(script), *args])
 
 

@@ -215,9 +215,14 @@ def write_index(results, answers, statuses):
             text = f"pending: expected in {TESTED[item][0]}, not on main yet"
         else:
             missing = [s.path for s in REGISTRY if item in s.items and not (common.REPO / s.path).exists()]
-            text = "not measured yet" + (f" ({', '.join(missing)} not on main)" if missing else
-                                         " (run `make bench`)")
-        lines.append(f"| {item} | {question} | {', '.join(where) or '-'} | {text.replace('|', '/')} |")
+            logs = [f"logs/{s.label}.log" for s in REGISTRY
+                    if item in s.items and (Path(results) / "logs" / f"{s.label}.log").exists()]
+            if logs:
+                text = f"ran, printed no headline: see {', '.join(logs)}"
+            else:
+                text = "not measured yet" + (f" ({', '.join(missing)} not on main)" if missing else
+                                             " (run `make bench`)")
+        lines.append(f"| {item} | {question} | {', '.join(where) or '-'} | {text.replace('|', chr(92) + '|')} |")
     if statuses:
         lines += ["", "## Last run", "", "| script | items | status | seconds |", "|---|---|---|---|"]
         lines += [f"| {s.path} {' '.join(s.args)} | {', '.join(s.items)} | {st} | {sec:.0f} |"

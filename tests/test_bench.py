@@ -21,6 +21,7 @@ def test_result_file_has_command_date_hardware(tmp_path):
     text = path.read_text()
     assert "Command: `python x.py`" in text and "Date: 20" in text and "Hardware: " in text
     assert table_rows(path) == [["1", "2.5"]] and "- a note" in text
+    assert common.command_line(["--quick", "--out", "/x", "--steps", "3"]).endswith(" --quick --steps 3")
 
 
 def test_precision_tables(tmp_path, capsys):
