@@ -1,83 +1,381 @@
-"""Saving and resuming a run: atomic files, the last `keep` kept, a config check on resume.
+"""Sharded checkpoints: every rank writes only what it owns, and any layout reads them back.
 
-A checkpoint is RUN_DIR/ckpt_STEP.pt holding the model and optimizer state, the loss scaler, the
-step (the data position follows from it: batches are a function of (seed, step)), the RNG states and
-the full config. It is written to a temp file, fsynced, then renamed, so a crash mid-save leaves the
-previous checkpoint intact and the half-written temp file is ignored.
+    RUN/ckpt_0000100/        one complete save (the step, 7 digits)
+        meta.json            rank 0: step, config, layout, loss scaler, Adam's step count, every rank's RNG states,
+                             the size of every file, and for every global tensor its shape, dtype and pieces
+        rank00003.bin        rank 3's raw bytes: for each piece it writes, the param, then exp_avg and exp_avg_sq
+        complete             written last
+A piece is the run of elements [start, start + numel) of the flattened tp block `tp` = [dim, rank, world] of a
+global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment (parallel.ddp.Piece).
+Adam's state maps like its param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and
+tp-replicated norms are written once. Atomic: the ranks write into RUN/.tmp_ckpt_STEP_ID/, rank 0 adds meta.json
+and `complete`, then renames it to ckpt_STEP; resume ignores anything else and removes it. The newest --keep stay.
+Loading in any layout = resharding: for each global tensor, one at a time, place its saved pieces into the full
+tensor, then cut out the pieces this rank holds now. --async-save copies the pieces to CPU memory and writes them
+from a thread while training continues; rank 0's thread waits for every rank's files, then finalizes.
 """
+import json
 import os
 import random
+import re
+import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-PREFIX = "ckpt_"
+from parallel.comm import all_reduce_max
+
+SAVE = re.compile(r"ckpt_(\d{7})$")
+ADAM = ("exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(Exception):
-    """A missing, corrupt or mismatched checkpoint."""
+    """A missing, corrupt or mismatched checkpoint: one line, exit status 2."""
 
 
-def checkpoints(run_dir):
-    """Complete checkpoints in the run folder, oldest first."""
-    return sorted(Path(run_dir).glob(f"{PREFIX}*.pt"))
+# ---------------------------------------------------------------- the run folder
 
+def complete_saves(run_dir):
+    """Complete saves in the run folder, oldest first."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.glob("ckpt_*") if SAVE.match(p.name) and (p / "complete").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def remove_incomplete(run_dir):
+    """Saves killed mid-write (.tmp_*), half-deleted ones (.del_*) and folders without `complete` (rank 0)."""
+    for p in Path(run_dir).glob("*ckpt_*"):
+        if p.is_dir() and (p.name.startswith((".tmp_", ".del_")) or (SAVE.match(p.name) and
+                                                                      not (p / "complete").exists())):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _retire(path):
+    """Deletes a save folder: renamed first, so that it is never seen half-deleted under its name."""
+    trash = path.with_name(f".del_{path.name}_{os.getpid()}")
+    try:
+        os.replace(path, trash)
+    except OSError:  # already gone (another process pruned it)
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune(run_dir, keep):
+    if keep > 0:
+        for old in complete_saves(run_dir)[:-keep]:
+            _retire(old)
+
+
+def write_json(path, obj):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- RNG states, as JSON
 
 def rng_state():
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    state = {"torch": torch.get_rng_state().numpy().tobytes().hex(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes().hex()
     return state
 
 
 def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    torch.set_rng_state(torch.frombuffer(bytearray.fromhex(state["torch"]), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(state["cuda"]), dtype=torch.uint8))
 
 
-def save(run_dir, step, state, keep=2):
-    """Atomically writes ckpt_STEP.pt and deletes all but the newest `keep`."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / f"{PREFIX}{step:07d}.pt"
-    tmp = run_dir / f".tmp_{path.name}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+# ---------------------------------------------------------------- writing
+
+def global_shape(piece):
+    shape = list(piece.shape)
+    if piece.tp_shard is not None:
+        dim, _, world = piece.tp_shard
+        shape[dim] *= world
+    return shape
+
+
+def written_pieces(wrapper, opt, copy):
+    """[(piece, {kind: 1-D CPU tensor})] for the pieces this rank writes; copy: snapshot them (async)."""
+    out = []
+    for piece in wrapper.owned_pieces():
+        if not piece.writer:
+            continue
+        sources = {"param": piece.param, **({k: opt.state[piece.param][k] for k in ADAM} if opt.state else {})}
+        out.append((piece, {kind: t.detach().reshape(-1)[piece.start:piece.end].to("cpu", copy=copy)
+                            for kind, t in sources.items()}))
+    return out
+
+
+def write_rank(folder, rank, pieces, rank_info):
+    """This rank's bytes, then (atomically, last) its index: the sign that the rank is done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    name, index, pos = f"rank{rank:05d}.bin", [], 0
+    with open(folder / name, "wb") as f:
+        for piece, tensors in pieces:
+            offsets = {}
+            for kind, t in tensors.items():
+                f.write(t.contiguous().view(torch.uint8).numpy().data)
+                offsets[kind], pos = pos, pos + t.numel() * t.element_size()
+            index.append({"name": piece.name, "shape": global_shape(piece), "dtype": str(t.dtype).split(".")[1],
+                          "tp": piece.tp_shard, "start": piece.offset, "numel": piece.end - piece.start,
+                          "offsets": offsets})
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in checkpoints(run_dir)[:-keep]:
-        old.unlink()
-    return path
+    write_json(folder / f"rank{rank:05d}.json", {"file": name, "bytes": pos, "pieces": index, **rank_info})
 
 
-def load(path):
+def finalize(run_dir, folder, step, world, header, keep, wait_s):
+    """Rank 0: once every rank's index is there, merge them into meta.json, mark complete, publish, prune."""
+    indexes = [folder / f"rank{r:05d}.json" for r in range(world)]
+    deadline = time.time() + wait_s
+    while not all(p.exists() for p in indexes):
+        if time.time() > deadline or not folder.exists():
+            print(f"warning: save of step {step} abandoned: not every rank wrote to {folder}", file=sys.stderr)
+            return None
+        time.sleep(0.05)
+    tensors, files, rng = {}, {}, {}
+    for r, path in enumerate(indexes):
+        info = json.loads(path.read_text())
+        files[info["file"]], rng[r] = info["bytes"], info["rng"]
+        for p in info["pieces"]:
+            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
+            entry["pieces"].append({"file": info["file"], **{k: p[k] for k in ("tp", "start", "numel", "offsets")}})
+    write_json(folder / "meta.json", {**header, "rng": rng, "files": files, "tensors": tensors})
+    for path in indexes:
+        path.unlink()
+    with open(folder / "complete", "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    final = run_dir / f"ckpt_{step:07d}"
+    if final.exists():  # saved again after resuming from an older save
+        _retire(final)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
+        os.replace(folder, final)
+    except OSError as e:  # another process published this step meanwhile (tests share a scratch folder)
+        print(f"warning: could not publish {final}: {e}", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    fsync_dir(run_dir)
+    prune(run_dir, keep)
+    return final
 
 
-def load_latest(run_dir):
-    found = checkpoints(run_dir)
+class Saver:
+    """save() writes this rank's pieces; synchronously (a barrier, then rank 0 finalizes), or with async_save
+    from a background thread after a CPU snapshot. Returns the seconds training stalled for it."""
+
+    def __init__(self, run_dir, mesh, device, keep=2, async_save=False, run_id=0):
+        self.run_dir, self.mesh, self.device, self.keep = Path(run_dir), mesh, device, keep
+        self.async_save, self.run_id, self.thread = async_save, run_id, None
+
+    def save(self, step, wrapper, opt, header):
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time: its snapshot may not be overwritten
+        pieces = written_pieces(wrapper, opt, copy=self.async_save)
+        steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+        rank_info = {"rng": rng_state(), "optimizer_step": max(steps, default=0)}
+        header = {**header, "step": step, "data_position": step, "world": self.mesh.world,
+                  "optimizer": {"step": rank_info["optimizer_step"], "kinds": ["param", *ADAM] if opt.state
+                                else ["param"]}}
+        folder = self.run_dir / f".tmp_ckpt_{step:07d}_{self.run_id:06x}"
+        rank = self.mesh.global_rank
+        if self.async_save:
+            self.thread = threading.Thread(target=self._write, args=(folder, step, pieces, rank_info, header, 1800),
+                                           daemon=True)
+            self.thread.start()
+        else:
+            write_rank(folder, rank, pieces, rank_info)
+            all_reduce_max(self.mesh.world_group, 0.0, self.device)  # a barrier: every rank's files are there
+            if rank == 0:
+                finalize(self.run_dir, folder, step, self.mesh.world, header, self.keep, wait_s=60)
+        return time.perf_counter() - t0
+
+    def _write(self, folder, step, pieces, rank_info, header, wait_s):
+        try:
+            write_rank(folder, self.mesh.global_rank, pieces, rank_info)
+            if self.mesh.global_rank == 0:
+                finalize(self.run_dir, folder, step, self.mesh.world, header, self.keep, wait_s)
+        except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
+            print(f"warning: save of step {step} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def agree_on_run_id(mesh, device):
+    """A random id all ranks share (names this attempt's temp folders). The all-reduce is also a barrier."""
+    return int(all_reduce_max(mesh.world_group, int.from_bytes(os.urandom(3), "little"), device))
+
+
+# ---------------------------------------------------------------- reading
+
+class Saved:
+    """One complete save on disk. tensor(name, kind) assembles a full global tensor from its pieces."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.meta = json.loads((self.path / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
+        self.step, self.tensors = self.meta["step"], self.meta["tensors"]
+
+    def validate(self):
+        """Every file has the size the metadata says, and every tensor's pieces add up to it."""
+        for name, size in self.meta["files"].items():
+            path = self.path / name
+            actual = path.stat().st_size if path.exists() else None
+            if actual != size:
+                raise CheckpointError(f"{path} is {'missing' if actual is None else 'truncated'}: "
+                                      f"{actual or 0} of {size} bytes")
+        for name, t in self.tensors.items():
+            if sum(p["numel"] for p in t["pieces"]) != int(np.prod(t["shape"])):
+                raise CheckpointError(f"{self.path}: the pieces of {name} do not cover its shape {t['shape']}")
+        return self
+
+    def tensor(self, name, kind="param"):
+        """The full tensor, read piece by piece: each tp block is filled through one flat buffer."""
+        info = self.tensors[name]
+        dtype = getattr(torch, info["dtype"])
+        full = torch.empty(info["shape"], dtype=dtype)
+        blocks = {}
+        for p in info["pieces"]:
+            blocks.setdefault(tuple(p["tp"] or ()), []).append(p)
+        for tp, pieces in blocks.items():
+            block = full.chunk(tp[2], tp[0])[tp[1]] if tp else full
+            flat = block.view(-1) if block.is_contiguous() else torch.empty(block.numel(), dtype=dtype)
+            for p in pieces:
+                with open(self.path / p["file"], "rb") as f:
+                    f.seek(p["offsets"][kind])
+                    part = flat[p["start"]:p["start"] + p["numel"]]
+                    if f.readinto(part.view(torch.uint8).numpy()) != part.numel() * part.element_size():
+                        raise CheckpointError(f"{self.path / p['file']} is truncated")
+            if not block.is_contiguous():
+                block.copy_(flat.view(block.shape))
+        return full
+
+
+def cut(full, piece):
+    """This rank's piece of a full tensor: its tp block, then the flat range."""
+    block = full
+    if piece.tp_shard is not None:
+        dim, rank, world = piece.tp_shard
+        block = full.chunk(world, dim)[rank]
+    if tuple(block.shape) != tuple(piece.shape):
+        raise CheckpointError(f"{piece.name}: saved block {tuple(block.shape)}, this model has {tuple(piece.shape)}")
+    return block.reshape(-1)[piece.offset:piece.offset + piece.end - piece.start]
+
+
+@torch.no_grad()
+def load(saved, wrapper, opt, rng_of_rank=None):
+    """Fills this rank's params and Adam state from a save made in any layout, one global tensor at a time;
+    rng_of_rank: whose RNG states to restore (same layout), or None."""
+    by_name = {}
+    for piece in wrapper.owned_pieces():
+        by_name.setdefault(piece.name, []).append(piece)
+    kinds, adam = saved.meta["optimizer"]["kinds"], {}
+    for name, pieces in by_name.items():
+        if name not in saved.tensors:
+            raise CheckpointError(f"{saved.path} has no tensor {name}")
+        for kind in kinds:
+            full = saved.tensor(name, kind)
+            for piece in pieces:
+                target = piece.param if kind == "param" else adam.setdefault(piece.param, {}).setdefault(
+                    kind, torch.zeros_like(piece.param))  # FSDP padding keeps zero moments, as in training
+                target.view(-1)[piece.start:piece.end].copy_(cut(full, piece))
+            del full
+    if adam:
+        state = opt.state_dict()
+        indices = [i for group in state["param_groups"] for i in group["params"]]
+        params = [p for group in opt.param_groups for p in group["params"]]
+        step = torch.tensor(float(saved.meta["optimizer"]["step"]), dtype=torch.float32)
+        state["state"] = {i: {"step": step.clone(), **adam[p]} for i, p in zip(indices, params)}
+        opt.load_state_dict(state)
+    if rng_of_rank is not None:
+        set_rng_state(saved.meta["rng"][str(rng_of_rank)])
+
+
+def check_config(saved, current, where=""):
+    """Refuses to resume under a different model, data or optimization config; names the first difference."""
+    def first_difference(a, b, prefix=""):
+        for key in sorted(set(a) | set(b)):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, dict) and isinstance(y, dict):
+                found = first_difference(x, y, f"{prefix}{key}.")
+                if found:
+                    return found
+            elif x != y:
+                return f"{prefix}{key}", x, y
+        return None
+    found = first_difference(saved, current)
+    if found:
+        key, x, y = found
+        raise CheckpointError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
+
+
+def find_resume(run_dir, mode, config):
+    """The validated save to resume from, or None (mode None: a fresh run; 'auto': fresh if there is none)."""
+    if mode is None:
+        return None
+    found = complete_saves(run_dir)
     if not found:
-        raise CheckpointError(f"--resume: no checkpoint in {run_dir}")
-    return load(found[-1])
+        if mode == "auto":
+            return None
+        raise CheckpointError(f"--resume: no complete save in {run_dir} (use --resume auto to start fresh)")
+    try:
+        saved = Saved(found[-1]).validate()
+        check_config(saved.meta["config"], config, where=f"{found[-1]} ")
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: {e}") from None
+    return saved
 
 
-def check_config(saved, current):
-    """Refuses to resume under a different model or optimization config."""
-    for key in sorted(set(saved) | set(current)):
-        if saved.get(key) != current.get(key):
-            raise CheckpointError(f"--resume: checkpoint has {key}={saved.get(key)!r}, "
-                                  f"this run has {current.get(key)!r}")
+# ---------------------------------------------------------------- export and sampling
+
+class LazyTensor:
+    """A saved global tensor, read when called: export holds one full tensor at a time."""
+
+    def __init__(self, saved, name):
+        self.saved, self.name = saved, name
+        self.shape = torch.Size(saved.tensors[name]["shape"])
+        self.dtype = getattr(torch, saved.tensors[name]["dtype"])
+
+    def __call__(self):
+        return self.saved.tensor(self.name)
 
 
-def load_model_state(run_dir):
-    """(config, full model state dict) of the newest checkpoint, for export and sampling."""
-    state = load_latest(run_dir)
-    return state["config"], state["model"]
+def model_tensors(run_dir):
+    """(run config, {global name: LazyTensor}) of the newest complete save in run_dir (or of that save)."""
+    run_dir = Path(run_dir)
+    path = run_dir if (run_dir / "complete").exists() else (complete_saves(run_dir) or [None])[-1]
+    if path is None:
+        raise CheckpointError(f"no complete save in {run_dir}")
+    saved = Saved(path).validate()
+    return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}

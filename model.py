@@ -259,21 +259,26 @@ def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
 
 # ---------------------------------------------------------------- export to Hugging Face
 
-def write_safetensors(path, tensors):
-    """The safetensors format: 8-byte header length, a JSON header, then the raw little-endian bytes."""
+def write_safetensors(path, tensors, dtype=None):
+    """The safetensors format: 8-byte header length, a JSON header, then the raw little-endian bytes.
+    tensors: {name: tensor, or a function returning it that has .shape and .dtype (checkpoint.LazyTensor)};
+    the header needs only shapes, so the tensors are then fetched, converted to `dtype` and written one at a time."""
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-    header, offset, blobs = {}, 0, []
+    header, offset = {}, 0
     for name, t in tensors.items():
-        data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
+        out_dtype = dtype or t.dtype
+        size = math.prod(t.shape) * out_dtype.itemsize
+        header[name] = {"dtype": names[out_dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
-        f.writelines(blobs)
+        for t in tensors.values():
+            t = (t() if callable(t) else t).detach().to("cpu", dtype or t.dtype).contiguous()
+            f.write(t.view(torch.uint8).numpy().data)
+            del t  # before the next one is read
 
 
 def hf_config(cfg):
@@ -289,12 +294,13 @@ def hf_config(cfg):
 
 
 def export_hf(cfg, state_dict, out_dir):
-    """Writes config.json and model.safetensors that LlamaForCausalLM.from_pretrained loads."""
+    """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads.
+    state_dict values may be lazy (checkpoint.model_tensors): then one full tensor is in memory at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
-    renamed = {(k if k == "lm_head.weight" else "model." + k): v.float() for k, v in state_dict.items()}
-    write_safetensors(out / "model.safetensors", renamed)
+    renamed = {(k if k == "lm_head.weight" else "model." + k): v for k, v in state_dict.items()}
+    write_safetensors(out / "model.safetensors", renamed, dtype=torch.float32)
 
 
 def config_from_dict(d):
@@ -305,9 +311,9 @@ def main(argv):
     if len(argv) != 3 or argv[0] != "export":
         print("usage: python model.py export RUN_DIR OUT_DIR", file=sys.stderr)
         return 2
-    from checkpoint import CheckpointError, load_model_state
+    from checkpoint import CheckpointError, model_tensors
     try:
-        run_config, state = load_model_state(argv[1])
+        run_config, state = model_tensors(argv[1])  # a save from any layout, read tensor by tensor
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

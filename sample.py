@@ -10,7 +10,7 @@ import sys
 import torch
 
 import model as M
-from checkpoint import CheckpointError, load_model_state
+from checkpoint import CheckpointError, model_tensors
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
 
@@ -46,14 +46,16 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
-        config, state = load_model_state(args.run)
+        config, tensors = model_tensors(args.run)  # a save from any layout
         enc = get_tokenizer(config["tokenizer"])
     except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = M.config_from_dict(config["model"])
     gpt = M.GPT(cfg).to(args.device)
-    gpt.load_state_dict(state)
+    with torch.no_grad():
+        for name, p in gpt.state_dict().items():
+            p.copy_(tensors[name]())  # one full tensor read at a time
     gpt.eval()
     torch.manual_seed(args.seed)
     prompt = enc.encode(args.prompt, allowed_special="all")

@@ -10,6 +10,7 @@ over all its tokens, so every layout trains the same model (DESIGN 2.3).
 import argparse
 import importlib
 import json
+import math
 import os
 import resource
 import sys
@@ -24,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 import checkpoint
+import faults
 import model as M
 import optim
 from checkpoint import CheckpointError
@@ -85,7 +87,11 @@ def parse_args(argv=None):
     a("--peak-tflops", type=float, help="device peak for MFU (default: device table, or measured on CPU)")
     a("--out", default="out", help="run folder: checkpoints, trace")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
+      help="continue from the newest complete save in --out in any layout (error if none); "
+           "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
+    a("--keep", type=int, default=2, help="complete saves to keep (0: all)")
+    a("--async-save", action="store_true", help="snapshot to CPU memory and write from a background thread")
     a("--eval-every", type=int, default=0, help="val loss every N steps (0: off)")
     a("--eval-batches", type=int, default=4, help="global batches per evaluation")
     a("--log-every", type=int, default=10, help="print a console line every N steps (0: off)")
@@ -103,6 +109,8 @@ def check_args(args):
     for flag in ("steps", "global_batch", "micro_batch", "eval_batches"):
         if getattr(args, flag) < (0 if flag == "steps" else 1):
             raise UsageError(f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
+    if args.keep < 0:
+        raise UsageError(f"--keep: must be >= 0, got {args.keep}")
     if args.dp_mode not in ("ddp", "fsdp", "hsdp"):
         raise UsageError(f"--dp-mode: unknown mode {args.dp_mode!r}; choose ddp, fsdp or hsdp")
     if args.dp_mode == "hsdp" and not args.dp_shard:
@@ -160,8 +168,21 @@ def init_distributed(args):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=5))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=5),
+                                **restart_store(rank, world))
     return rank, world, torch.device(device)
+
+
+def restart_store(rank, world):
+    """Under torchrun --max-restarts, the rendezvous store outlives a failed attempt, and its keys (a killed peer's
+    address) would be read again: the new workers then wait on a dead port. Each attempt gets its own key prefix."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return {}
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timedelta(minutes=5))
+    return {"store": dist.PrefixStore(f"attempt_{restart}", store), "rank": rank, "world_size": world}
 
 
 def peak_flops(args, device):
@@ -302,10 +323,9 @@ def train(args):
     val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device,
                              prefetch=False) if args.eval_every else None
     config = run_config(args, cfg, meta)
-    resumed = None
-    if args.resume:
-        resumed = checkpoint.load_latest(args.out)
-        checkpoint.check_config(resumed["config"], config)
+    saved = checkpoint.find_resume(args.out, args.resume, config)  # validated before anything is written
+    attempts = faults.Attempts(args.out, rank, resuming=args.resume is not None)
+    attempts.check()
     if rank == 0 and world > 1:
         print(mesh.describe(), flush=True)
 
@@ -313,13 +333,19 @@ def train(args):
     chunks, wrapper = build_model(cfg, mesh, args, device)
     opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
     scaler = optim.LossScaler(args.dtype == "fp16")
-    start = 0
-    if resumed:
-        wrapper.load_model_state(resumed["model"])
-        opt.load_state_dict(resumed["optimizer"])
-        scaler.load_state_dict(resumed["scaler"])
-        checkpoint.set_rng_state(resumed["rng"])
-        start = resumed["step"]
+    start, layout = 0, run_layout(args, mesh)
+    if saved:
+        same_layout = saved.meta["layout"] == layout  # else: resharding, and each rank's RNG has no counterpart
+        checkpoint.load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
+        scaler.load_state_dict(saved.meta["scaler"])
+        start = saved.step
+        if rank == 0:
+            print(f"resumed from {saved.path} (step {start}{'' if same_layout else ', resharded'})", flush=True)
+    run_id = checkpoint.agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
+    if rank == 0 and args.resume:
+        checkpoint.remove_incomplete(args.out)
+    attempts.begin(start)  # rank 0 writes the record
+    saver = checkpoint.Saver(args.out, mesh, device, keep=args.keep, async_save=args.async_save, run_id=run_id)
 
     peak, peak_source = peak_flops(args, device)
     tokens_per_step = args.global_batch * cfg.seq_len
@@ -360,11 +386,13 @@ def train(args):
         wrapper.finish_grad_sync()
         grad_norm = optim.unscale_and_clip(wrapper.grads_for_norm(), mesh.world_group, 1 / scaler.scale,
                                            args.grad_clip)
+        loss = mean_over_replicas(local_loss.item(), mesh, device)
+        if not math.isfinite(loss) or (not scaler.enabled and not torch.isfinite(grad_norm).item()):
+            raise stop_run(faults.NonFiniteLoss(step + 1, loss, grad_norm.item()), saver, attempts, args.out)
         skipped = scaler.update(not torch.isfinite(grad_norm).item())
         if not skipped:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = mean_over_replicas(local_loss.item(), mesh, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -378,6 +406,10 @@ def train(args):
             row.update(loss_scale=scaler.scale, skipped=skipped)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             row["val_loss"] = evaluate(chunks, mesh, val_loader, args, autocast)
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            row["save_stall_s"] = saver.save(step + 1, wrapper, opt, {
+                "config": config, "layout": layout, "scaler": scaler.state_dict(), "format": 1})
+        attempts.progress(step + 1)
         if metrics:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
@@ -388,8 +420,8 @@ def train(args):
                       f"{row['tok_s']:.0f} tok/s mfu {(row['mfu'] or 0):.2%} mem {row['mem_gb']:.2f} GB")
         if profiler:
             profiler.step()
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            save(out, step + 1, wrapper, opt, scaler, config, rank)
+    saver.wait()  # the last async save
+    attempts.end("done")
     if profiler:
         profiler.stop()
     loader.close()
@@ -398,11 +430,20 @@ def train(args):
     return losses
 
 
-def save(out, step, wrapper, opt, scaler, config, rank):
-    state = wrapper.model_state()  # every rank takes part; rank 0 gets the full state
-    if rank == 0:
-        checkpoint.save(out, step, {"model": state, "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
-                                    "step": step, "rng": checkpoint.rng_state(), "config": config})
+def run_layout(args, mesh):
+    """Recorded in each save: a resume in the same layout also restores every rank's RNG states."""
+    return {"world": mesh.world, **mesh.sizes, "dp_mode": args.dp_mode, "dp_shard": mesh.dp_shard, "sp": args.sp,
+            "pp_schedule": args.pp_schedule, "pp_virtual": args.pp_virtual, "pp_split": args.pp_split,
+            "cp_mode": args.cp_mode}
+
+
+def stop_run(error, saver, attempts, out):
+    """A non-finite loss: let an async save in flight (the last good one) finish, record the failure."""
+    saver.wait()
+    repeated = attempts.end(f"failed: {error}")
+    newest = checkpoint.complete_saves(out)
+    return faults.TrainingFailure(f"{error}; stopped, the last good save is {newest[-1] if newest else 'none'}"
+                                  f"{repeated}")
 
 
 def main(argv=None):
@@ -412,6 +453,10 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except faults.TrainingFailure as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 a kill during a save leaves the previous checkpoint, and every bad input is one line with exit status 2."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,28 +52,36 @@ def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatc
 def test_resume_continues_bitwise(tmp_path):
     straight = run(["--steps", "10", "--out", str(tmp_path / "a")])
     run(["--steps", "10", "--save-every", "5", "--out", str(tmp_path / "b")])
-    (tmp_path / "b" / "ckpt_0000010.pt").unlink()  # as if the run died after step 5's save
+    shutil.rmtree(tmp_path / "b" / "ckpt_0000010")  # as if the run died after step 5's save
     resumed = run(["--steps", "10", "--resume", "--out", str(tmp_path / "b")])
     assert resumed == straight[5:]
 
 
 def _slow_save(run_dir):
-    big = {"model": torch.zeros(64 * 2 ** 20), "step": 2}  # 256 MB: the write takes a while
-    checkpoint.save(run_dir, 2, big)
+    """Resumes at step 1 and trains step 2, whose save stalls after writing its data (the kill lands there)."""
+    write_rank = checkpoint.write_rank
+
+    def slow(folder, *args):
+        write_rank(folder, *args)
+        time.sleep(120)
+    checkpoint.write_rank = slow
+    run(["--steps", "2", "--resume", "--out", run_dir])
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    checkpoint.save(tmp_path, 1, {"model": torch.ones(3), "step": 1})
+    run(["--steps", "2", "--save-every", "1", "--out", str(tmp_path)])
+    shutil.rmtree(tmp_path / "ckpt_0000002")
+    step1 = checkpoint.Saved(tmp_path / "ckpt_0000001").tensor("lm_head.weight")
     proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_train as t; t._slow_save({str(tmp_path)!r})"],
                             cwd=REPO)
     deadline = time.time() + 60
-    while not list(tmp_path.glob(".tmp_*")) and time.time() < deadline:
+    while not list(tmp_path.glob(".tmp_*/rank00000.json")) and time.time() < deadline:
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert list(tmp_path.glob(".tmp_*")), "the kill should land mid-save"
-    state = checkpoint.load_latest(tmp_path)
-    assert state["step"] == 1 and torch.equal(state["model"], torch.ones(3))
+    state = checkpoint.Saved(checkpoint.complete_saves(tmp_path)[-1]).validate()
+    assert state.step == 1 and torch.equal(state.tensor("lm_head.weight"), step1)
 
 
 def _corrupt_data(tmp_path):
