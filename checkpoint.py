@@ -1,4 +1,4 @@
-"""Sharded checkpoints: every rank writes only what it owns, and any layout reads them back.
+"""Sharded checkpoints: every rank writes only what it owns (loading in any layout is in reshard.py).
 
     RUN/ckpt_0000100/        one complete save (the step, 7 digits)
         meta.json            rank 0: step, config, layout, loss scaler, Adam's step count, every rank's RNG states,
@@ -8,11 +8,11 @@
 A piece is the run of elements [start, start + numel) of the flattened tp block `tp` = [dim, rank, world] of a
 global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment (parallel.ddp.Piece).
 Adam's state maps like its param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and
-tp-replicated norms are written once. Atomic: the ranks write into RUN/.tmp_ckpt_STEP_ID/, rank 0 adds meta.json
-and `complete`, then renames it to ckpt_STEP; resume ignores anything else and removes it. The newest --keep stay.
-Loading in any layout = resharding: for each global tensor, one at a time, place its saved pieces into the full
-tensor, then cut out the pieces this rank holds now. --async-save copies the pieces to CPU memory and writes them
-from a thread while training continues; rank 0's thread waits for every rank's files, then finalizes.
+tp-replicated norms are written once, so a save is 12 bytes per parameter in all, whatever the layout.
+Atomic: the ranks write into RUN/.tmp_ckpt_STEP_ID/, rank 0 merges their indexes into meta.json, writes `complete`,
+then renames the folder to ckpt_STEP; resume ignores anything else and removes it. The newest --keep stay.
+--async-save copies the pieces to CPU memory (the stall), then a thread writes them while training goes on; rank
+0's thread waits for every rank's index file, then finalizes. No collective runs off the main thread.
 """
 import json
 import os
@@ -232,150 +232,3 @@ class Saver:
 def agree_on_run_id(mesh, device):
     """A random id all ranks share (names this attempt's temp folders). The all-reduce is also a barrier."""
     return int(all_reduce_max(mesh.world_group, int.from_bytes(os.urandom(3), "little"), device))
-
-
-# ---------------------------------------------------------------- reading
-
-class Saved:
-    """One complete save on disk. tensor(name, kind) assembles a full global tensor from its pieces."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        try:
-            self.meta = json.loads((self.path / "meta.json").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
-        self.step, self.tensors = self.meta["step"], self.meta["tensors"]
-
-    def validate(self):
-        """Every file has the size the metadata says, and every tensor's pieces add up to it."""
-        for name, size in self.meta["files"].items():
-            path = self.path / name
-            actual = path.stat().st_size if path.exists() else None
-            if actual != size:
-                raise CheckpointError(f"{path} is {'missing' if actual is None else 'truncated'}: "
-                                      f"{actual or 0} of {size} bytes")
-        for name, t in self.tensors.items():
-            if sum(p["numel"] for p in t["pieces"]) != int(np.prod(t["shape"])):
-                raise CheckpointError(f"{self.path}: the pieces of {name} do not cover its shape {t['shape']}")
-        return self
-
-    def tensor(self, name, kind="param"):
-        """The full tensor, read piece by piece: each tp block is filled through one flat buffer."""
-        info = self.tensors[name]
-        dtype = getattr(torch, info["dtype"])
-        full = torch.empty(info["shape"], dtype=dtype)
-        blocks = {}
-        for p in info["pieces"]:
-            blocks.setdefault(tuple(p["tp"] or ()), []).append(p)
-        for tp, pieces in blocks.items():
-            block = full.chunk(tp[2], tp[0])[tp[1]] if tp else full
-            flat = block.view(-1) if block.is_contiguous() else torch.empty(block.numel(), dtype=dtype)
-            for p in pieces:
-                with open(self.path / p["file"], "rb") as f:
-                    f.seek(p["offsets"][kind])
-                    part = flat[p["start"]:p["start"] + p["numel"]]
-                    if f.readinto(part.view(torch.uint8).numpy()) != part.numel() * part.element_size():
-                        raise CheckpointError(f"{self.path / p['file']} is truncated")
-            if not block.is_contiguous():
-                block.copy_(flat.view(block.shape))
-        return full
-
-
-def cut(full, piece):
-    """This rank's piece of a full tensor: its tp block, then the flat range."""
-    block = full
-    if piece.tp_shard is not None:
-        dim, rank, world = piece.tp_shard
-        block = full.chunk(world, dim)[rank]
-    if tuple(block.shape) != tuple(piece.shape):
-        raise CheckpointError(f"{piece.name}: saved block {tuple(block.shape)}, this model has {tuple(piece.shape)}")
-    return block.reshape(-1)[piece.offset:piece.offset + piece.end - piece.start]
-
-
-@torch.no_grad()
-def load(saved, wrapper, opt, rng_of_rank=None):
-    """Fills this rank's params and Adam state from a save made in any layout, one global tensor at a time;
-    rng_of_rank: whose RNG states to restore (same layout), or None."""
-    by_name = {}
-    for piece in wrapper.owned_pieces():
-        by_name.setdefault(piece.name, []).append(piece)
-    kinds, adam = saved.meta["optimizer"]["kinds"], {}
-    for name, pieces in by_name.items():
-        if name not in saved.tensors:
-            raise CheckpointError(f"{saved.path} has no tensor {name}")
-        for kind in kinds:
-            full = saved.tensor(name, kind)
-            for piece in pieces:
-                target = piece.param if kind == "param" else adam.setdefault(piece.param, {}).setdefault(
-                    kind, torch.zeros_like(piece.param))  # FSDP padding keeps zero moments, as in training
-                target.view(-1)[piece.start:piece.end].copy_(cut(full, piece))
-            del full
-    if adam:
-        state = opt.state_dict()
-        indices = [i for group in state["param_groups"] for i in group["params"]]
-        params = [p for group in opt.param_groups for p in group["params"]]
-        step = torch.tensor(float(saved.meta["optimizer"]["step"]), dtype=torch.float32)
-        state["state"] = {i: {"step": step.clone(), **adam[p]} for i, p in zip(indices, params)}
-        opt.load_state_dict(state)
-    if rng_of_rank is not None:
-        set_rng_state(saved.meta["rng"][str(rng_of_rank)])
-
-
-def check_config(saved, current, where=""):
-    """Refuses to resume under a different model, data or optimization config; names the first difference."""
-    def first_difference(a, b, prefix=""):
-        for key in sorted(set(a) | set(b)):
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, dict) and isinstance(y, dict):
-                found = first_difference(x, y, f"{prefix}{key}.")
-                if found:
-                    return found
-            elif x != y:
-                return f"{prefix}{key}", x, y
-        return None
-    found = first_difference(saved, current)
-    if found:
-        key, x, y = found
-        raise CheckpointError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
-
-
-def find_resume(run_dir, mode, config):
-    """The validated save to resume from, or None (mode None: a fresh run; 'auto': fresh if there is none)."""
-    if mode is None:
-        return None
-    found = complete_saves(run_dir)
-    if not found:
-        if mode == "auto":
-            return None
-        raise CheckpointError(f"--resume: no complete save in {run_dir} (use --resume auto to start fresh)")
-    try:
-        saved = Saved(found[-1]).validate()
-        check_config(saved.meta["config"], config, where=f"{found[-1]} ")
-    except CheckpointError as e:
-        raise CheckpointError(f"--resume: {e}") from None
-    return saved
-
-
-# ---------------------------------------------------------------- export and sampling
-
-class LazyTensor:
-    """A saved global tensor, read when called: export holds one full tensor at a time."""
-
-    def __init__(self, saved, name):
-        self.saved, self.name = saved, name
-        self.shape = torch.Size(saved.tensors[name]["shape"])
-        self.dtype = getattr(torch, saved.tensors[name]["dtype"])
-
-    def __call__(self):
-        return self.saved.tensor(self.name)
-
-
-def model_tensors(run_dir):
-    """(run config, {global name: LazyTensor}) of the newest complete save in run_dir (or of that save)."""
-    run_dir = Path(run_dir)
-    path = run_dir if (run_dir / "complete").exists() else (complete_saves(run_dir) or [None])[-1]
-    if path is None:
-        raise CheckpointError(f"no complete save in {run_dir}")
-    saved = Saved(path).validate()
-    return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}

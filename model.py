@@ -261,7 +261,7 @@ def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
 
 def write_safetensors(path, tensors, dtype=None):
     """The safetensors format: 8-byte header length, a JSON header, then the raw little-endian bytes.
-    tensors: {name: tensor, or a function returning it that has .shape and .dtype (checkpoint.LazyTensor)};
+    tensors: {name: tensor, or a function returning it that has .shape and .dtype (reshard.LazyTensor)};
     the header needs only shapes, so the tensors are then fetched, converted to `dtype` and written one at a time."""
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
     header, offset = {}, 0
@@ -295,7 +295,7 @@ def hf_config(cfg):
 
 def export_hf(cfg, state_dict, out_dir):
     """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads.
-    state_dict values may be lazy (checkpoint.model_tensors): then one full tensor is in memory at a time."""
+    state_dict values may be lazy (reshard.model_tensors): then one full tensor is in memory at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
@@ -311,7 +311,8 @@ def main(argv):
     if len(argv) != 3 or argv[0] != "export":
         print("usage: python model.py export RUN_DIR OUT_DIR", file=sys.stderr)
         return 2
-    from checkpoint import CheckpointError, model_tensors
+    from checkpoint import CheckpointError
+    from reshard import model_tensors
     try:
         run_config, state = model_tensors(argv[1])  # a save from any layout, read tensor by tensor
     except CheckpointError as e:

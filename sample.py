@@ -10,9 +10,10 @@ import sys
 import torch
 
 import model as M
-from checkpoint import CheckpointError, model_tensors
+from checkpoint import CheckpointError
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
+from reshard import model_tensors
 
 
 @torch.no_grad()

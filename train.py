@@ -28,6 +28,7 @@ import checkpoint
 import faults
 import model as M
 import optim
+import reshard
 from checkpoint import CheckpointError
 from data.loader import DataError, TokenLoader
 from parallel.mesh import LayoutError, Mesh, infer_dp
@@ -323,7 +324,7 @@ def train(args):
     val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp, device,
                              prefetch=False) if args.eval_every else None
     config = run_config(args, cfg, meta)
-    saved = checkpoint.find_resume(args.out, args.resume, config)  # validated before anything is written
+    saved = reshard.find_resume(args.out, args.resume, config)  # validated before anything is written
     attempts = faults.Attempts(args.out, rank, resuming=args.resume is not None)
     attempts.check()
     if rank == 0 and world > 1:
@@ -336,7 +337,7 @@ def train(args):
     start, layout = 0, run_layout(args, mesh)
     if saved:
         same_layout = saved.meta["layout"] == layout  # else: resharding, and each rank's RNG has no counterpart
-        checkpoint.load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
+        reshard.load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
         scaler.load_state_dict(saved.meta["scaler"])
         start = saved.step
         if rank == 0:

@@ -17,6 +17,7 @@ import checkpoint
 import faults
 import model as M
 import optim
+import reshard
 import sample
 import train
 from data.loader import TokenLoader
@@ -100,7 +101,7 @@ def test_same_layout_resume_is_bitwise(resume_runs, name):
 
 def test_each_element_is_written_once(resume_runs):
     """The 4D save: one writer per element (dp, cp and tp replicas deduplicated), pieces spread over ranks."""
-    saved = checkpoint.Saved(resume_runs[0] / "4d" / "ckpt_0000002").validate()
+    saved = reshard.Saved(resume_runs[0] / "4d" / "ckpt_0000002").validate()
     full = M.GPT(M.config_from_dict(saved.meta["config"]["model"]))
     assert set(saved.tensors) == {n for n, _ in full.named_parameters()}
     for name, t in saved.tensors.items():
@@ -139,7 +140,13 @@ def reshard_runs(tmp_path_factory):
     runs = run_ranks(_reshard_rank, 4, args=(str(root),), timeout=400)[0]
     one = root / "one-process"
     shutil.copytree(root / "fsdp4" / "ckpt_0000003", one / "ckpt_0000003")
-    runs["one-process"] = quiet(train.main, ARGS + ["--out", str(one), "--steps", "8", "--resume"])
+    assembled, tensor = [], reshard.Saved.tensor
+    reshard.Saved.tensor = lambda *args: assembled.append(args[1:]) or tensor(*args)
+    try:
+        runs["one-process"] = quiet(train.main, ARGS + ["--out", str(one), "--steps", "8", "--resume"])
+    finally:
+        reshard.Saved.tensor = tensor
+    runs["full tensors assembled"] = assembled
     return root, runs
 
 
@@ -148,6 +155,8 @@ def test_fsdp4_save_resumes_in_another_layout(reshard_runs, name):
     """Weights and Adam state resharded: the 5 losses after the step-3 save continue the fsdp-4 run."""
     straight = reshard_runs[1]["straight"]
     np.testing.assert_allclose(reshard_runs[1][name], straight[3:], rtol=1e-5, atol=0)
+    if name == "one-process":  # the same tp split (none): each piece read from the files, no full tensor built
+        assert reshard_runs[1]["full tensors assembled"] == []
 
 
 def test_fsdp4_and_hsdp_resume_in_their_own_layout_is_bitwise(reshard_runs):
@@ -167,7 +176,7 @@ def read_safetensors(path):
 def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypatch, capsys):
     """model.py export streams one full tensor at a time; the exported model's loss on step 4's batch is the one
     the fsdp-4 run logged; sample.py runs on the sharded save."""
-    read, live, most = checkpoint.Saved.tensor, [0], [0]
+    read, live, most = reshard.Saved.tensor, [0], [0]
 
     def counted(self, name, kind="param"):
         t = read(self, name, kind)
@@ -176,12 +185,12 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
         weakref.finalize(t, lambda: live.__setitem__(0, live[0] - 1))
         return t
 
-    monkeypatch.setattr(checkpoint.Saved, "tensor", counted)
+    monkeypatch.setattr(reshard.Saved, "tensor", counted)
     save = reshard_runs[0] / "fsdp4" / "ckpt_0000003"
     assert M.main(["export", str(save), str(tmp_path)]) == 0
     assert most[0] == 1
     tensors = read_safetensors(tmp_path / "model.safetensors")
-    config = checkpoint.Saved(save).meta["config"]
+    config = reshard.Saved(save).meta["config"]
     gpt = M.GPT(M.config_from_dict(config["model"]))
     gpt.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
     loader = TokenLoader(train.REPO / "data" / "pystdlib", "train", 64, 8, 1337, prefetch=False)
@@ -217,36 +226,37 @@ def test_resume_auto_keep_k_and_incomplete_saves_are_ignored_then_removed(tmp_pa
 
 
 def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
-    """The writer thread sees a later step start before it finishes; saves never overlap; the metrics show
-    the stall, and the result resumes bitwise."""
+    """The step-2 save is written only after step 3 has updated the weights and step 4 has started (a sync save
+    would block the loop: the writer would time out); saves never overlap; the metrics show the stall; and the
+    save, a snapshot taken before step 3, resumes bitwise."""
     steps_started, seen, in_flight, most = [], [], [0], [0]
     lr_at, write_rank = optim.lr_at, checkpoint.write_rank
     later = threading.Event()
 
     def tracking_lr_at(step, *args):
         steps_started.append(step)
-        if len(steps_started) >= 2:  # a step after the first save has started
+        if len(steps_started) >= 4:
             later.set()
         return lr_at(step, *args)
 
     def slow_write(folder, rank, pieces, info):
         in_flight[0] += 1
         most[0] = max(most[0], in_flight[0])
-        seen.append(later.wait(timeout=20))  # a sync save would block the loop: the event never comes
+        seen.append(later.wait(timeout=20))
         write_rank(folder, rank, pieces, info)
         in_flight[0] -= 1
 
     monkeypatch.setattr(optim, "lr_at", tracking_lr_at)
     monkeypatch.setattr(checkpoint, "write_rank", slow_write)
     metrics = tmp_path / "m.jsonl"
-    straight = run1(["--out", str(tmp_path), "--steps", "3", "--save-every", "1", "--async-save",
+    straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
-    assert seen[0] and most[0] == 1, (seen, most)
+    assert seen == [True, True] and most[0] == 1, (seen, most)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert all(r["save_stall_s"] >= 0 for r in rows)
+    assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
     monkeypatch.setattr(checkpoint, "write_rank", write_rank)
-    shutil.rmtree(tmp_path / "ckpt_0000003")
-    assert run1(["--out", str(tmp_path), "--steps", "3", "--resume"]) == straight[2:]
+    shutil.rmtree(tmp_path / "ckpt_0000004")
+    assert run1(["--out", str(tmp_path), "--steps", "4", "--resume"]) == straight[2:]
 
 
 def snapshot(folder):

@@ -14,6 +14,7 @@ import torch
 
 import checkpoint
 import optim
+import reshard
 import train
 from tests.layouts import BASE
 
@@ -71,7 +72,7 @@ def _slow_save(run_dir):
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run(["--steps", "2", "--save-every", "1", "--out", str(tmp_path)])
     shutil.rmtree(tmp_path / "ckpt_0000002")
-    step1 = checkpoint.Saved(tmp_path / "ckpt_0000001").tensor("lm_head.weight")
+    step1 = reshard.Saved(tmp_path / "ckpt_0000001").tensor("lm_head.weight")
     proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_train as t; t._slow_save({str(tmp_path)!r})"],
                             cwd=REPO)
     deadline = time.time() + 60
@@ -80,7 +81,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert list(tmp_path.glob(".tmp_*")), "the kill should land mid-save"
-    state = checkpoint.Saved(checkpoint.complete_saves(tmp_path)[-1]).validate()
+    state = reshard.Saved(checkpoint.complete_saves(tmp_path)[-1]).validate()
     assert state.step == 1 and torch.equal(state.tensor("lm_head.weight"), step1)
 
 
