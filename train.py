@@ -198,13 +198,14 @@ def peak_flops(args, device):
         return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
     a = torch.randn(512, 512, dtype=DTYPES[args.dtype])
     b = torch.randn(512, 512, dtype=DTYPES[args.dtype])
-    a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.3:
-        a @ b
-        n += 1
-    rate = 2 * 512 ** 3 * n / (time.perf_counter() - t0)
-    return rate, f"measured CPU {args.dtype} matmul rate (no device table for CPU)"
+    rates = []
+    for _ in range(6):  # the best of six short trials: other jobs on the cores only ever slow a trial down
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            a @ b
+            n += 1
+        rates.append(2 * 512 ** 3 * n / (time.perf_counter() - t0))
+    return max(rates), f"best measured CPU {args.dtype} matmul rate (no device table for CPU)"
 
 
 def build_model(cfg, mesh, args, device):

@@ -11,7 +11,7 @@ Memory:      nothing saved: params, grads and Adam state are replicated (16 B/pa
              plus one fp32 copy of each bucket while its all-reduce is in flight. Gradient accumulation
              (sync_grads False) costs nothing extra: micro-batches add into p.grad, and only the last
              one's backward launches the all-reduces.
-Average, not sum: each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
+Average, not sum (L7): each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
 gradient of the mean over the global batch, and the learning rate does not depend on the world size.
 """
 from collections import namedtuple
