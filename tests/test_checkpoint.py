@@ -5,6 +5,7 @@ import io
 import json
 import shutil
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -243,6 +244,8 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
         in_flight[0] += 1
         most[0] = max(most[0], in_flight[0])
         seen.append(later.wait(timeout=20))
+        if len(seen) == 1:
+            time.sleep(1)  # still writing when step 4 ends: its save must wait for this one
         write_rank(folder, rank, pieces, info)
         in_flight[0] -= 1
 
