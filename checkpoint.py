@@ -22,6 +22,7 @@ import shutil
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -131,10 +132,10 @@ def written_pieces(wrapper, opt, copy):
 
 
 def write_rank(folder, rank, pieces, rank_info):
-    """This rank's bytes, then (atomically, last) its index: the sign that the rank is done."""
+    """This rank's bytes (if it writes any), then, atomically and last, its index: the sign that it is done."""
     folder.mkdir(parents=True, exist_ok=True)
     name, index, pos = f"rank{rank:05d}.bin", [], 0
-    with open(folder / name, "wb") as f:
+    with open(folder / name, "wb") if pieces else nullcontext() as f:
         for piece, tensors in pieces:
             offsets = {}
             for kind, t in tensors.items():
@@ -143,8 +144,9 @@ def write_rank(folder, rank, pieces, rank_info):
             index.append({"name": piece.name, "shape": global_shape(piece), "dtype": str(t.dtype).split(".")[1],
                           "tp": piece.tp_shard, "start": piece.offset, "numel": piece.end - piece.start,
                           "offsets": offsets})
-        f.flush()
-        os.fsync(f.fileno())
+        if pieces:
+            f.flush()
+            os.fsync(f.fileno())
     write_json(folder / f"rank{rank:05d}.json", {"file": name, "bytes": pos, "pieces": index, **rank_info})
 
 
@@ -160,7 +162,9 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s):
     tensors, files, rng = {}, {}, {}
     for r, path in enumerate(indexes):
         info = json.loads(path.read_text())
-        files[info["file"]], rng[r] = info["bytes"], info["rng"]
+        rng[r] = info["rng"]
+        if info["bytes"]:
+            files[info["file"]] = info["bytes"]
         for p in info["pieces"]:
             entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
             entry["pieces"].append({"file": info["file"], **{k: p[k] for k in ("tp", "start", "numel", "offsets")}})
@@ -197,11 +201,10 @@ class Saver:
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time: its snapshot may not be overwritten
         pieces = written_pieces(wrapper, opt, copy=self.async_save)
-        steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
-        rank_info = {"rng": rng_state(), "optimizer_step": max(steps, default=0)}
+        rank_info = {"rng": rng_state()}
+        adam_steps = max((int(s["step"]) for s in opt.state.values()), default=0)  # < step if fp16 skipped some
         header = {**header, "step": step, "data_position": step, "world": self.mesh.world,
-                  "optimizer": {"step": rank_info["optimizer_step"], "kinds": ["param", *ADAM] if opt.state
-                                else ["param"]}}
+                  "optimizer": {"step": adam_steps, "kinds": ["param", *ADAM] if opt.state else ["param"]}}
         folder = self.run_dir / f".tmp_ckpt_{step:07d}_{self.run_id:06x}"
         rank = self.mesh.global_rank
         if self.async_save:

@@ -22,9 +22,16 @@ class Saved:
         self.path = Path(path)
         try:
             self.meta = json.loads((self.path / "meta.json").read_text())
-        except (OSError, ValueError) as e:
+            self.step, self.tensors = self.meta["step"], self.meta["tensors"]
+        except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
-        self.step, self.tensors = self.meta["step"], self.meta["tensors"]
+
+    def _fill(self, out, p, kind, first=0):
+        """Reads elements [first, first + out.numel()) of saved piece p into the 1-D tensor out."""
+        with open(self.path / p["file"], "rb") as f:
+            f.seek(p["offsets"][kind] + first * out.element_size())
+            if f.readinto(out.view(torch.uint8).numpy()) != out.numel() * out.element_size():
+                raise CheckpointError(f"{self.path / p['file']} is truncated")
 
     def validate(self):
         """Every file has the size the metadata says, and every tensor's pieces add up to it."""
@@ -51,11 +58,7 @@ class Saved:
             block = full.chunk(tp[2], tp[0])[tp[1]] if tp else full
             flat = block.view(-1) if block.is_contiguous() else torch.empty(block.numel(), dtype=dtype)
             for p in pieces:
-                with open(self.path / p["file"], "rb") as f:
-                    f.seek(p["offsets"][kind])
-                    part = flat[p["start"]:p["start"] + p["numel"]]
-                    if f.readinto(part.view(torch.uint8).numpy()) != part.numel() * part.element_size():
-                        raise CheckpointError(f"{self.path / p['file']} is truncated")
+                self._fill(flat[p["start"]:p["start"] + p["numel"]], p, kind)
             if not block.is_contiguous():
                 block.copy_(flat.view(block.shape))
         return full
@@ -75,11 +78,7 @@ class Saved:
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])
             if hi > lo and (p["tp"] is None or p["tp"][1] == piece.tp_shard[1]):
-                part = out[lo - start:hi - start]
-                with open(self.path / p["file"], "rb") as f:
-                    f.seek(p["offsets"][kind] + (lo - p["start"]) * out.element_size())
-                    if f.readinto(part.view(torch.uint8).numpy()) != part.numel() * part.element_size():
-                        raise CheckpointError(f"{self.path / p['file']} is truncated")
+                self._fill(out[lo - start:hi - start], p, kind, first=lo - p["start"])
         return out
 
 
