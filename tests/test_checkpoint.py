@@ -262,6 +262,25 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     assert run1(["--out", str(tmp_path), "--steps", "4", "--resume"]) == straight[2:]
 
 
+def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
+    """An overflow at step 1 halves the scale to 2^15; the resumed run continues with 2^15, bitwise."""
+    unscale_and_clip, calls = optim.unscale_and_clip, []
+
+    def overflow_once(grads_and_replicas, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            grads_and_replicas[0][0].view(-1)[0] = float("inf")
+        return unscale_and_clip(grads_and_replicas, *args)
+
+    monkeypatch.setattr(optim, "unscale_and_clip", overflow_once)
+    fp16 = ["--dtype", "fp16", "--seq-len", "32", "--out", str(tmp_path), "--steps", "3"]
+    straight = run1(fp16 + ["--save-every", "2"])
+    shutil.rmtree(tmp_path / "ckpt_0000003")
+    metrics = tmp_path / "m.jsonl"
+    assert run1(fp16 + ["--resume", "--metrics", str(metrics)]) == straight[2:]
+    assert json.loads(metrics.read_text())["loss_scale"] == 2.0 ** 15
+
+
 def snapshot(folder):
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
 
