@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import faults
 import model as M
 import optim
 import reshard
@@ -314,63 +313,3 @@ def test_bad_resume_is_one_line_exit_2_and_touches_nothing(case, tmp_path, capsy
     assert exit_info.value.code == 2
     assert len(err.splitlines()) == 1 and err.startswith("error: --resume: ") and needle in err, err
     assert snapshot(run) == before
-
-
-# ---------------------------------------------------------------- failures: non-finite loss, repeated failures
-
-def failing_loss(monkeypatch, at_call, error=None):
-    """The model's loss becomes nan (or raises `error`) on its at_call-th call (one call per step here)."""
-    calls = []
-
-    def loss_fn(logits, targets):
-        calls.append(1)
-        loss = CROSS_ENTROPY(logits, targets)
-        if len(calls) == at_call:
-            if error:
-                raise error
-            return loss * float("nan")
-        return loss
-    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)  # GPT() takes it as its loss_fn
-    return calls
-
-
-def test_non_finite_loss_stops_with_exit_3_keeping_the_last_good_save(tmp_path, monkeypatch, capsys):
-    """Step 3 goes nan: exit 3 naming step 3, the step-2 save stays newest. The restart fails at step 3 again and
-    says so; the next one refuses to start (attempts.json) instead of looping."""
-    run = ["--out", str(tmp_path), "--steps", "6", "--save-every", "2", "--resume", "auto"]
-    errors = []
-    for at_call in (3, 1, 1):  # attempt 2 resumes at step 3: its first call is step 3
-        calls = failing_loss(monkeypatch, at_call)
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            train.main(ARGS + ["--micro-batch", "8"] + run)
-        assert exit_info.value.code == 3
-        errors.append(capsys.readouterr().err.strip().splitlines()[-1])
-        assert [p.name for p in checkpoint.complete_saves(tmp_path)] == ["ckpt_0000002"]
-    assert errors[0].startswith("error: step 3: non-finite loss nan") and "ckpt_0000002" in errors[0], errors[0]
-    assert "attempt 1 failed at this step too: not retrying" in errors[1], errors[1]
-    assert errors[2].startswith("error: step 3 failed in two attempts in a row"), errors[2]
-    assert calls == []  # the third attempt trained nothing
-    records = json.loads((tmp_path / "attempts.json").read_text())
-    assert [(r["resumed_from"], r["reached"]) for r in records] == [(0, 2), (2, 2)]
-
-
-def test_crashes_at_the_same_step_twice_stop_the_restarts(tmp_path, monkeypatch):
-    """A crash leaves its attempt 'running' at the last completed step; two in a row at step 2 stop the third."""
-    run = ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "3", "--resume", "auto"]
-    for _ in range(2):
-        failing_loss(monkeypatch, 2, error=RuntimeError("injected crash"))
-        with pytest.raises(RuntimeError, match="injected crash"):
-            quiet(train.main, ARGS + run)
-    calls = failing_loss(monkeypatch, 0)
-    with pytest.raises(SystemExit) as exit_info:
-        quiet(train.main, ARGS + run)
-    assert exit_info.value.code == 3 and calls == []
-
-
-def test_faults_module_marks_a_finished_attempt_done(tmp_path):
-    attempts = faults.Attempts(tmp_path, 0, resuming=False)
-    attempts.begin(0)
-    attempts.progress(3)
-    assert attempts.end("done") == ""
-    assert json.loads((tmp_path / "attempts.json").read_text())[-1]["status"] == "done"
