@@ -162,10 +162,10 @@ def measured_cpu_peak_tflops(dtype=torch.float32, threads=None, n=2048, min_s=1.
 
 
 def gpu_peak_tflops():
-    """The device table's dense bf16 peak of GPU 0 (train.PEAK_TFLOPS), or None."""
+    """The device table's dense bf16 peak of GPU 0 (config.PEAK_TFLOPS), or None."""
     if not has_cuda():
         return None
-    from train import PEAK_TFLOPS
+    from config import PEAK_TFLOPS
     name = torch.cuda.get_device_name(0)
     return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
 
