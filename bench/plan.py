@@ -41,8 +41,9 @@ TP, sequence parallel: 10 all-gathers/reduce-scatters of t*d*2 B per layer (4 fw
 of inputs for weight grads; full ckpt 12), plus 3 per microbatch for the embedding and head (a stage
 with one of them: 2); TP_EXPOSED of them block.
 CP per layer: ring passes K,V (cp-1) times in fwd and K,V,dK,dV in bwd: 3*(cp-1)*4*hd*kv_local*t bytes,
-hidden under the layer's attention; allgather (Llama 3) moves the same, blocking; ulysses all-to-alls
-q,k,v and out, fwd and bwd: 2*(cp-1)/cp * t*hd*2*(2a/tp + 2*max(kv_local, cp)) bytes, blocking.
+hidden under the layer's attention; allgather (Llama 3) all-gathers K,V and reduce-scatters dK,dV, 2/3 of
+that, blocking; ulysses all-to-alls q,k,v and out, fwd and bwd:
+2*(cp-1)/cp * t*hd*2*(2a/tp + 2*max(kv_local, cp)) bytes, blocking.
 PP: each of a rank's V chunks sends its activation forward and a gradient back, t*d*2/tp bytes
 (SP-sharded) per microbatch (2V sends; 2V-1 when P = 2), asynchronously: hidden under compute except
 2(P-1) hops of fill and drain. Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may
@@ -53,6 +54,26 @@ and reduce-scatters fp32 grads, (2+2+4)(S-1)/S*P_gpu, under that microbatch exce
 with P > 1 one gather and one reduce-scatter per step. hsdp adds the replicas' all-reduce 2(R-1)/R*4*P_gpu/S.
 Hidden communication still costs OVERLAP_TAX of its duration (NCCL kernels take SMs and HBM bandwidth).
 MFU = model.flops_per_token (PaLM: 6N + 12*L*d*T) * B*T / (gpus * peak * step); HFU adds the recompute.
+
+Whose code (--code). The formulas above ("reference", the default) describe the implementation Llama 3
+and Megatron-LM report, the one the calibration above is for. "ours" describes this repository's parallel/*.py,
+and tests/test_plan_measured.py holds it to fp32 CPU runs: bytes equal to the comm counters per group, memory
+within 15% of the bytes allocated. It differs: TP sends 8 (t, d) collectives per layer (sp saves the gathered
+norm outputs, so nothing is re-gathered; a recomputed block repeats 2, under sp 3), 2 each for the embedding
+and the head, the loss all-gathers 2 fp32 per token, and sp norms all-reduce their grads once per step; every
+TP collective blocks. Ring CP's backward adds cp hops of the fp32 dK,dV accumulators; recomputation repeats
+the forward's CP traffic. PP adds a 48-byte shape broadcast. FSDP gathers each unit twice per microbatch under
+pp too, reduce-scatters once per step, and holds the unsharded fp32 grads (accumulation, and the reduce-scatter
+inputs until finish_grad_sync); DDP holds a bucket copy of every grad at the end of backward. Activations per
+layer per token, x = 4d/tp under sp (else 4d): the residual stream and norms in fp32, 2(2x + a*d), plus
+a*(5d/tp + 4f/tp) (K and V repeated to every head; the attention output re-laid for o_proj); ring attention
+keeps its own K,V instead (3d/tp + 2*hd*kv_local), allgather the whole sequence's ((3 + 2cp)d/tp). The head's
+rank keeps fp32 log-probs. Peak = model state + the fullest moment of the step: all of them hold the activations
+in flight and the earlier microbatches' grads, plus the loss's backward (two more (t, V/tp) fp32 buffers), or the
+head's backward (fsdp gathers its unit again), or a block's backward (three (t, f/tp) activation grads, the
+recompute; fsdp: the gathered units and their grads before the reduce-scatter), or instead the end of backward
+(all grads and their copies). At 405B this puts Llama 3's published layouts at 26-28% MFU with our code
+(full checkpointing to fit; FSDP re-gathers per microbatch under pp; every TP collective blocks).
 
 Search: tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V
 powers of two; hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024
@@ -112,19 +133,22 @@ class Layout:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     V: int = 1              # virtual stages per rank (interleaved)
     cp_mode: str = "ring"   # ring | ulysses | allgather
+    sp: bool = True         # sequence parallel with tp (train.py --sp)
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
         s += f",shard={self.shard}" if self.dp_mode == "hsdp" else ""
         s += f",micro={self.micro},ckpt={self.ckpt}"
         s += f",schedule={self.schedule},V={self.V}" if self.pp > 1 else ""
+        s += ",sp=0" if self.tp > 1 and not self.sp else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
 def parse_layout(text):
     """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, and V > 1
-    implies schedule=interleaved."""
+    implies schedule=interleaved. Booleans: sp=0 or sp=1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
+    kinds["sp"] = lambda v: v.lower() in ("1", "true", "yes", "on")
     kv = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
     if set(kv) - set(kinds):
         raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")
@@ -145,6 +169,7 @@ def invalid(cfg, cl, lay, seq, batch):
         (cl.gpus_per_node % lay.tp or cfg.n_head % lay.tp, "tp must divide the gpus per node and the heads"),
         (cfg.n_kv_head % lay.tp and lay.tp % cfg.n_kv_head, "kv heads and tp must divide one another"),
         (seq % (2 * lay.cp), "the sequence length must be divisible by 2*cp"),
+        (lay.sp and seq % (lay.cp * lay.tp), "sequence parallel needs the sequence length divisible by cp*tp"),
         (lay.cp_mode == "ulysses" and cfg.n_head % (lay.tp * lay.cp), "ulysses needs heads % (tp*cp) == 0"),
         (batch % (lay.dp * lay.micro), f"the global batch ({batch}) is not divisible by dp*micro"),
         (lay.pp * lay.V > cfg.n_layer + 2 * (lay.pp > 1), "more pipeline chunks than layers (+ embedding, head)"),
@@ -197,6 +222,9 @@ def stage_layers(n_layer, pp):
     return (q if pp - r >= 2 else q + 1), q + 1, q
 
 
+CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (module docstring)
+
+
 @dataclass
 class Shape:
     """Per-GPU sizes of one layout, shared by the byte, memory and time formulas."""
@@ -204,9 +232,12 @@ class Shape:
     lay: Layout
     seq: int
     batch: int
+    code: str = "reference"
 
     def __post_init__(self):
         cfg, lay = self.cfg, self.lay
+        if self.code not in CODES:
+            raise ValueError(f"code: {' | '.join(CODES)}, got {self.code!r}")
         d, tp = cfg.d_model, lay.tp
         self.M = self.batch // (lay.dp * lay.micro)
         self.t = lay.micro * self.seq / lay.cp  # tokens per microbatch per GPU
@@ -220,24 +251,36 @@ class Shape:
             self.p_first, self.p_last = first * self.p_layer + self.p_embed, last * self.p_layer + self.p_embed + d
         self.p_gpu = max(self.p_first, self.p_last)
 
+    def stages(self):
+        """(layers, params, has the embedding, has the head, pipeline sends per microbatch) of the ranks that
+        bound the per-rank numbers: the first, the last and (P > 2) a middle pipeline rank; one rank without pp."""
+        (first, most, last), P, V = self.layers, self.lay.pp, self.lay.V
+        if P == 1:
+            return [(first, self.p_first, True, True, 0)]
+        ends = [(first, self.p_first, True, False, 2 * V - 1), (last, self.p_last, False, True, 2 * V - 1)]
+        return ends + [(most, most * self.p_layer, False, False, 2 * V)] * (P > 2)
+
 
 def collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     """{group: (bytes sent per rank per step, ring steps per step)}, groups tp, cp, pp, dp, shard, replica."""
+    if s.code == "ours":
+        return ours_collectives(s, w_bytes, g_bytes, a_bytes)
     cfg, lay, d, n, M = s.cfg, s.lay, s.cfg.d_model, s.most, s.M
     tp, cp, S, g = lay.tp, lay.cp, shard_size(lay), lay.dp * lay.cp
     out = {}
     if tp > 1:  # per layer; plus the embedding's reduce-scatter, the head's all-gather and its grad's RS
-        colls = n * (12 if lay.ckpt == "full" else 10) + (3 if lay.pp == 1 else 2)
+        colls = n * (12 if lay.ckpt == "full" else 10 if lay.sp else 8) + (3 if lay.pp == 1 else 2)
         out["tp"] = (M * colls * (tp - 1) / tp * s.t * d * a_bytes, M * colls * (tp - 1))
     if cp > 1 and lay.cp_mode == "ulysses":
         heads = 2 * cfg.n_head / tp + 2 * max(s.kv_local, cp)  # q, k, v in and out back; kv replicated to cp
         out["cp"] = (M * n * 2 * (cp - 1) / cp * s.t * cfg.head_dim * heads * a_bytes, M * n * 4 * (cp - 1))
-    elif cp > 1:
+    elif cp > 1:  # ring: K,V in fwd, K,V and dK,dV in bwd; allgather: K,V all-gathered, dK,dV reduce-scattered
         kv = 2 * cfg.head_dim * s.kv_local * a_bytes * s.t  # this rank's K and V
-        out["cp"] = (M * n * 3 * (cp - 1) * kv, M * n * 3 * (cp - 1))
+        passes = 3 if lay.cp_mode == "ring" else 2
+        out["cp"] = (M * n * passes * (cp - 1) * kv, M * n * passes * (cp - 1))
     if lay.pp > 1:  # per chunk an activation forward and a gradient back; with P = 2 one chunk end is idle
         sends = M * (2 * lay.V - (lay.pp == 2))
-        out["pp"] = (sends * s.t * d * a_bytes / tp, sends)
+        out["pp"] = (sends * s.t * d * a_bytes / (tp if lay.sp else 1), sends)
     if g > 1 and lay.dp_mode == "ddp":
         buckets = math.ceil(g_bytes * s.p_gpu / (BUCKET_MB * 1e6))
         out["dp"] = (2 * (g - 1) / g * g_bytes * s.p_gpu, buckets * 2 * math.ceil(math.log2(g)))
@@ -251,34 +294,100 @@ def collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     return out
 
 
-def comm_bytes(cfg, lay, seq, batch, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
+def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
+    """collectives() of this repository's parallel/*.py: for each group the most any rank of s.stages() sends,
+    term by term what the comm counters of tests/test_plan_measured.py read."""
+    cfg, lay, d, M, t = s.cfg, s.lay, s.cfg.d_model, s.M, s.t
+    tp, cp, S, g = lay.tp, lay.cp, shard_size(lay), lay.dp * lay.cp
+    redo = lay.ckpt != "none"  # a recomputed block repeats its forward collectives (but tp's last one)
+    out = {}
+    for layers, params, embed, head, sends in s.stages():
+        mine = {}
+        if tp > 1:  # u: an all-gather or reduce-scatter of the (t, d) activation; an all-reduce sends 2u
+            u = (tp - 1) / tp * t * d * a_bytes
+            units = layers * (8 + redo * (3 if lay.sp else 2)) + 2 * embed + 2 * head  # 4 all-reduces (or 4 AG +
+            loss = (tp - 1) * 2 * t * 4  # 4 RS) per layer; embedding; final norm -> lm_head; loss: (2, t) fp32 AG
+            norms = 2 * (tp - 1) / tp * g_bytes * d * (2 * layers + head) if lay.sp else 0.0  # sp norms' grads
+            mine["tp"] = (M * (units * u + head * loss) + norms, M * (units + head) * (tp - 1))
+        if cp > 1:
+            if lay.cp_mode == "ulysses":  # q, k, v to head shards and the output back; kv heads repeated to lcm
+                heads = 2 * cfg.n_head / tp + 2 * math.lcm(int(s.kv_local), cp)
+                fwd = bwd = (cp - 1) / cp * t * cfg.head_dim * heads * a_bytes
+            else:  # ring: K,V hop cp-1 times each way plus cp hops of the fp32 dK,dV; allgather: an AG, an RS
+                kv = 2 * cfg.head_dim * s.kv_local * t  # elements of this rank's K and V
+                fwd = (cp - 1) * kv * a_bytes
+                bwd = fwd + (cp * kv * 4 if lay.cp_mode == "ring" else 0.0)
+            mine["cp"] = (M * layers * ((1 + redo) * fwd + bwd), M * layers * (cp - 1) * (3 + redo))
+        if lay.pp > 1:  # activations forward, gradients back ((b, T/tp, d) under sp), + a 6-int64 shape broadcast
+            mine["pp"] = (M * sends * t * d * a_bytes / (tp if lay.sp else 1) + 48, M * sends)
+        units = layers + (embed or head)  # fsdp units: one per block, one for the embedding/norm/head
+        if g > 1 and lay.dp_mode == "ddp":
+            buckets = math.ceil(g_bytes * params / (BUCKET_MB * 1e6))
+            mine["dp"] = (2 * (g - 1) / g * g_bytes * params, buckets * 2 * math.ceil(math.log2(g)))
+        elif g > 1:  # each microbatch gathers every unit for forward and again for backward; one RS per step
+            mine["dp" if lay.dp_mode == "fsdp" else "shard"] = (
+                (2 * M * w_bytes + g_bytes) * (S - 1) / S * params, (2 * M + 1) * units * (S - 1))
+            if lay.dp_mode == "hsdp":
+                R = g // S
+                mine["replica"] = (2 * (R - 1) / R * g_bytes * params / S, units * 2 * math.ceil(math.log2(R)))
+        for group, v in mine.items():
+            out[group] = max(out.get(group, v), v)
+    return out
+
+
+def comm_bytes(cfg, lay, seq, batch, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B, code="reference"):
     """Predicted bytes sent per rank per optimizer step, {"tp", "cp", "pp", "dp"}, in ring terms.
 
     cfg: model.ModelConfig; lay: Layout; seq: tokens per sequence; batch: global batch in sequences.
-    For a rank of the fuller pipeline stage; "dp" is the dp x cp gradient group (hsdp: shard + replica).
-    Dtypes default to bf16 weights/activations and fp32 grads; an fp32 CPU run passes 4, 4, 4."""
+    For a rank of the fuller pipeline stage ("ours": the most any rank sends, per group); "dp" is the
+    dp x cp gradient group (hsdp: shard + replica). Dtypes default to bf16 weights/activations and fp32
+    grads; an fp32 CPU run passes 4, 4, 4. code: "reference" or "ours" (the module docstring)."""
     out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
-    for group, (nbytes, _) in collectives(Shape(cfg, lay, seq, batch), w_bytes, g_bytes, a_bytes).items():
+    for group, (nbytes, _) in collectives(Shape(cfg, lay, seq, batch, code), w_bytes, g_bytes, a_bytes).items():
         out["dp" if group in ("shard", "replica") else group] += nbytes
     return out
 
 
 def act_per_token(s, ckpt, a_bytes=ACT_B):
     """Activation bytes one layer keeps per token on this GPU until its backward."""
+    if s.code == "ours":
+        return ours_act_per_token(s, ckpt, a_bytes)
     d, f, tp = s.cfg.d_model, s.cfg.ffn_dim, s.lay.tp
+    sh = tp if s.lay.sp else 1  # sequence parallel shards the residual stream and the norms
     kv = 2 * s.cfg.head_dim * s.kv_local
-    return a_bytes * {"none": (6 * d + 3 * f) / tp + kv, "selective": (4 * d + 2 * f) / tp + kv, "full": d / tp}[ckpt]
+    return a_bytes * {"none": 4 * d / sh + (2 * d + 3 * f) / tp + kv,
+                      "selective": 2 * d / sh + (2 * d + 2 * f) / tp + kv, "full": d / sh}[ckpt]
 
 
-def memory(cfg, lay, seq, batch, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B):
+def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
+    """act_per_token() of this repository's model: the tensors autograd saves (tests/test_plan_measured.py)."""
+    cfg, lay = s.cfg, s.lay
+    d, f, tp = cfg.d_model, cfg.ffn_dim, lay.tp
+    x = 4 * d / (tp if lay.sp else 1)  # the fp32 residual stream (the embedding's dtype); sp shards it
+    kv = cfg.head_dim * s.kv_local  # one of K, V
+    if ckpt == "full":
+        return x  # the block's input; backward recomputes the rest
+    if ckpt == "selective":  # and the outputs of q, k, v, attention, o (unreduced), gate, up, down (unreduced)
+        return x + a_bytes * (2 * d / tp + 2 * kv + 2 * d + 2 * f / tp)
+    mode = lay.cp_mode if lay.cp > 1 else "sdpa"
+    attention = {"ring": 3 * d / tp + 2 * kv,  # q, the own K and V, the output, the output laid out for o_proj
+                 "allgather": (3 + 2 * lay.cp) * d / tp}.get(mode, 5 * d / tp)  # else K, V repeated to every head
+    # per norm: its input and the normalized x in fp32, and its output as the matmuls save it (gathered under sp);
+    # the MLP: gate, silu(gate), up and their product
+    return 2 * (2 * x + a_bytes * d) + a_bytes * (attention + 4 * f / tp)
+
+
+def memory(cfg, lay, seq, batch, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B, code="reference"):
     """Predicted peak bytes per GPU, {"weights", "grads", "master", "adam", "activations", "logits",
     "overhead"}, for the fuller of the first and last pipeline stage (arguments as in comm_bytes).
     An fp32 CPU run has no bf16 weight copy and fp32 activations: w_bytes=0, a_bytes=4, and
     overhead_gb=0, frag=0 to compare with allocated bytes."""
-    return _memory(Shape(cfg, lay, seq, batch), overhead_gb, frag, w_bytes, a_bytes)
+    return _memory(Shape(cfg, lay, seq, batch, code), overhead_gb, frag, w_bytes, a_bytes)
 
 
 def _memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B):
+    if s.code == "ours":
+        return _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes)
     lay, P, M = s.lay, s.lay.pp, s.M
     S = shard_size(lay) if lay.dp_mode != "ddp" else 1
     zero3 = lay.dp_mode != "ddp" and P == 1
@@ -299,6 +408,47 @@ def _memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B):
     return best
 
 
+def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
+    """Model state plus the fullest moment of a step, on the fullest rank of s.stages(). Every moment holds the
+    activations in flight and (accumulating) the earlier microbatches' grads; on top: the loss's backward (its
+    two fp32 (t, V/tp) buffers), the head's backward (fsdp gathers its unit again), a block's backward (the MLP's
+    three activation grads, a recompute; fsdp: the gathered units and their grads before the reduce-scatter),
+    or the end of backward (the grads and their copies)."""
+    cfg, lay, P, M, t, d = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model
+    sharded = lay.dp_mode != "ddp"
+    S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
+    w_unit = w_bytes or MASTER_B  # fsdp gathers in the compute dtype (fp32 without autocast)
+    keep = act_per_token(s, lay.ckpt, a_bytes)
+    redo = (act_per_token(s, "none", a_bytes) - keep) * t  # a block recomputed in backward
+    block_bwd = 3 * t * cfg.ffn_dim / lay.tp * a_bytes + redo
+    inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
+    best = None
+    for layers, params, embed, head, _ in s.stages():
+        flight = 1 if P == 1 else (M if lay.schedule == "gpipe" else 1) if head else inflight
+        acts = layers * t * keep + (0.0 if head else t * 4 * d / sh)  # a microbatch's blocks (+ the output sent)
+        norm, logp = (t * (8 * d / sh + a_bytes * d), 4 * t * vocab) if head else (0.0, 0.0)  # final norm, log-probs
+        root = s.p_embed * embed + (s.p_embed + d) * head  # the fsdp unit of the embedding, final norm and head
+        grads = G_B * params  # unsharded fp32: ddp's .grad; fsdp's flat buffers (accumulation, reduce-scatter)
+        held, n = 0.0, flight  # earlier microbatches' grads, and microbatches in flight (gpipe: a backward done)
+        if M > 1:
+            held, n = max((0.0, flight), (grads, flight - 1), key=lambda h: h[0] + h[1] * (acts + norm + logp)) \
+                if lay.schedule == "gpipe" else (grads, flight)
+        unit = sharded * (root * head + s.p_layer) * w_unit  # a block's unit, and the head rank's root unit
+        weights = 0.0 if sharded else w_bytes * params  # ddp: the bf16 copies autocast makes
+        base = {"weights": weights, "grads": held, "activations": n * acts + (n - 1) * norm, "logits": (n - 1) * logp}
+        moments = [{"activations": norm, "logits": logp + 2 * logp * head},  # the loss's backward
+                   {"activations": norm, "logits": logp, "weights": sharded * head * (root + s.p_layer) * w_unit},
+                   {"activations": block_bwd, "weights": unit, "grads": unit}]  # a block's backward
+        moment = max(moments, key=lambda m: sum(m.values()))
+        m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
+        end = {"weights": weights + sharded * root * w_unit, "grads": grads + (grads / S if sharded else grads),
+               "activations": 0.0, "logits": 0.0}  # ddp's bucket copies; fsdp's reduce-scatter outputs, root unit
+        m = max(m, end, key=lambda x: sum(x.values()))
+        m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)
+        m["overhead"] = overhead_gb * GB + frag * sum(m.values())
+        best = m if best is None or sum(m.values()) > sum(best.values()) else best
+    return best
+
 # ---------------------------------------------------------------- time
 
 def hide(t_comm, window):
@@ -306,10 +456,10 @@ def hide(t_comm, window):
     return max(t_comm - window, 0.0) + OVERLAP_TAX * min(t_comm, window)
 
 
-def step_time(cfg, cl, lay, seq, batch):
+def step_time(cfg, cl, lay, seq, batch, code="reference"):
     """Predicted seconds per step by component (compute, recompute, imbalance, bubble, tp, cp, pp, dp),
     plus "total", "mfu" and "hfu"."""
-    return _step_time(Shape(cfg, lay, seq, batch), cl)
+    return _step_time(Shape(cfg, lay, seq, batch, code), cl)
 
 
 def _step_time(s, cl):
@@ -327,7 +477,8 @@ def _step_time(s, cl):
     load = max(first, most, last + h) if lay.pp > 1 else first + h
     ideal = (cfg.n_layer + h) / lay.pp
     comm = {k: seconds(cl, lay, k, *v) for k, v in collectives(s).items()}
-    tp_exp = TP_EXPOSED * comm.get("tp", 0.0) / (s.M * most)  # per layer per microbatch
+    exposed = TP_EXPOSED if s.code == "reference" else 1.0  # parallel/tp.py overlaps none of its collectives
+    tp_exp = exposed * comm.get("tp", 0.0) / (s.M * most)  # per layer per microbatch
     cp_exp = comm.get("cp", 0.0) / (s.M * most)
     if lay.cp_mode == "ring":
         cp_exp = hide(cp_exp, s.t * (attn + redo * (lay.ckpt == "full")))
@@ -338,14 +489,14 @@ def _step_time(s, cl):
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": (lay.pp - 1) * chunk / most * t_stage,
            "tp": s.M * most * tp_exp, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
     if lay.pp > 1:
-        hop = seconds(cl, lay, "pp", s.t * d * ACT_B / tp, 1)
+        hop = seconds(cl, lay, "pp", s.t * d * ACT_B / (tp if lay.sp else 1), 1)
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage)
     g = lay.dp * lay.cp
     if g > 1 and lay.dp_mode == "ddp":  # under the last backward; the last bucket after it
         bucket = seconds(cl, lay, "dp", 2 * (g - 1) / g * BUCKET_MB * 1e6, 2 * math.ceil(math.log2(g)))
         out["dp"] = hide(comm["dp"], t_stage * 2 / 3) + bucket
     elif g > 1:  # per round (a microbatch, or the step when P > 1): under it, except one layer's share
-        rounds = s.M if lay.pp == 1 else 1
+        rounds = s.M if lay.pp == 1 or s.code == "ours" else 1  # ours gathers every microbatch under pp too
         t_round = sum(comm.get(k, 0.0) for k in ("dp", "shard", "replica")) / rounds
         out["dp"] = rounds * (hide(t_round, t_stage) + t_round / (most + 1))
     out["total"] = sum(out.values())
@@ -370,12 +521,12 @@ class Plan:
         return self.time["mfu"]
 
 
-def evaluate(cfg, cl, lay, seq, batch, need_fit=False, checked=False):
+def evaluate(cfg, cl, lay, seq, batch, need_fit=False, checked=False, code="reference"):
     """The Plan of one layout (None if need_fit and it does not fit); ValueError if it cannot run."""
     why = None if checked else invalid(cfg, cl, lay, seq, batch)
     if why:
         raise ValueError(f"{lay}: {why}")
-    s = Shape(cfg, lay, seq, batch)
+    s = Shape(cfg, lay, seq, batch, code)
     mem = _memory(s)
     fits = sum(mem.values()) <= cl.hbm_gb * GB
     return Plan(lay, _step_time(s, cl), mem, fits) if fits or not need_fit else None
@@ -419,14 +570,14 @@ def rank_key(p):
     return -round(p.mfu, 3), ("ddp", "hsdp", "fsdp").index(lay.dp_mode), lay.tp * lay.pp * lay.cp, lay.micro
 
 
-def plan(cfg, cl, seq, batch, top=10):
+def plan(cfg, cl, seq, batch, top=10, code="reference"):
     """The `top` layouts that fit in memory, by predicted MFU, one per dp x tp x pp x cp mesh (its best
-    dp mode, micro-batch, checkpointing, schedule and cp mode)."""
+    dp mode, micro-batch, checkpointing, schedule and cp mode), for the implementation `code`."""
     best = {}
     for family in candidates(cfg, cl, seq, batch):
         for lays in family:
             # the lightest checkpointing that fits is the fastest; if none fits, larger micro-batches won't
-            p = next((p for lay in lays if (p := evaluate(cfg, cl, lay, seq, batch, True, True))), None)
+            p = next((p for lay in lays if (p := evaluate(cfg, cl, lay, seq, batch, True, True, code))), None)
             if p is None:
                 break
             mesh = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.cp)
@@ -465,6 +616,8 @@ def main(argv=None):
     ap.add_argument("--global-batch-tokens", type=int, help="default: 0.5M-16M tokens by model size")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
+    ap.add_argument("--code", default="reference", choices=CODES,
+                    help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
     ap.add_argument("--compare-fsdp-scope", action="store_true",
                     help="L15: the winner's mesh with its FSDP group inside one node (hsdp) vs across nodes")
     args = ap.parse_args(argv)
@@ -477,13 +630,14 @@ def main(argv=None):
     total, non_emb = param_counts(cfg)
     print(f"{args.model}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), seq {seq}, batch "
           f"{batch} x {seq} = {batch * seq / 2**20:.1f}M tokens; {cl.gpus} GPUs, {cl.gpus_per_node}/node, "
-          f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter")
+          f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter"
+          + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
     try:
         if args.layout:
-            print(bill(evaluate(cfg, cl, parse_layout(args.layout), seq, batch), cl))
+            print(bill(evaluate(cfg, cl, parse_layout(args.layout), seq, batch, code=args.code), cl))
             return 0
         t0 = time.time()
-        plans = plan(cfg, cl, seq, batch, args.top)
+        plans = plan(cfg, cl, seq, batch, args.top, args.code)
     except (ValueError, TypeError) as e:
         print(f"plan.py: error: {e}", file=sys.stderr)
         return 2
@@ -501,7 +655,7 @@ def main(argv=None):
         print(f"\nL15, the same mesh with FSDP across nodes vs inside one node (shard={local}):")
         for alt in (replace(lay, dp_mode="fsdp", shard=0), replace(lay, dp_mode="hsdp", shard=local)):
             why = invalid(cfg, cl, alt, seq, batch)
-            print(f"{alt}: {why}" if why else bill(evaluate(cfg, cl, alt, seq, batch), cl))
+            print(f"{alt}: {why}" if why else bill(evaluate(cfg, cl, alt, seq, batch, code=args.code), cl))
     return 0
 
 
