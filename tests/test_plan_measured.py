@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import config
 import optim
 import train
 from bench import plan as P
@@ -68,9 +69,9 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
 
 def parse(world, flags, micro, accum):
     """(train.py's args, the model config, the planner's Layout and global batch) of one layout."""
-    args = train.parse_args(MODEL + ["--micro-batch", str(micro), "--dtype", "fp32", "--device", "cpu",
+    args = config.parse_args(MODEL + ["--micro-batch", str(micro), "--dtype", "fp32", "--device", "cpu",
                                      "--peak-tflops", "1"] + flags)  # a repeated flag: the last one counts
-    cfg = train.model_config(args, args.vocab_size)
+    cfg = config.model_config(args, args.vocab_size)
     dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
     args.global_batch = micro * dp * accum
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
