@@ -39,16 +39,6 @@ RESHARD_TARGETS = {"fsdp4": FSDP4, "tp2xpp2": ["--tp", "2", "--pp", "2", "--micr
                    "hsdp2x2": ["--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "2"]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs use one intra-op thread, as the rank processes do: on a shared 2-core machine a second
-    spinning thread makes a tiny step ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def quiet(fn, *args):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return fn(*args)

@@ -37,15 +37,6 @@ def _train_each(rank, world, argvs):
     return [train.main(argv) for argv in argvs]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process runs: one intra-op thread, as each gloo rank uses (2 threads on a busy 2-core CPU spin)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt_runs")

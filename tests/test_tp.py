@@ -58,15 +58,6 @@ class Failed(str):
     pass
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The in-process reference: one intra-op thread, as each gloo rank uses (2 threads on a busy 2-core CPU spin)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{world: [rank 0's results, rank 1's, ...]}; world 1 is the in-process reference run."""
