@@ -17,7 +17,7 @@ import faults
 import model as M
 import train
 from tests.layouts import BASE, train_losses
-from tests.test_checkpoint import ARGS, one_thread, quiet  # noqa: F401 - one_thread: an autouse fixture
+from tests.test_checkpoint import ARGS, quiet
 
 CROSS_ENTROPY = M.cross_entropy_loss
 
