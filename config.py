@@ -92,6 +92,13 @@ def check_args(args):
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
     if args.reduce_dtype not in ("fp32", "bf16"):
         raise UsageError(f"--reduce-dtype: unknown dtype {args.reduce_dtype!r}; choose fp32 or bf16")
+    for problem, flag, needs in (
+            (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
+            (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
+            (args.reduce_dtype != "fp32" and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
+            ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1")):
+        if problem:  # a flag that would silently do nothing in this layout
+            raise UsageError(f"{flag}: has no effect without {needs}")
     if args.device not in (None, "cpu", "cuda"):
         raise UsageError(f"--device: unknown device {args.device!r}; choose cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():

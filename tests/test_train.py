@@ -106,6 +106,10 @@ BAD_INPUTS = {
     "d_model not divisible by heads": (["--d-model", "100", "--n-head", "8"], "--d-model"),
     "unknown flag": (["--frobnicate"], "--frobnicate"),
     "resume without a checkpoint": (["--resume"], "--resume"),
+    "sp without tp": (["--sp"], "--sp"),
+    "dp-shard without hsdp": (["--dp-shard", "1"], "--dp-shard"),
+    "reduce-dtype under ddp": (["--reduce-dtype", "bf16"], "--reduce-dtype"),
+    "pp-split without pp": (["--pp-split", "2,2"], "--pp-split"),
 }
 
 
