@@ -7,7 +7,8 @@ Sends:    per micro-batch, every unit is all-gathered in forward and again in ba
           per step its gradient is reduce-scattered (fp32, or --reduce-dtype bf16). Per rank, with P params:
           (M-1)/M · P · (2·A·compute bytes + reduce bytes) for A micro-batches: 3·(M-1)/M·4P in fp32 (DDP: 2·).
 Overlap:  forward prefetches the next unit's all-gather while the current unit computes, backward the previous
-          unit's; reduce-scatters are async and waited for in finish_grad_sync (--no-overlap: none of this).
+          unit's; a unit's reduce-scatter is async, hidden under the next unit's backward and waited for when that
+          unit's starts, so one unsharded gradient is in flight, not the model's (--no-overlap: none of this).
 Memory:   16·P/M bytes of fp32 state per rank (+ padding) instead of 16·P, plus ~2 gathered units at a time (the
           embedding/head unit stays gathered through its chunk's forward and backward). Weights that autograd
           saves for backward are kept as (unit, offset) and gathered again (saved_tensors_hooks), so nothing
@@ -128,6 +129,7 @@ class FSDP:
         self.sync_grads = True  # False on all but the last micro-batch: keep the unsharded gradient
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
         self.all_gathers = Counter()  # {"forward": n, "backward": n}, cumulative; tests and benches read it
+        self.reducing = []  # the unit whose reduce-scatter is in flight
         self.units, self.next_unit, self.prev_unit, self.in_forward = [], {}, {}, {}
         names = {id(p): name.split(".", 1)[1] for name, p in module.named_parameters()}  # '0.layers.3..' -> global
         for chunk in module:
@@ -238,6 +240,11 @@ class FSDP:
         unit.reductions.append((out, handle, send))
         if not self.overlap:
             self._finish_reductions(unit)
+            return
+        for earlier in self.reducing:  # launched one unit ago: done under this unit's backward, so free its buffer
+            if earlier is not unit:
+                self._finish_reductions(earlier)
+        self.reducing = [unit]
 
     def _finish_reductions(self, unit):
         for out, handle, _ in unit.reductions:
@@ -259,6 +266,7 @@ class FSDP:
                 unit.wait_gathered()
                 unit.full = None
             self._finish_reductions(unit)
+        self.reducing = []
         if self.mesh.tp > 1:
             for unit in self.units:
                 pieces = [unit.params[i].grad.view(-1)[a:b] for i, a, b in unit.tp_partial

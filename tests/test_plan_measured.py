@@ -46,6 +46,7 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
     "fsdp2": (2, ["--dp-mode", "fsdp"], 2, 2),
     "fsdp2 wide vocab": (2, WIDE_VOCAB + ["--dp-mode", "fsdp"], 4, 1),
     "fsdp2 short": (2, SHORT + ["--dp-mode", "fsdp"], 1, 1),
+    "fsdp2 deep": (2, SHORT + WIDE + ["--n-layer", "6", "--dp-mode", "fsdp"], 1, 1),  # one unit's send in flight
     "tp2": (2, LONG + ["--tp", "2"], 2, 2),
     "tp2 sp": (2, LONG + ["--tp", "2", "--sp"], 2, 2),
     "tp2 sp ckpt selective": (2, ["--tp", "2", "--sp", "--ckpt", "selective"], 2, 2),
