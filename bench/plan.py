@@ -64,7 +64,7 @@ and the head, the loss all-gathers 2 fp32 per token, and sp norms all-reduce the
 TP collective blocks. Ring CP's backward adds cp hops of the fp32 dK,dV accumulators; recomputation repeats
 the forward's CP traffic. PP adds a 48-byte shape broadcast. FSDP gathers each unit twice per microbatch under
 pp too, reduces once per step, and holds the unsharded fp32 grads while accumulating, then one unit's flat
-gradient and the previous unit's send in flight; DDP holds a bucket copy of every grad at the end of backward.
+gradient and the previous unit's send in flight; DDP copies two buckets at a time.
 Activations per layer per token, x = 4d/tp under sp (else 4d): the residual stream and norms in fp32, 2(2x + a*d), plus
 a*(5d/tp + 4f/tp) (K and V repeated to every head; the attention output re-laid for o_proj); ring attention
 keeps its own K,V instead (3d/tp + 2*hd*kv_local), allgather the whole sequence's ((3 + 2cp)d/tp). The head's
@@ -72,7 +72,7 @@ rank keeps fp32 log-probs. Peak = model state + the fullest moment of the step: 
 in flight and the earlier microbatches' grads, plus the loss's backward (two more (t, V/tp) fp32 buffers), or the
 head's backward (fsdp gathers its unit again), or a block's backward (three (t, f/tp) activation grads, the
 recompute; fsdp: the gathered units and their grads before the reduce-scatter), or instead the end of backward
-(ddp: all grads and their copies; fsdp: the shards and the units being reduced). At 405B this puts Llama 3's
+(ddp: all grads and two buckets' copies; fsdp: the shards and the units being reduced). At 405B this puts Llama 3's
 published layouts at 26-28% MFU with our code (full checkpointing to fit; FSDP re-gathers per microbatch under
 pp; every TP collective blocks).
 
@@ -443,12 +443,12 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
                     "grads": unit + (0.0 if held else sharded * G_B * s.p_layer)}]  # send (else held) in flight
         moment = max(moments, key=lambda m: sum(m.values()))
         m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
-        # the end of backward. ddp: the grads and their bucket copies. fsdp, as each unit reduces (blocks, then the
-        # root): the shards, the unit's grads and their flat copy, the previous unit's send in flight
+        # the end of backward. ddp: the grads and two buckets' copies in flight. fsdp, as each unit reduces (blocks,
+        # then the root): the shards, the unit's grads and their flat copy, the previous unit's send in flight
         units = [s.p_layer] * layers + [root] * (root > 0)
         reduce_peak = max(2 * unit + before for before, unit in zip([0] + units, units))
         end = {"weights": weights + sharded * (root + s.p_layer) * w_unit,  # the root and a prefetched block
-               "grads": grads / S + G_B * reduce_peak if sharded else 2 * grads,
+               "grads": grads / S + G_B * reduce_peak if sharded else grads + min(grads, 2 * BUCKET_MB * 1e6),
                "activations": 0.0, "logits": 0.0}
         m = max(m, end, key=lambda x: sum(x.values()))
         m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)

@@ -4,13 +4,14 @@ Split:       the batch. Each dp rank (and each cp rank, which sees other tokens)
 Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·P bytes per rank (fp32).
 Overlap:     gradients are packed into buckets (--bucket-mb) in reverse creation order, the order in
              which backward produces them. A bucket's async all-reduce starts from an autograd hook
-             the moment its last gradient is ready, while backward continues on earlier layers.
+             the moment its last gradient is ready, while backward continues on earlier layers, and the
+             bucket before it is waited for, averaged and copied back, freeing its copy.
              --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each
              parameter in its own bucket, the naive one-all-reduce-per-tensor version.
 Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam),
-             plus one fp32 copy of each bucket while its all-reduce is in flight. Gradient accumulation
-             (sync_grads False) costs nothing extra: micro-batches add into p.grad, and only the last
-             one's backward launches the all-reduces.
+             plus the fp32 copies of the (at most two) buckets whose all-reduce is in flight. Gradient
+             accumulation (sync_grads False) costs nothing extra: micro-batches add into p.grad, and only
+             the last one's backward launches the all-reduces.
 Average, not sum (L7): each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
 gradient of the mean over the global batch, and the learning rate does not depend on the world size.
 """
@@ -62,7 +63,7 @@ class Bucket:
         for p in self.params:
             p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
-        self.ready, self.buffer, self.handle = 0, None, None
+        self.buffer, self.handle = None, None
 
 
 class DDP:
@@ -86,6 +87,7 @@ class DDP:
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(self._hook(bucket))
         self.launched_in_backward = 0  # buckets whose all-reduce started inside backward (tests read it)
+        self.in_flight = []  # the bucket launched last in backward, finished when the next one launches
 
     def _hook(self, bucket):
         def on_grad_ready(_param):
@@ -95,18 +97,23 @@ class DDP:
             if bucket.ready == len(bucket.params):
                 bucket.launch(self.group)
                 self.launched_in_backward += 1
+                for earlier in self.in_flight:  # its all-reduce ran under this bucket's backward: free its copy
+                    earlier.finish(self.group)
+                self.in_flight = [bucket]
         return on_grad_ready
 
     def finish_grad_sync(self):
         """Wait for every bucket (launching those backward did not), then average."""
         if self.group.size > 1:
             for bucket in self.buckets:
-                if bucket.handle is None:
+                if bucket.ready < len(bucket.params):  # not launched in backward
                     bucket.launch(self.group)
             for bucket in self.buckets:
-                bucket.finish(self.group)
+                if bucket.buffer is not None:  # not finished in backward
+                    bucket.finish(self.group)
+                bucket.ready = 0
         sync_tp_partial_grads(self.params, self.mesh)
-        self.launched_in_backward = 0
+        self.launched_in_backward, self.in_flight = 0, []
 
     def optim_params(self):
         return self.params
