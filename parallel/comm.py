@@ -14,6 +14,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+# Newer torch renames the single-tensor collectives and warns on the old names, which older torch only has
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommStats:
     """Calls and bytes sent per collective kind, since the last reset (one per rank)."""
@@ -67,7 +71,7 @@ class Group:
             out.copy_(inp)
             return None
         self._count("all_gather", (self.size - 1) / self.size * nbytes(out))
-        return dist.all_gather_into_tensor(out, inp, group=self.pg, async_op=async_op)
+        return ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
 
     def reduce_scatter(self, out, inp, async_op=False):
         """Sums inp (size * n, ...) over ranks; this rank keeps its block of n rows in out."""
@@ -75,7 +79,7 @@ class Group:
             out.copy_(inp)
             return None
         self._count("reduce_scatter", (self.size - 1) / self.size * nbytes(inp))
-        return dist.reduce_scatter_tensor(out, inp, group=self.pg, async_op=async_op)
+        return REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op)
 
     def all_to_all(self, out, inp):
         """Block i of inp (split along dim 0) goes to rank i; block j of out comes from rank j."""

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model as M
 import train
 from parallel import tp
+from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
 from parallel.mesh import LayoutError, Mesh
 from tests.dist import run_ranks
@@ -161,7 +162,7 @@ def _vocab_loss_rank(rank, world):
     loss = tp.VocabParallelLoss(mesh.tp_group, V // world)(local, targets)
     loss.backward()
     gathered = torch.empty(world * local.shape[0], *local.shape[1:])  # a test-side gather, for the check
-    torch.distributed.all_gather_into_tensor(gathered, local.detach().contiguous())
+    ALL_GATHER(gathered, local.detach().contiguous())
     gathered = torch.cat(gathered.chunk(world), dim=-1)  # (B, T, V) in vocab order
     ref = F.cross_entropy(gathered.flatten(0, 1), targets.flatten())
     ref_logits = logits
