@@ -58,9 +58,9 @@ MFU = model.flops_per_token (PaLM: 6N + 12*L*d*T) * B*T / (gpus * peak * step); 
 Whose code (--code). The formulas above ("reference", the default) describe the implementation Llama 3
 and Megatron-LM report, the one the calibration above is for. "ours" describes this repository's parallel/*.py,
 and tests/test_plan_measured.py holds it to fp32 CPU runs: bytes equal to the comm counters per group, memory
-within 15% of the bytes allocated. It differs: TP sends 8 (t, d) collectives per layer (sp saves the gathered
-norm outputs, so nothing is re-gathered; a recomputed block repeats 2, under sp 3), 2 each for the embedding
-and the head, the loss all-gathers 2 fp32 per token, and sp norms all-reduce their grads once per step; every
+within 15% of the bytes allocated. It differs: TP sends 8 (t, d) collectives per layer (sp: 10, as the
+reference; a recomputed block repeats 2, under sp 3), 2 each for the embedding and the head (sp: 3), the loss
+all-gathers 2 fp32 per token, and sp norms all-reduce their grads once per step; every
 TP collective blocks. Ring CP's backward adds cp hops of the fp32 dK,dV accumulators; recomputation repeats
 the forward's CP traffic. PP adds a 48-byte shape broadcast. FSDP gathers each unit twice per microbatch under
 pp too, reduces once per step, and holds the unsharded fp32 grads while accumulating, then one unit's flat
@@ -306,8 +306,10 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
         mine = {}
         if tp > 1:  # u: an all-gather or reduce-scatter of the (t, d) activation; an all-reduce sends 2u
             u = (tp - 1) / tp * t * d * a_bytes
-            units = layers * (8 + redo * (3 if lay.sp else 2)) + 2 * embed + 2 * head  # 4 all-reduces (or 4 AG +
-            loss = (tp - 1) * 2 * t * 4  # 4 RS) per layer; embedding; final norm -> lm_head; loss: (2, t) fp32 AG
+            # 4 all-reduces (or 4 AG + 4 RS, and the 2 norm outputs gathered again in backward) per layer;
+            # embedding; final norm -> lm_head (sp: + its re-gather); loss: (2, t) fp32 AG
+            units = layers * (8 + 2 * lay.sp + redo * (3 if lay.sp else 2)) + 2 * embed + (2 + lay.sp) * head
+            loss = (tp - 1) * 2 * t * 4
             norms = 2 * (tp - 1) / tp * g_bytes * d * (2 * layers + head) if lay.sp else 0.0  # sp norms' grads
             mine["tp"] = (M * (units * u + head * loss) + norms, M * (units + head) * (tp - 1))
         if cp > 1:
@@ -373,9 +375,11 @@ def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
     mode = lay.cp_mode if lay.cp > 1 else "sdpa"
     attention = {"ring": 3 * d / tp + 2 * kv,  # q, the own K and V, the output, the output laid out for o_proj
                  "allgather": (3 + 2 * lay.cp) * d / tp}.get(mode, 5 * d / tp)  # else K, V repeated to every head
-    # per norm: its input and the normalized x in fp32, and its output as the matmuls save it (gathered under sp);
+    # per norm: its input and the normalized x in fp32, and its output as the matmuls save it (sp: the fp32 shard
+    # they gather again in backward; else in the compute dtype);
     # the MLP: gate, silu(gate), up and their product
-    return 2 * (2 * x + a_bytes * d) + a_bytes * (attention + 4 * f / tp)
+    norm_out = x if lay.sp else a_bytes * d
+    return 2 * (2 * x + norm_out) + a_bytes * (attention + 4 * f / tp)
 
 
 def memory(cfg, lay, seq, batch, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B, code="reference"):
@@ -421,13 +425,15 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     w_unit = w_bytes or MASTER_B  # fsdp gathers in the compute dtype (fp32 without autocast)
     keep = act_per_token(s, lay.ckpt, a_bytes)
     redo = (act_per_token(s, "none", a_bytes) - keep) * t  # a block recomputed in backward
-    block_bwd = 3 * t * cfg.ffn_dim / lay.tp * a_bytes + redo
+    regather = lay.sp * t * d * (4 + (a_bytes if a_bytes != 4 else 0))  # sp: a norm output, fp32 and cast
+    block_bwd = 3 * t * cfg.ffn_dim / lay.tp * a_bytes + redo + regather
     inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
     best = None
     for layers, params, embed, head, _ in s.stages():
         flight = 1 if P == 1 else (M if lay.schedule == "gpipe" else 1) if head else inflight
         acts = layers * t * keep + (0.0 if head else t * 4 * d / sh)  # a microbatch's blocks (+ the output sent)
-        norm, logp = (t * (8 * d / sh + a_bytes * d), 4 * t * vocab) if head else (0.0, 0.0)  # final norm, log-probs
+        norm_out = 4 * d / sh if lay.sp else a_bytes * d
+        norm, logp = (t * (8 * d / sh + norm_out), 4 * t * vocab) if head else (0.0, 0.0)  # final norm, log-probs
         root = s.p_embed * embed + (s.p_embed + d) * head  # the fsdp unit of the embedding, final norm and head
         grads = G_B * params  # unsharded fp32: ddp's .grad; fsdp's flat buffers (accumulation, reduce-scatter)
         held, n = 0.0, flight  # earlier microbatches' grads, and microbatches in flight (gpipe: a backward done)

@@ -8,10 +8,12 @@ Sends:    per layer per micro-batch, 2 all-reduces of the (b, s, d) activation i
           2 in backward (before q/k/v, gate/up): 4 · 2(t-1)/t · 4bsd bytes in fp32; plus 1 for the embedding
           (fwd) and 1 for lm_head's input (bwd), and the loss all-gathers 2 floats per token.
           --sp: each all-reduce becomes its halves, a reduce-scatter and an all-gather along the sequence: the
-          same bytes; sequence-sharded norm weights get one grad all-reduce per step (tp_partial_grad).
+          same bytes; backward gathers each norm output again for the weight grads (2 per layer, 1 for the head:
+          +1/4 bytes); sequence-sharded norm weights get one grad all-reduce per step (tp_partial_grad).
 Overlap:  none: each collective sits on the critical path, which is why tp stays on one server's NVLink.
 Memory:   weights, grads and Adam state of every matmul / t; attention and MLP activations / t; with --sp also
-          the residual stream, norms and dropout masks / t. Logits stay (tokens, V/t): the vocab-parallel loss
+          the residual stream, norms, dropout masks and the matmuls' saved inputs / t (no (b, s, d) tensor is
+          kept for backward). Logits stay (tokens, V/t): the vocab-parallel loss
           never builds the (tokens, V) tensor.
 """
 import torch
@@ -97,9 +99,52 @@ class ScatterSequence(Function):
         return all_gather_seq(ctx.group, grad), None
 
 
+class GatheredInput:
+    """The sequence all-gather of one norm output under --sp, as the column-parallel linears reading it save it:
+    this rank's (B, T/t, d) shard, gathered again in backward once for all of them (as Megatron does), instead
+    of each keeping the (B, T, d) tensor until backward."""
+
+    def __init__(self, group):
+        self.group, self.users, self.full = group, 0, None
+
+    def regather(self, shard):
+        if self.full is None:
+            self.full = all_gather_seq(self.group, shard)  # (B, T, d)
+        return self.full
+
+    def release(self):
+        self.users -= 1
+        if self.users == 0:
+            self.full = None
+
+
+class LinearOnGathered(Function):
+    """y = x_full · Wᵀ that saves the shard x_full was gathered from, not x_full (see GatheredInput)."""
+
+    @staticmethod
+    def forward(ctx, full, shard, weight, gathered):
+        ctx.gathered = gathered
+        gathered.users += 1
+        ctx.save_for_backward(shard, weight)
+        return F.linear(full, weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, out/t)
+        shard, weight = ctx.saved_tensors
+        full = ctx.gathered.regather(shard).to(grad.dtype)  # (B, T, d)
+        grad_full = grad @ weight.to(grad.dtype)  # (B, T, d)
+        grad_weight = grad.flatten(0, 1).t() @ full.flatten(0, 1)  # (out/t, d)
+        ctx.gathered.release()
+        return grad_full, None, grad_weight, None
+
+
 def enter_tp(x, group, sequence_parallel):
     """Replicated (or sequence-sharded) activation -> the full input every column-parallel rank needs."""
-    return GatherSequence.apply(x, group) if sequence_parallel else CopyToTP.apply(x, group)
+    if not sequence_parallel:
+        return CopyToTP.apply(x, group)
+    full = GatherSequence.apply(x, group)
+    full.sequence_shard = x, GatheredInput(group)  # what ColumnParallelLinear saves in place of `full`
+    return full
 
 
 def leave_tp(x, group, sequence_parallel):
@@ -122,6 +167,12 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features, out_features, group):
         super().__init__(in_features, out_features // group.size, bias=False, device="meta")
         shard(self.weight, 0, group)
+
+    def forward(self, x):
+        if not hasattr(x, "sequence_shard"):
+            return F.linear(x, self.weight)
+        local, gathered = x.sequence_shard
+        return LinearOnGathered.apply(x, local, self.weight, gathered)  # (B, T, out/t)
 
 
 class RowParallelLinear(nn.Linear):

@@ -8,6 +8,7 @@ single-process reference runs in this process.
 import contextlib
 import io
 import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -197,10 +198,21 @@ def _comm_rank(rank, world, b):
         torch.manual_seed(1)
         ids = torch.randint(0, CFG.vocab_size, (b, CFG.seq_len + 1))
         mesh.stats.reset()
-        m(ids[:, :-1], ids[:, 1:]).backward()
+        saved = []  # the shapes of the activations autograd keeps for backward
+        with torch.autograd.graph.saved_tensors_hooks(partial(_record_activation, saved), lambda t: t):
+            loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
         wrapper.finish_grad_sync()
-        out[sp] = dict(calls=dict(mesh.stats.calls), bytes=dict(mesh.stats.bytes))
+        full = ((b, CFG.seq_len, CFG.d_model), (b * CFG.seq_len, CFG.d_model))  # matmuls save 3-d inputs flattened
+        out[sp] = dict(calls=dict(mesh.stats.calls), bytes=dict(mesh.stats.bytes),
+                       full_activations_saved=sum(shape in full for shape in saved))
     return out
+
+
+def _record_activation(saved, t):
+    if not isinstance(t if t._base is None else t._base, torch.nn.Parameter):  # weights and their transposes
+        saved.append(tuple(t.shape))
+    return t
 
 
 def expected_tp_traffic(cfg, b, t, sequence_parallel):
@@ -209,15 +221,16 @@ def expected_tp_traffic(cfg, b, t, sequence_parallel):
     Each layer: forward 2 all-reduces of the (b, s, d) activation (after o_proj, down_proj), backward 2 (the f
     before q/k/v and gate/up). Outside the layers: the embedding's all-reduce (forward), lm_head's input f
     (backward), the loss's all-gather of (2, b·s) floats. --sp splits each all-reduce into a reduce-scatter
-    and an all-gather of the same total bytes, and adds one all-reduce of each of the 2L+1 norm weights' grads."""
+    and an all-gather of the same total bytes, gathers each of the 2L+1 norm outputs again in backward for the
+    weight grads (instead of saving them), and adds one all-reduce of each of the 2L+1 norm weights' grads."""
     A, L, ring = 4 * b * cfg.seq_len * cfg.d_model, cfg.n_layer, (t - 1) / t
     loss_gather = ring * t * 2 * b * cfg.seq_len * 4
     if not sequence_parallel:
         n = 4 * L + 2
         return {"all_reduce": n, "all_gather": 1}, {"all_reduce": n * 2 * ring * A, "all_gather": loss_gather}
-    n = 4 * L + 2
-    calls = {"all_gather": n + 1, "reduce_scatter": n, "all_reduce": 2 * L + 1}
-    sent = {"all_gather": n * ring * A + loss_gather, "reduce_scatter": n * ring * A,
+    n, regathers = 4 * L + 2, 2 * L + 1
+    calls = {"all_gather": n + regathers + 1, "reduce_scatter": n, "all_reduce": 2 * L + 1}
+    sent = {"all_gather": (n + regathers) * ring * A + loss_gather, "reduce_scatter": n * ring * A,
             "all_reduce": (2 * L + 1) * 2 * ring * 4 * cfg.d_model}
     return calls, sent
 
@@ -231,10 +244,19 @@ def test_tp_communication_matches_theory(world, runs):
             assert r[sp]["calls"] == calls, (sp, r[sp]["calls"], calls)
             for kind, expected in sent.items():
                 assert r[sp]["bytes"][kind] == pytest.approx(expected, rel=0.01), (sp, kind)
-        # --sp moves the same activation bytes, as reduce-scatters + all-gathers instead of all-reduces
+        # --sp moves the same activation bytes, as reduce-scatters + all-gathers instead of all-reduces, plus
+        # the backward's 2L+1 re-gathers, each half of one of the 4L+2 all-reduces: a quarter more in all
         loss_gather = r[False]["bytes"]["all_gather"]
         sp_activations = r[True]["bytes"]["all_gather"] - loss_gather + r[True]["bytes"]["reduce_scatter"]
-        assert sp_activations == pytest.approx(r[False]["bytes"]["all_reduce"], rel=1e-9)
+        assert sp_activations == pytest.approx(1.25 * r[False]["bytes"]["all_reduce"], rel=1e-9)
+
+
+def test_sp_saves_no_full_sequence_activation(runs):
+    """Sequence parallel's memory promise: every (b, s, d) activation kept for backward is a 1/t sequence shard.
+    The gathered norm outputs the column-parallel weight grads need are gathered again in backward."""
+    for r in result(runs, 2, "comm"):
+        assert r[False]["full_activations_saved"] >= 2 * CFG.n_layer + 1  # tp alone: norms' outputs and more
+        assert r[True]["full_activations_saved"] == 0
 
 
 # ---------------------------------------------------------------- bad layouts
