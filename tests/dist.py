@@ -4,13 +4,15 @@
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a free MASTER_PORT in its environment
 and an initialized gloo process group. The parent collects every rank's return value, re-raises the
-first failing rank's traceback, and kills everything after `timeout` seconds instead of hanging.
+first failing rank's traceback, reports a rank that dies without one (killed, or unable to import its
+function) as soon as it does, and kills everything after `timeout` seconds instead of hanging.
 Processes come from a forkserver that has imported torch once, so a rank starts in well under a second.
 """
 import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 _CTX = mp.get_context("forkserver")
@@ -56,14 +58,19 @@ def run_ranks(fn, world, args=(), timeout=120, init=True):
              for r in range(world)]
     for p in procs:
         p.start()
-    out = {}
+    out, deadline = {}, time.monotonic() + timeout
     try:
         while len(out) < world:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=0.5)
             except queue.Empty:
                 missing = sorted(set(range(world)) - set(out))
-                raise RankError(f"timeout after {timeout}s waiting for ranks {missing}") from None
+                dead = [(r, procs[r].exitcode) for r in missing if procs[r].exitcode not in (None, 0)]
+                if dead:  # e.g. killed, or it could not even import its function: no traceback will come
+                    raise RankError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting") from None
+                if time.monotonic() > deadline:
+                    raise RankError(f"timeout after {timeout}s waiting for ranks {missing}") from None
+                continue
             if status == "error":
                 raise RankError(f"rank {rank} failed:\n{value}")
             out[rank] = value
