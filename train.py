@@ -91,6 +91,9 @@ def build_model(cfg, mesh, args, device):
             importlib.import_module("parallel.cp").parallelize(chunk, mesh, mode=args.cp_mode)
         if args.ckpt != "none":
             importlib.import_module("parallel.ckpt").apply(chunk, args.ckpt)
+        if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
+            for block in chunk.layers.values():
+                block.forward = torch.compile(block.forward)
     module = nn.ModuleList(chunks)
     if args.dp_mode == "ddp":
         for chunk in chunks:
@@ -103,10 +106,6 @@ def build_model(cfg, mesh, args, device):
         # (tp-local) initial tensor on CPU in fp32, the same values init_weights gives.
         wrapper = dp_module.wrap(module, mesh, args, device=device,
                                  init_param=lambda name, p: M.local_init(name, p, cfg, args.seed))
-    if args.compile:
-        for chunk in chunks:
-            for block in chunk.layers.values():
-                block.compile()
     return chunks, wrapper
 
 

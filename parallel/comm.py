@@ -45,7 +45,11 @@ def nbytes(t):
 
 
 class Group:
-    """One process group of the mesh. `ranks` are global ranks; `rank` is this rank's index in it."""
+    """One process group of the mesh. `ranks` are global ranks; `rank` is this rank's index in it.
+
+    The collectives run outside torch.compile (--compile): a compiled block breaks its graph around each,
+    and dynamo never traces the counters, whose growing log would otherwise become a guard that fails, and
+    recompiles the block, on every call."""
 
     def __init__(self, name, ranks, pg, global_rank, stats):
         self.name, self.ranks, self.pg, self.stats = name, list(ranks), pg, stats
@@ -58,6 +62,7 @@ class Group:
     def _count(self, kind, n):
         self.stats.add(kind, self.name, n)
 
+    @torch.compiler.disable
     def all_reduce(self, t, async_op=False):
         """Sum in place. (gloo has no AVG: callers divide.)"""
         if self.size == 1:
@@ -65,6 +70,7 @@ class Group:
         self._count("all_reduce", 2 * (self.size - 1) / self.size * nbytes(t))
         return dist.all_reduce(t, group=self.pg, async_op=async_op)
 
+    @torch.compiler.disable
     def all_gather(self, out, inp, async_op=False):
         """out: (size * n, ...) receives every rank's inp (n, ...) in rank order."""
         if self.size == 1:
@@ -73,6 +79,7 @@ class Group:
         self._count("all_gather", (self.size - 1) / self.size * nbytes(out))
         return ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
 
+    @torch.compiler.disable
     def reduce_scatter(self, out, inp, async_op=False):
         """Sums inp (size * n, ...) over ranks; this rank keeps its block of n rows in out."""
         if self.size == 1:
@@ -81,6 +88,7 @@ class Group:
         self._count("reduce_scatter", (self.size - 1) / self.size * nbytes(inp))
         return REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op)
 
+    @torch.compiler.disable
     def all_to_all(self, out, inp):
         """Block i of inp (split along dim 0) goes to rank i; block j of out comes from rank j."""
         if self.size == 1:
@@ -89,6 +97,7 @@ class Group:
         self._count("all_to_all", (self.size - 1) / self.size * nbytes(inp))
         return dist.all_to_all_single(out, inp, group=self.pg)
 
+    @torch.compiler.disable
     def send_recv(self, sends, recvs):
         """Batched p2p: sends/recvs are lists of (tensor, group index of the peer). Returns the requests."""
         ops = []
@@ -99,6 +108,7 @@ class Group:
             ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], group=self.pg))
         return dist.batch_isend_irecv(ops) if ops else []
 
+    @torch.compiler.disable
     def broadcast(self, t, src=0):
         if self.size == 1:
             return None
