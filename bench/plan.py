@@ -73,7 +73,7 @@ in flight and the earlier microbatches' grads, plus the loss's backward (two mor
 head's backward (fsdp gathers its unit again), or a block's backward (three (t, f/tp) activation grads, the
 recompute; fsdp: the gathered units and their grads before the reduce-scatter), or instead the end of backward
 (ddp: all grads and two buckets' copies; fsdp: the shards and the units being reduced). At 405B this puts Llama 3's
-published layouts at 26-28% MFU with our code (full checkpointing to fit; FSDP re-gathers per microbatch under
+published layouts at 25-28% MFU with our code (full checkpointing to fit; FSDP re-gathers per microbatch under
 pp; every TP collective blocks).
 
 Search: tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V
@@ -425,7 +425,9 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     w_unit = w_bytes or MASTER_B  # fsdp gathers in the compute dtype (fp32 without autocast)
     keep = act_per_token(s, lay.ckpt, a_bytes)
     redo = (act_per_token(s, "none", a_bytes) - keep) * t  # a block recomputed in backward
-    regather = lay.sp * t * d * (4 + (a_bytes if a_bytes != 4 else 0))  # sp: a norm output, fp32 and cast
+    # sp: the (t, d) tensors a column-parallel backward holds: the output grad all-gathered from the next block,
+    # the norm output gathered again (fp32, and cast to the compute dtype) and its grad
+    regather = lay.sp * t * d * (4 + (a_bytes if a_bytes != 4 else 0) + 2 * a_bytes)
     block_bwd = 3 * t * cfg.ffn_dim / lay.tp * a_bytes + redo + regather
     inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
     best = None
