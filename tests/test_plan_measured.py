@@ -12,7 +12,7 @@ update: on CPU it is torch's foreach version, whose temporaries a fused GPU step
   fullest rank: CPU's analogue of torch.cuda.max_memory_allocated, without allocator caching or
   fragmentation (so the planner runs with overhead 0, frag 0, no bf16 weights, fp32 activations).
 One set of gloo ranks per world size runs its layouts back to back. Measured peaks repeat to within ~4% (gloo's
-threads free a few buffers a little later or sooner); the predictions land within 7% of them.
+threads free a few buffers a little later or sooner); the predictions land within 8% of them.
 """
 import traceback
 import weakref
