@@ -87,7 +87,7 @@ class DDP:
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(self._hook(bucket))
         self.launched_in_backward = 0  # buckets whose all-reduce started inside backward (tests read it)
-        self.in_flight = []  # the bucket launched last in backward, finished when the next one launches
+        self.in_flight = None  # the bucket launched last in backward, finished when the next one launches
 
     def _hook(self, bucket):
         def on_grad_ready(_param):
@@ -97,9 +97,9 @@ class DDP:
             if bucket.ready == len(bucket.params):
                 bucket.launch(self.group)
                 self.launched_in_backward += 1
-                for earlier in self.in_flight:  # its all-reduce ran under this bucket's backward: free its copy
-                    earlier.finish(self.group)
-                self.in_flight = [bucket]
+                if self.in_flight is not None:  # its all-reduce ran under this bucket's backward: free its copy
+                    self.in_flight.finish(self.group)
+                self.in_flight = bucket
         return on_grad_ready
 
     def finish_grad_sync(self):
@@ -113,7 +113,7 @@ class DDP:
                     bucket.finish(self.group)
                 bucket.ready = 0
         sync_tp_partial_grads(self.params, self.mesh)
-        self.launched_in_backward, self.in_flight = 0, []
+        self.launched_in_backward, self.in_flight = 0, None
 
     def optim_params(self):
         return self.params

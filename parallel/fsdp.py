@@ -129,7 +129,7 @@ class FSDP:
         self.sync_grads = True  # False on all but the last micro-batch: keep the unsharded gradient
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
         self.all_gathers = Counter()  # {"forward": n, "backward": n}, cumulative; tests and benches read it
-        self.reducing = []  # the unit whose reduce-scatter is in flight
+        self.reducing = None  # the unit whose reduce-scatter is in flight
         self.units, self.next_unit, self.prev_unit, self.in_forward = [], {}, {}, {}
         names = {id(p): name.split(".", 1)[1] for name, p in module.named_parameters()}  # '0.layers.3..' -> global
         for chunk in module:
@@ -241,10 +241,9 @@ class FSDP:
         if not self.overlap:
             self._finish_reductions(unit)
             return
-        for earlier in self.reducing:  # launched one unit ago: done under this unit's backward, so free its buffer
-            if earlier is not unit:
-                self._finish_reductions(earlier)
-        self.reducing = [unit]
+        if self.reducing not in (None, unit):  # launched one unit ago, done under this unit's backward: free it
+            self._finish_reductions(self.reducing)
+        self.reducing = unit
 
     def _finish_reductions(self, unit):
         for out, handle, _ in unit.reductions:
@@ -266,7 +265,7 @@ class FSDP:
                 unit.wait_gathered()
                 unit.full = None
             self._finish_reductions(unit)
-        self.reducing = []
+        self.reducing = None
         if self.mesh.tp > 1:
             for unit in self.units:
                 pieces = [unit.params[i].grad.view(-1)[a:b] for i, a, b in unit.tp_partial

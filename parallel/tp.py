@@ -13,8 +13,7 @@ Sends:    per layer per micro-batch, 2 all-reduces of the (b, s, d) activation i
 Overlap:  none: each collective sits on the critical path, which is why tp stays on one server's NVLink.
 Memory:   weights, grads and Adam state of every matmul / t; attention and MLP activations / t; with --sp also
           the residual stream, norms, dropout masks and the matmuls' saved inputs / t (no (b, s, d) tensor is
-          kept for backward). Logits stay (tokens, V/t): the vocab-parallel loss
-          never builds the (tokens, V) tensor.
+          kept for backward). Logits stay (tokens, V/t): the vocab-parallel loss never builds (tokens, V).
 """
 import torch
 import torch.nn.functional as F
@@ -107,9 +106,9 @@ class GatheredInput:
     def __init__(self, group):
         self.group, self.users, self.full = group, 0, None
 
-    def regather(self, shard):
+    def regather(self, shard, dtype):
         if self.full is None:
-            self.full = all_gather_seq(self.group, shard)  # (B, T, d)
+            self.full = all_gather_seq(self.group, shard).to(dtype)  # (B, T, d) in the grads' dtype
         return self.full
 
     def release(self):
@@ -131,7 +130,7 @@ class LinearOnGathered(Function):
     @staticmethod
     def backward(ctx, grad):  # grad: (B, T, out/t)
         shard, weight = ctx.saved_tensors
-        full = ctx.gathered.regather(shard).to(grad.dtype)  # (B, T, d)
+        full = ctx.gathered.regather(shard, grad.dtype)  # (B, T, d)
         grad_full = grad @ weight.to(grad.dtype)  # (B, T, d)
         grad_weight = grad.flatten(0, 1).t() @ full.flatten(0, 1)  # (out/t, d)
         ctx.gathered.release()
