@@ -5,7 +5,8 @@ Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), r
 Sends:    FSDP's traffic inside the shard group, (K-1)/K · P · (2·A·compute bytes + reduce bytes), plus one
           all-reduce of the fp32 gradient shard across replicas: 2·(R-1)/R · 4P/K bytes per rank.
           Only the all-reduce, 1/K of DDP's volume, crosses servers.
-Overlap:  as FSDP; the replica all-reduces run after the last reduce-scatter, in finish_grad_sync.
+Overlap:  as FSDP; a unit's replica all-reduce runs as its reduce-scatter is finished (in backward, one unit
+          behind; the last unit's in finish_grad_sync).
 Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
 """
 from parallel import fsdp
