@@ -62,9 +62,10 @@ within 15% of the bytes allocated. It differs: TP sends 8 (t, d) collectives per
 reference; a recomputed block repeats 2, under sp 3), 2 each for the embedding and the head (sp: 3), the loss
 all-gathers 2 fp32 per token, and sp norms all-reduce their grads once per step; every
 TP collective blocks. Ring CP's backward adds cp hops of the fp32 dK,dV accumulators; recomputation repeats
-the forward's CP traffic. PP adds a 48-byte shape broadcast. FSDP gathers each unit twice per microbatch under
-pp too, reduces once per step, and holds the unsharded fp32 grads while accumulating, then one unit's flat
-gradient and the previous unit's send in flight; DDP copies two buckets at a time.
+the forward's CP traffic. PP adds a 48-byte shape broadcast. FSDP under pp gathers each unit once per step and
+keeps it to the last backward (as the reference), reduces once per step, and holds the unsharded fp32 grads
+while accumulating, then one unit's flat gradient and the previous unit's send in flight; DDP copies two
+buckets at a time.
 Activations per layer per token, x = 4d/tp under sp (else 4d): the residual stream and norms in fp32, 2(2x + a*d), plus
 a*(5d/tp + 4f/tp) (K and V repeated to every head; the attention output re-laid for o_proj); ring attention
 keeps its own K,V instead (3d/tp + 2*hd*kv_local), allgather the whole sequence's ((3 + 2cp)d/tp). The head's
@@ -73,8 +74,7 @@ in flight and the earlier microbatches' grads, plus the loss's backward (two mor
 head's backward (fsdp gathers its unit again), or a block's backward (three (t, f/tp) activation grads, the
 recompute; fsdp: the gathered units and their grads before the reduce-scatter), or instead the end of backward
 (ddp: all grads and two buckets' copies; fsdp: the shards and the units being reduced). At 405B this puts Llama 3's
-published layouts at 25-28% MFU with our code (full checkpointing to fit; FSDP re-gathers per microbatch under
-pp; every TP collective blocks).
+published layouts at 28-34% MFU with our code (full checkpointing to fit; every TP collective blocks).
 
 Search: tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V
 powers of two; hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024
@@ -327,9 +327,10 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
         if g > 1 and lay.dp_mode == "ddp":
             buckets = math.ceil(g_bytes * params / (BUCKET_MB * 1e6))
             mine["dp"] = (2 * (g - 1) / g * g_bytes * params, buckets * 2 * math.ceil(math.log2(g)))
-        elif g > 1:  # each microbatch gathers every unit for forward and again for backward; one RS per step
+        elif g > 1:  # each microbatch gathers every unit for forward and again for backward (under pp: once per
+            gathers = 2 * M if lay.pp == 1 else 1  # step, kept until the last backward); one RS per step
             mine["dp" if lay.dp_mode == "fsdp" else "shard"] = (
-                (2 * M * w_bytes + g_bytes) * (S - 1) / S * params, (2 * M + 1) * units * (S - 1))
+                (gathers * w_bytes + g_bytes) * (S - 1) / S * params, (gathers + 1) * units * (S - 1))
             if lay.dp_mode == "hsdp":
                 R = g // S
                 mine["replica"] = (2 * (R - 1) / R * g_bytes * params / S, units * 2 * math.ceil(math.log2(R)))
@@ -421,6 +422,7 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     or the end of backward (the grads and their copies)."""
     cfg, lay, P, M, t, d = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model
     sharded = lay.dp_mode != "ddp"
+    kept = sharded and P > 1  # under pp fsdp keeps its units gathered from the first forward to the last backward
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     w_unit = w_bytes or MASTER_B  # fsdp gathers in the compute dtype (fp32 without autocast)
     keep = act_per_token(s, lay.ckpt, a_bytes)
@@ -443,19 +445,22 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
             held, n = max((0.0, flight), (grads, flight - 1), key=lambda h: h[0] + h[1] * (acts + norm + logp)) \
                 if lay.schedule == "gpipe" else (grads, flight)
         unit = sharded * (root * head + s.p_layer) * w_unit  # a block's unit, and the head rank's root unit
-        weights = 0.0 if sharded else w_bytes * params  # ddp: the bf16 copies autocast makes
+        weights = w_bytes * params if not sharded else w_unit * params if kept else 0.0  # ddp: autocast's bf16
+        gathering = 0.0 if kept else sharded * w_unit  # copies; fsdp under pp: the stage, gathered all step
         base = {"weights": weights, "grads": held, "activations": n * acts + (n - 1) * norm, "logits": (n - 1) * logp}
         moments = [{"activations": norm, "logits": logp + 2 * logp * head},  # the loss's backward
-                   {"activations": norm, "logits": logp, "weights": sharded * head * (root + s.p_layer) * w_unit},
-                   {"activations": block_bwd, "weights": unit,  # a block's backward; the previous unit's
-                    "grads": unit + (0.0 if held else sharded * G_B * s.p_layer)}]  # send (else held) in flight
+                   {"activations": norm, "logits": logp, "weights": gathering * head * (root + s.p_layer)},
+                   # a block's backward as its unit reduces: its grads, their flat copy (in the room of the freed
+                   # weights, unless kept), the previous unit's send in flight (in held when accumulating)
+                   {"activations": block_bwd, "weights": unit * (not kept),
+                    "grads": unit + sharded * G_B * s.p_layer * (kept + (not held))}]
         moment = max(moments, key=lambda m: sum(m.values()))
         m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
         # the end of backward. ddp: the grads and two buckets' copies in flight. fsdp, as each unit reduces (blocks,
         # then the root): the shards, the unit's grads and their flat copy, the previous unit's send in flight
         units = [s.p_layer] * layers + [root] * (root > 0)
         reduce_peak = max(2 * unit + before for before, unit in zip([0] + units, units))
-        end = {"weights": weights + sharded * (root + s.p_layer) * w_unit,  # the root and a prefetched block
+        end = {"weights": weights + gathering * (root + s.p_layer),  # the root and a prefetched block
                "grads": grads / S + G_B * reduce_peak if sharded else grads + min(grads, 2 * BUCKET_MB * 1e6),
                "activations": 0.0, "logits": 0.0}
         m = max(m, end, key=lambda x: sum(x.values()))

@@ -6,6 +6,7 @@ Split:    the batch (as DDP) and the model state. Units: one per transformer blo
 Sends:    per micro-batch, every unit is all-gathered in forward and again in backward, in the compute dtype;
           per step its gradient is reduce-scattered (fp32, or --reduce-dtype bf16). Per rank, with P params:
           (M-1)/M · P · (2·A·compute bytes + reduce bytes) for A micro-batches: 3·(M-1)/M·4P in fp32 (DDP: 2·).
+          Under pp (keep_gathered) a unit is gathered once per step and kept to its last backward: 2·A -> 1.
 Overlap:  forward prefetches the next unit's all-gather while the current unit computes, backward the previous
           unit's; a unit's reduce-scatter is async, hidden under the next unit's backward and waited for when that
           unit's starts, so one unsharded gradient is in flight, not the model's (--no-overlap: none of this).
@@ -13,7 +14,8 @@ Memory:   16·P/M bytes of fp32 state per rank (+ padding) instead of 16·P, plu
           embedding/head unit stays gathered through its chunk's forward and backward). Weights that autograd
           saves for backward are kept as (unit, offset) and gathered again (saved_tensors_hooks), so nothing
           full-size lives between forward and backward. Gradient accumulation (sync_grads False) keeps each
-          unit's unsharded fp32 gradient until the last micro-batch: 4·P bytes, DDP's gradient size.
+          unit's unsharded fp32 gradient until the last micro-batch: 4·P bytes, DDP's gradient size. Under pp
+          the stage's units stay gathered through the step: its P in the compute dtype.
 """
 from collections import Counter, namedtuple
 
@@ -99,10 +101,11 @@ class Unit:
         for (module, attr, _, _), view in zip(self.slots, views):
             setattr(module, attr, view)
 
-    def release(self):
+    def release(self, keep_gathered=False):
         for module, attr, _, _ in self.slots:
             setattr(module, attr, None)
-        self.full = None
+        if not keep_gathered:
+            self.full = None
 
 
 class GatherUnit(torch.autograd.Function):
@@ -123,8 +126,9 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDP:
     def __init__(self, module, mesh, group, init_param, device, compute_dtype=torch.float32,
-                 reduce_dtype=torch.float32, overlap=True):
+                 reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
+        self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
         self.reduce_dtype = reduce_dtype
         self.sync_grads = True  # False on all but the last micro-batch: keep the unsharded gradient
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
@@ -201,7 +205,7 @@ class FSDP:
             return forward(*args, **kwargs)
         finally:
             del self.in_forward[unit.full.untyped_storage().data_ptr()]
-            unit.release()
+            unit.release(self.keep_gathered)
 
     def _pack(self, t):
         unit = self.in_forward.get(t.untyped_storage().data_ptr()) if t.numel() else None
@@ -223,7 +227,8 @@ class FSDP:
     def reduce_grads(self, unit, grads):
         """All of the unit's gradients are ready: free its gathered weights, then reduce-scatter (or keep)."""
         self.phase = "backward"
-        unit.full = None
+        if not self.keep_gathered:
+            unit.full = None
         flat = torch.zeros(unit.padded, device=unit.local.device)
         for g, a, n in zip(grads, unit.offsets, unit.sizes):
             if g is not None:
@@ -263,7 +268,7 @@ class FSDP:
         for unit in self.units:
             if unit.pending is not None:  # an unused prefetch must not outlive the optimizer step
                 unit.wait_gathered()
-                unit.full = None
+            unit.full = None  # (kept gathered: the step's micro-batches are done with it)
             self._finish_reductions(unit)
         self.reducing = None
         if self.mesh.tp > 1:
@@ -329,4 +334,4 @@ class FSDP:
 def wrap(module, mesh, args, device, init_param, cls=FSDP, group=None):
     """module: nn.ModuleList of GPT chunks on the meta device. FSDP shards over dp x cp."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, DTYPES[args.dtype],
-               DTYPES[args.reduce_dtype], overlap=not args.no_overlap)
+               DTYPES[args.reduce_dtype], overlap=not args.no_overlap, keep_gathered=mesh.pp > 1)
