@@ -458,8 +458,8 @@ def _ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
         m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
         # the end of backward. ddp: the grads and two buckets' copies in flight. fsdp, as each unit reduces (blocks,
         # then the root): the shards, the unit's grads and their flat copy, the previous unit's send in flight
-        units = [s.p_layer] * layers + [root] * (root > 0)
-        reduce_peak = max(2 * unit + before for before, unit in zip([0] + units, units))
+        unit_sizes = [s.p_layer] * layers + [root] * (root > 0)  # in the order backward reduces them
+        reduce_peak = max(2 * size + before for before, size in zip([0] + unit_sizes, unit_sizes))
         end = {"weights": weights + gathering * (root + s.p_layer),  # the root and a prefetched block
                "grads": grads / S + G_B * reduce_peak if sharded else grads + min(grads, 2 * BUCKET_MB * 1e6),
                "activations": 0.0, "logits": 0.0}
