@@ -6,8 +6,13 @@ import time
 import torch
 
 import model as M
+from parallel import ckpt
+from parallel.cp import MODES as CP_MODES
+from parallel.mesh import LayoutError
+from parallel.pp_schedule import SCHEDULES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DP_MODES = ("ddp", "fsdp", "hsdp")
 # Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name(); first match wins.
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H800", 989.4), ("GH200", 989.4),
                ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0),
@@ -20,89 +25,152 @@ class UsageError(ValueError):
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        raise UsageError(message)
+        raise UsageError(message.removeprefix("argument "))
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse names the type in its message: "invalid positive integer"
+
+
+def nonnegative_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+nonnegative_int.__name__ = "non-negative integer"
+
+
+def one_of(choices, what):
+    """A type that accepts one of `choices` and otherwise says which exist."""
+    def check(text):
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(choices)}")
+        return text
+    return check
+
+
+def recompute_policy(text):
+    try:
+        ckpt.parse(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--ckpt: ")) from None
+    return text
+
+
+def layer_split(text):
+    """'3,5' -> (3, 5): layers per pipeline stage."""
+    try:
+        counts = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text}")
+    return counts
 
 
 def parse_args(argv=None):
     p = OneLineParser(description="Train a Llama-style GPT on any (dp x pp x cp x tp) layout.",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help=f"preset: {', '.join(M.PRESETS)}")
+    a("--model", default="tiny", type=one_of(M.PRESETS, "preset"), help=f"preset: {', '.join(M.PRESETS)}")
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size", "seq-len"):
-        a(f"--{name}", type=int, help="override the preset's field")
+        a(f"--{name}", type=positive_int, help="override the preset's field")
     a("--dropout", type=float, default=0.0, help="residual dropout (off by default)")
     a("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
-    a("--global-batch", type=int, default=32, help="sequences per optimizer step, all ranks together")
-    a("--micro-batch", type=int, default=8, help="sequences per forward per DP rank; accumulation = B / (b*dp)")
-    a("--steps", type=int, default=100, help="optimizer steps")
+    a("--global-batch", type=positive_int, default=32, help="sequences per optimizer step, all ranks together")
+    a("--micro-batch", type=positive_int, default=8,
+      help="sequences per forward per DP rank; accumulation = B / (b*dp)")
+    a("--steps", type=nonnegative_int, default=100, help="optimizer steps")
     a("--lr", type=float, default=3e-3, help="peak learning rate")
     a("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
-    a("--warmup", type=int, default=20, help="linear warmup steps")
+    a("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
     a("--weight-decay", type=float, default=0.1)
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     a("--seed", type=int, default=1337, help="seeds the weights and the batches")
-    a("--dtype", default="fp32", help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling)")
-    a("--dp", type=int, help="data parallel degree (default: world / (tp*pp*cp))")
-    a("--dp-mode", default="ddp", help="ddp | fsdp | hsdp")
-    a("--dp-shard", type=int, help="HSDP shard-group size (ranks that shard one replica)")
-    a("--reduce-dtype", default="fp32", help="FSDP gradient reduce-scatter dtype: fp32 | bf16")
-    a("--tp", type=int, default=1, help="tensor parallel degree")
+    a("--dtype", type=one_of(DTYPES, "dtype"), help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling)")
+    a("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
+    a("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
+    a("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
+    a("--reduce-dtype", default="fp32", type=one_of(("fp32", "bf16"), "dtype"),
+      help="FSDP gradient reduce-scatter dtype: fp32 | bf16")
+    a("--tp", type=positive_int, default=1, help="tensor parallel degree")
     a("--sp", action="store_true", help="sequence parallel (with --tp)")
-    a("--pp", type=int, default=1, help="pipeline parallel degree")
-    a("--pp-schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
-    a("--pp-virtual", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
-    a("--pp-split", help="explicit layers per stage, e.g. 3,5")
-    a("--cp", type=int, default=1, help="context parallel degree")
-    a("--cp-mode", default="ring", help="ring | ulysses | allgather")
-    a("--ckpt", default="none", help="activation checkpointing: none | full | every:K | segment:C | sqrt | selective")
+    a("--pp", type=positive_int, default=1, help="pipeline parallel degree")
+    a("--pp-schedule", default="1f1b", type=one_of(SCHEDULES, "schedule"), help=" | ".join(SCHEDULES))
+    a("--pp-virtual", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
+    a("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
+    a("--cp", type=positive_int, default=1, help="context parallel degree")
+    a("--cp-mode", default="ring", type=one_of(CP_MODES, "mode"), help=" | ".join(CP_MODES))
+    a("--ckpt", default="none", type=recompute_policy,
+      help="activation checkpointing, i.e. recompute activations in backward (not a save: see --save-every): "
+           f"{ckpt.POLICIES}")
     a("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
     a("--no-overlap", action="store_true", help="sync gradients after backward instead of during it")
-    a("--device", help="cpu | cuda (default: cuda if available)")
-    a("--compile", action="store_true", help="torch.compile each transformer block")
+    a("--device", type=one_of(("cpu", "cuda"), "device"), help="cpu | cuda (default: cuda if available)")
+    a("--compile", action=argparse.BooleanOptionalAction,
+      help="torch.compile each transformer block (default: on for cuda, off for cpu)")
     a("--peak-tflops", type=float, help="device peak for MFU (default: device table, or measured on CPU)")
-    a("--out", default="out", help="run folder: checkpoints, trace")
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--out", default="out", help="run folder: saves, metrics, trace")
+    a("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
     a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
       help="continue from the newest complete save in --out in any layout (error if none); "
            "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
-    a("--keep", type=int, default=2, help="complete saves to keep (0: all)")
+    a("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
     a("--async-save", action="store_true", help="snapshot to CPU memory and write from a background thread")
-    a("--eval-every", type=int, default=0, help="val loss every N steps (0: off)")
-    a("--eval-batches", type=int, default=4, help="global batches per evaluation")
-    a("--log-every", type=int, default=10, help="print a console line every N steps (0: off)")
+    a("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
+    a("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
+    a("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
     a("--metrics", help="append one JSON line per step to this file (rank 0)")
     a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-4 to --out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
 
 
 def check_args(args):
-    """Flag checks that need no data, model or process group."""
-    if args.model not in M.PRESETS:
-        raise UsageError(f"--model: unknown preset {args.model!r}; choose from {', '.join(M.PRESETS)}")
-    if args.dtype not in DTYPES:
-        raise UsageError(f"--dtype: unknown dtype {args.dtype!r}; choose fp32, bf16 or fp16")
-    for flag in ("steps", "global_batch", "micro_batch", "eval_batches"):
-        if getattr(args, flag) < (0 if flag == "steps" else 1):
-            raise UsageError(f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
-    if args.keep < 0:
-        raise UsageError(f"--keep: must be >= 0, got {args.keep}")
-    if args.dp_mode not in ("ddp", "fsdp", "hsdp"):
-        raise UsageError(f"--dp-mode: unknown mode {args.dp_mode!r}; choose ddp, fsdp or hsdp")
-    if args.dp_mode == "hsdp" and not args.dp_shard:
-        raise UsageError("--dp-shard: hsdp needs the shard-group size")
-    if args.reduce_dtype not in ("fp32", "bf16"):
-        raise UsageError(f"--reduce-dtype: unknown dtype {args.reduce_dtype!r}; choose fp32 or bf16")
+    """The checks that involve more than one flag, or the machine; each names the flag at fault."""
     for problem, flag, needs in (
             (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
             (args.reduce_dtype != "fp32" and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
-            ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1")):
+            ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1"),
+            (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
+             "--pp-schedule interleaved")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
-    if args.device not in (None, "cpu", "cuda"):
-        raise UsageError(f"--device: unknown device {args.device!r}; choose cpu or cuda")
+    if args.dp_mode == "hsdp" and not args.dp_shard:
+        raise UsageError("--dp-shard: hsdp needs the shard-group size")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
+
+
+def device_defaults(args, device):
+    """The fast path is the default on CUDA: bf16 autocast (TF32 for what stays fp32) and torch.compile. CPU: fp32,
+    eager, so that every layout matches one process to float tolerance."""
+    cuda = device.type == "cuda"
+    if args.dtype is None:
+        args.dtype = "bf16" if cuda else "fp32"
+    if args.compile is None:
+        args.compile = cuda
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def accumulation_steps(global_batch, micro_batch, dp):
+    """Micro-batches per rank and step, M = B / (b·dp); the one place the batch sizes are checked together."""
+    if global_batch % (micro_batch * dp):
+        raise UsageError(f"--global-batch: {global_batch} is not divisible by micro-batch x dp = "
+                         f"{micro_batch} x {dp}")
+    return global_batch // (micro_batch * dp)
 
 
 def model_config(args, vocab_size):

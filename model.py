@@ -1,7 +1,7 @@
 """A Llama-architecture decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head.
 
 Parameter names follow the Hugging Face Llama checkpoint (embed_tokens, layers.i.self_attn.q_proj,
-mlp.gate_proj, input_layernorm, ...), so `python model.py export RUN_DIR OUT_DIR` is a rename.
+mlp.gate_proj, input_layernorm, ...), so exporting (saves/export.py) is a rename.
 
 Parallel files plug in without subclassing:
 - `pp` deletes the parts a stage does not own (embed_tokens/norm/lm_head may be None, layers is a
@@ -10,12 +10,9 @@ Parallel files plug in without subclassing:
 - `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`.
 Attention reads its head count from the tensor, so a head-sharded q_proj just works.
 """
-import json
 import math
-import sys
 import zlib
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -232,14 +229,21 @@ def init_weights(model, seed, device):
 
 # ---------------------------------------------------------------- FLOP accounting
 
+def layer_param_count(cfg):
+    """Parameters of one transformer block: q, k, v, o, gate, up, down and the two norms."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head)
+    return attn + 3 * cfg.d_model * cfg.ffn_dim + 2 * cfg.d_model
+
+
+def layer_flops_per_token(cfg, seq_len=None):
+    """Forward FLOPs of one block per token: 2 per weight, and 4·d·T for the attention scores and values."""
+    return 2 * layer_param_count(cfg) + 4 * cfg.d_model * (seq_len or cfg.seq_len)
+
+
 def param_counts(cfg):
     """(total, non-embedding) parameter counts. The lm_head is a matmul, so it counts as non-embedding."""
-    hd = cfg.head_dim
-    attn = cfg.d_model * hd * (2 * cfg.n_head + 2 * cfg.n_kv_head)
-    mlp = 3 * cfg.d_model * cfg.ffn_dim
-    per_layer = attn + mlp + 2 * cfg.d_model
     embed = cfg.padded_vocab * cfg.d_model
-    non_embedding = cfg.n_layer * per_layer + cfg.d_model + cfg.padded_vocab * cfg.d_model
+    non_embedding = cfg.n_layer * layer_param_count(cfg) + cfg.d_model + cfg.padded_vocab * cfg.d_model
     return non_embedding + embed, non_embedding
 
 
@@ -247,81 +251,13 @@ def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
     """Training FLOPs per token, PaLM Appendix B: 6·N_non-embedding + 12·L·d·T (no causal discount).
 
     recomputed_layers: how many layers' forwards run twice (activation checkpointing).
-    With 0 this is the model FLOPs (MFU); otherwise hardware FLOPs (HFU), adding 2·N_layer + 4·d·T
-    for each recomputed layer: one more forward of its matmuls and its attention.
+    With 0 this is the model FLOPs (MFU); otherwise hardware FLOPs (HFU), adding one more forward of each
+    recomputed layer: 2·N_layer + 4·d·T.
     """
     T = seq_len or cfg.seq_len
     _, n = param_counts(cfg)
-    model = 6 * n + 12 * cfg.n_layer * cfg.d_model * T
-    layer_params = (n - cfg.d_model - cfg.padded_vocab * cfg.d_model) / cfg.n_layer
-    return model + recomputed_layers * (2 * layer_params + 4 * cfg.d_model * T)
-
-
-# ---------------------------------------------------------------- export to Hugging Face
-
-def write_safetensors(path, tensors, dtype=None):
-    """The safetensors format: 8-byte header length, a JSON header, then the raw little-endian bytes.
-    tensors: {name: tensor, or a function returning it that has .shape and .dtype (reshard.LazyTensor)};
-    the header needs only shapes, so the tensors are then fetched, converted to `dtype` and written one at a time."""
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        out_dtype = dtype or t.dtype
-        size = math.prod(t.shape) * out_dtype.itemsize
-        header[name] = {"dtype": names[out_dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for t in tensors.values():
-            t = (t() if callable(t) else t).detach().to("cpu", dtype or t.dtype).contiguous()
-            f.write(t.view(torch.uint8).numpy().data)
-            del t  # before the next one is read
-
-
-def hf_config(cfg):
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.padded_vocab, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-
-
-def export_hf(cfg, state_dict, out_dir):
-    """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads.
-    state_dict values may be lazy (reshard.model_tensors): then one full tensor is in memory at a time."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
-    renamed = {(k if k == "lm_head.weight" else "model." + k): v for k, v in state_dict.items()}
-    write_safetensors(out / "model.safetensors", renamed, dtype=torch.float32)
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * T + recomputed_layers * layer_flops_per_token(cfg, T)
 
 
 def config_from_dict(d):
     return ModelConfig(**{f.name: d[f.name] for f in fields(ModelConfig) if f.name in d})
-
-
-def main(argv):
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python model.py export RUN_DIR OUT_DIR", file=sys.stderr)
-        return 2
-    from checkpoint import CheckpointError
-    from reshard import model_tensors
-    try:
-        run_config, state = model_tensors(argv[1])  # a save from any layout, read tensor by tensor
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    export_hf(config_from_dict(run_config["model"]), state, argv[2])
-    print(f"wrote {argv[2]}/config.json and model.safetensors")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -31,6 +31,7 @@ class LossScaler:
 
     def __init__(self, enabled, scale=2.0 ** 16, interval=2000):
         self.enabled, self.scale, self.interval, self.clean_steps = enabled, scale if enabled else 1.0, interval, 0
+        self.skipped = False  # whether the last update skipped its step
 
     def state_dict(self):
         return {"scale": self.scale, "clean_steps": self.clean_steps}
@@ -40,6 +41,7 @@ class LossScaler:
 
     def update(self, found_inf):
         """Returns True if the step should be skipped."""
+        self.skipped = self.enabled and found_inf
         if not self.enabled:
             return False
         if found_inf:

@@ -10,10 +10,10 @@ import sys
 import torch
 
 import model as M
-from checkpoint import CheckpointError
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
-from reshard import model_tensors
+from saves import SaveError
+from saves.load import model_tensors
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def main(argv=None):
     try:
         config, tensors = model_tensors(args.run)  # a save from any layout
         enc = get_tokenizer(config["tokenizer"])
-    except (CheckpointError, DataError) as e:
+    except (SaveError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = M.config_from_dict(config["model"])

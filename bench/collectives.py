@@ -28,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from parallel.comm import CommStats, Group  # noqa: E402
+from parallel.launch import run_ranks  # noqa: E402
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -207,8 +208,6 @@ def main(argv=None):
             # torchrun on one node has one pretend node too: loopback unless several nodes took part
             report(rows, world, per_node, backend, args.out, loopback=world == per_node and not gpu)
         return
-    from bench.collectives import _spawned  # importable by name in the child processes
-    from tests.dist import run_ranks
     if args.world % args.gpus_per_node:
         p.error(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
     rows = run_ranks(_spawned, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]

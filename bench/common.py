@@ -22,6 +22,8 @@ import torch
 
 import model as M
 import optim
+from config import PEAK_TFLOPS
+from data.prepare import prepare
 from parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +167,6 @@ def gpu_peak_tflops():
     """The device table's dense bf16 peak of GPU 0 (config.PEAK_TFLOPS), or None."""
     if not has_cuda():
         return None
-    from config import PEAK_TFLOPS
     name = torch.cuda.get_device_name(0)
     return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
 
@@ -179,7 +180,6 @@ def pystdlib_folder():
     """The offline corpus train.py uses by default, prepared on first use."""
     folder = REPO / "data" / "pystdlib"
     if not (folder / "meta.json").exists():
-        from data.prepare import prepare
         prepare("pystdlib", folder)
     return folder
 

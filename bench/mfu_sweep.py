@@ -12,7 +12,7 @@ L23  HFU counts the FLOPs the hardware executed: with activation checkpointing t
      too, so HFU > MFU by the factor flops_per_token(recomputed) / flops_per_token().
 L24  each layout x micro-batch is a real `python train.py` (world 1) or `python -m torch.distributed.run
      --standalone --nproc_per_node N train.py` run of --steps steps; the table holds medians over the steps
-     after the first. Layouts whose parallel/<x>.py has not landed are left out (checked at run time).
+     after the first.
 """
 import argparse
 import json
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
 from bench import common  # noqa: E402
+from parallel.ckpt import recomputed_layers  # noqa: E402
 
 # Tokens per optimizer step by preset: train.py's default (32 sequences) for tiny, GPT-2's 0.5M for
 # small/medium, 1M for 1b, Llama 3's final 16M for its models.
@@ -46,11 +47,8 @@ def config_of(preset, seq_len=None, vocab_size=None, **overrides):
 
 def recomputed_full(cfg):
     """Layers whose forward runs twice under --ckpt full: parallel.ckpt's count (torch's checkpoint skips
-    each segment's last matmul) once that file exists, else every layer."""
-    if (common.REPO / "parallel" / "ckpt.py").exists():
-        from parallel.ckpt import recomputed_layers
-        return recomputed_layers(cfg, "full")
-    return cfg.n_layer
+    each segment's last matmul)."""
+    return recomputed_layers(cfg, "full")
 
 
 def flops_row(name, cfg, tokens):
@@ -80,22 +78,14 @@ def flops_table(rows, out):
 # ---------------------------------------------------------------- L22-L24: the sweep
 
 def default_layouts(max_world):
-    """(name, world, flags) for the layouts that exist now; degree 2 (and the full width on a bigger GPU box)."""
-    have = {m: (common.REPO / "parallel" / f"{m}.py").exists() for m in ("fsdp", "tp", "pp", "cp", "ckpt")}
-    layouts = [("ddp 1", 1, [])]
-    if have["ckpt"]:
-        layouts.append(("ddp 1 + ckpt full", 1, ["--ckpt", "full"]))
+    """(name, world, flags): degree 2 of each axis (and the full width on a bigger GPU box)."""
+    layouts = [("ddp 1", 1, []), ("ddp 1 + ckpt full", 1, ["--ckpt", "full"])]
     if max_world >= 2:
-        layouts.append(("ddp 2", 2, ["--dp", "2"]))
-        if have["fsdp"]:
-            layouts.append(("fsdp 2", 2, ["--dp", "2", "--dp-mode", "fsdp"]))
-        for axis in ("tp", "pp", "cp"):
-            if have[axis]:
-                layouts.append((f"{axis} 2", 2, [f"--{axis}", "2"]))
+        layouts += [("ddp 2", 2, ["--dp", "2"]), ("fsdp 2", 2, ["--dp", "2", "--dp-mode", "fsdp"])]
+        layouts += [(f"{axis} 2", 2, [f"--{axis}", "2"]) for axis in ("tp", "pp", "cp")]
     if max_world > 2:
-        layouts.append((f"ddp {max_world}", max_world, ["--dp", str(max_world)]))
-        if have["fsdp"]:
-            layouts.append((f"fsdp {max_world}", max_world, ["--dp", str(max_world), "--dp-mode", "fsdp"]))
+        layouts += [(f"ddp {max_world}", max_world, ["--dp", str(max_world)]),
+                    (f"fsdp {max_world}", max_world, ["--dp", str(max_world), "--dp-mode", "fsdp"])]
     return layouts
 
 

@@ -18,21 +18,21 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
 import optim  # noqa: E402
 from bench import common  # noqa: E402
+from parallel.ddp import DDP  # noqa: E402
+from parallel.fsdp import FSDP  # noqa: E402
+from parallel.launch import run_ranks  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
 
-
-def fully_shard_fn():
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
+try:  # torch >= 2.6 exports it here; older torch keeps it under _composable
+    from torch.distributed.fsdp import fully_shard
+except ImportError:
+    from torch.distributed._composable.fsdp import fully_shard
 
 
 def build(impl, cfg, mesh, seed):
@@ -40,20 +40,16 @@ def build(impl, cfg, mesh, seed):
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     if impl == "ours-fsdp":
-        from parallel.fsdp import FSDP
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
                        lambda name, p: M.local_init(name, p, cfg, seed), "cpu")
         return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
     M.init_weights(gpt, seed, "cpu")
     if impl == "ours-ddp":
-        from parallel.ddp import DDP
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
         return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
     if impl == "torch-ddp":
         ddp = nn.parallel.DistributedDataParallel(gpt)
         return ddp, list(ddp.parameters()), lambda: None
-    fully_shard = fully_shard_fn()
-    from torch.distributed.device_mesh import init_device_mesh
     device_mesh = init_device_mesh("cpu", (mesh.world,))
     for block in gpt.layers.values():
         fully_shard(block, mesh=device_mesh)

@@ -11,7 +11,6 @@ ranks' rows is the one-process batch for any layout, and resuming at step s need
 A background thread prepares step s+1 while step s trains.
 """
 import json
-import os
 import queue
 import threading
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from saves.files import atomic_write
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -38,14 +39,9 @@ def write_shard(path, tokens):
     magic = 20240520 if tokens.size == 0 or tokens.max() < 2**16 else 20240801
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = magic, VERSION, tokens.size
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # unique: concurrent writers are safe
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:  # readers see the old file or the whole new one, never a part
         f.write(header.tobytes())
         f.write(tokens.astype(MAGIC_DTYPE[magic]).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
 
 
 def read_shard(path):

@@ -12,7 +12,6 @@ Downloads stream to a temporary file and are renamed only when complete (and val
 import argparse
 import http.client
 import json
-import os
 import sys
 import sysconfig
 import time
@@ -26,6 +25,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import d
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data.loader import DataError, read_shard, write_shard
 from data.tokenizer import get_tokenizer
+from saves.files import atomic_write, write_json
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare"
@@ -35,24 +35,19 @@ FINEWEB_TRAIN_SHARDS = 103
 
 def download(url, dest, check=None):
     """Stream url to dest via a temporary file; `check(tmp)` may reject it before the rename."""
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=60) as r, atomic_write(dest) as f:
             total = int(r.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
             f.flush()
-            os.fsync(f.fileno())
-        if check is not None:
-            check(tmp)
-        os.replace(tmp, dest)
+            if check is not None:
+                check(Path(f.name))
     except (OSError, http.client.HTTPException, ValueError, DataError) as e:  # URLError, HTTPError,
         # timeouts, cut connections, a bad url, a bad shard: one line naming the url
         raise DataError(f"download of {url} failed: {e}".replace("\n", " ")) from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def python_files(src_dir):
@@ -74,9 +69,7 @@ def write_meta(out_dir, enc_name, vocab_size, eot):
               for split in ("train", "val")}
     meta = {"tokenizer": enc_name, "vocab_size": vocab_size, "eot": eot,
             "train_tokens": counts["train"], "val_tokens": counts["val"]}
-    tmp = out_dir / f".meta.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out_dir / "meta.json")
+    write_json(out_dir / "meta.json", meta, indent=2)
 
 
 def prepare_pystdlib(out_dir, src_dir=None):

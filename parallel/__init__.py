@@ -1,0 +1,43 @@
+"""The contracts between the parallel modules, train.py and the save package. Every file here refers to them.
+
+1. The data-parallel wrapper (ddp.DDP, fsdp.FSDP, hsdp.HSDP) built by each module's `wrap(...)`. It owns the
+   materialized parameters of this rank's model chunks and is the only thing train.py asks about gradients:
+     sync_grads            attribute; False on all but the last micro-batch of a step: gradients just accumulate
+     finish_grad_sync()    after the last backward: wait for every reduction, average over dp x cp
+     optim_params()        the tensors the optimizer steps on (whole params, or fp32 shards)
+     grads_for_norm()      [(gradient tensor, replicas)]: every element of the global gradient appears once after
+                           dividing by `replicas`, the number of ranks holding an identical copy of it
+     owned_pieces()        [Piece]: where each element this rank holds sits in the global tensors (for saves)
+
+2. Parameter tags, set by tp.py on meta parameters and read by model.local_init, the wrappers and the planner:
+     p.tp_shard = (dim, rank, world)   p is block `rank` of `world` equal blocks of a global tensor along `dim`
+     p.tp_partial_grad = True          p's gradient is a partial sum over the tp group (sequence-parallel norms)
+   An untagged parameter is replicated over tp: its gradient is identical on every tp rank.
+
+3. A Piece: one stretch of a global tensor held by this rank. Elements [start, end) of the flattened optimizer
+   param `param` (Adam's state maps the same way) are elements [offset, offset + end - start) of this rank's
+   tp block of global tensor `name` (the tp_shard chunk, or the whole tensor when tp_shard is None), of shape
+   `shape`. `writer`: this rank writes these elements in a save (each element has exactly one writer).
+"""
+from collections import namedtuple
+
+Piece = namedtuple("Piece", "name param start end shape tp_shard offset writer")
+
+
+def tag_tp_shard(param, dim, rank, world):
+    param.tp_shard = (dim, rank, world)
+    return param
+
+
+def tp_shard_of(param):
+    """(dim, rank, world) of a tp-sharded parameter, None for a replicated one."""
+    return getattr(param, "tp_shard", None)
+
+
+def has_tp_partial_grad(param):
+    return getattr(param, "tp_partial_grad", False)
+
+
+def global_name(name):
+    """Wrappers hold an nn.ModuleList of pipeline chunks: '0.layers.3.mlp...' -> 'layers.3.mlp...'."""
+    return name.split(".", 1)[1]

@@ -65,10 +65,7 @@ def recomputed_layers(cfg, policy):
     n = cfg.n_layer
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0, "every": -(-n // (k or 1))}[kind]
     n_segments = {"sqrt": -(-n // math.ceil(math.sqrt(n))), "segment": -(-n // (k or 1))}.get(kind, layers)
-    _, non_embedding = M.param_counts(cfg)
-    layer_params = (non_embedding - cfg.d_model - cfg.padded_vocab * cfg.d_model) / n
-    layer_flops = 2 * layer_params + 4 * cfg.d_model * cfg.seq_len  # per token, as in M.flops_per_token
-    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / layer_flops
+    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / M.layer_flops_per_token(cfg)
 
 
 def _save_matmuls_and_attention(ctx, op, *args, **kwargs):

@@ -160,3 +160,17 @@ def parallelize(chunk, mesh, mode="ring"):
     for block in chunk.layers.values():
         block.self_attn.attend = attend
     return chunk
+
+
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def ulysses_bytes(tokens, head_dim, q_heads, kv_heads, cp, elem_bytes):
+    """(fwd, bwd) bytes one rank sends per layer, each (cp-1)/cp · tokens · hd · (2q + 2·lcm(kv, cp)) · e."""
+    each = (cp - 1) / cp * tokens * head_dim * (2 * q_heads + 2 * math.lcm(kv_heads, cp)) * elem_bytes
+    return each, each
+
+
+def allgather_bytes(kv_elements, cp, elem_bytes):
+    """(fwd, bwd) bytes one rank sends per layer: all-gather K,V, reduce-scatter dK,dV, each (cp-1) · kv · e."""
+    each = (cp - 1) * kv_elements * elem_bytes
+    return each, each

@@ -15,32 +15,31 @@ Memory:      nothing saved: params, grads and Adam state are replicated (16 B/pa
 Average, not sum (L7): each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
 gradient of the mean over the global batch, and the learning rate does not depend on the world size.
 """
-from collections import namedtuple
-
 import torch
 
-# One stretch of a global tensor held by this rank, for sharded checkpoints: elements [start, end) of the flattened
-# optimizer param `param` (Adam's state maps the same way) are elements [offset, offset + end - start) of this
-# rank's tp block of global tensor `name`: the tp_shard = (dim, rank, world) chunk of it (or all of it, None),
-# of shape `shape`. writer: this rank is the one copy of these elements that a checkpoint writes.
-Piece = namedtuple("Piece", "name param start end shape tp_shard offset writer")
+from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
 
 
 def grad_replicas(p, mesh):
     """How many ranks hold an identical copy of p's gradient after sync (for the global grad norm)."""
-    return mesh.dp_cp_group.size * (1 if hasattr(p, "tp_shard") else mesh.tp_group.size)
-
-
-def strip_chunk_prefix(name):
-    """Our modules are ModuleLists of pipeline chunks: '0.layers.3.mlp...' -> 'layers.3.mlp...'."""
-    return name.split(".", 1)[1]
+    return mesh.dp_cp_group.size * (1 if tp_shard_of(p) else mesh.tp_group.size)
 
 
 def sync_tp_partial_grads(params, mesh):
     """Sequence-parallel norms see only their tp rank's tokens: their grads are partial sums over tp."""
     for p in params:
-        if getattr(p, "tp_partial_grad", False):
+        if has_tp_partial_grad(p):
             mesh.tp_group.all_reduce(p.grad)
+
+
+@torch.no_grad()
+def materialize(module, device, init_param):
+    """Meta parameters -> real ones on `device`, each filled with init_param(global name, meta param)."""
+    tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}  # tp_shard, tp_partial_grad
+    module.to_empty(device=device)  # new Parameter objects: the tags must be carried over
+    for name, p in module.named_parameters():
+        p.__dict__.update(tags[name])
+        p.copy_(init_param(global_name(name), p))
 
 
 class Bucket:
@@ -124,15 +123,19 @@ class DDP:
     def owned_pieces(self):
         """Every param whole; written by dp x cp rank 0 (tp-replicated params: by tp rank 0 of those)."""
         first = self.mesh.dp_cp_group.rank == 0
-        return [Piece(strip_chunk_prefix(name), p, 0, p.numel(), tuple(p.shape), getattr(p, "tp_shard", None), 0,
-                      first and (hasattr(p, "tp_shard") or self.mesh.coord["tp"] == 0))
+        return [Piece(global_name(name), p, 0, p.numel(), tuple(p.shape), tp_shard_of(p), 0,
+                      first and (tp_shard_of(p) is not None or self.mesh.coord["tp"] == 0))
                 for name, p in self.module.named_parameters() if p.requires_grad]
 
-    def model_state(self):
-        """The full model state by global name (a replicated model: every rank has it)."""
-        return {strip_chunk_prefix(k): v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
-    @torch.no_grad()
-    def load_model_state(self, state):
-        for name, p in self.module.named_parameters():
-            p.copy_(state[strip_chunk_prefix(name)])
+def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
+    """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
+    materialize(module, device, init_param)
+    return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
+
+
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def all_reduce_bytes(n_params, group_size, grad_bytes=4):
+    """Bytes one rank sends all-reducing n_params gradients, ring terms: 2(g-1)/g · grad_bytes · n_params."""
+    return 2 * (group_size - 1) / group_size * grad_bytes * n_params

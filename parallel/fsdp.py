@@ -23,9 +23,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from parallel.ddp import Piece
+from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a gathered unit
 
 
@@ -135,7 +134,7 @@ class FSDP:
         self.all_gathers = Counter()  # {"forward": n, "backward": n}, cumulative; tests and benches read it
         self.reducing = None  # the unit whose reduce-scatter is in flight
         self.units, self.next_unit, self.prev_unit, self.in_forward = [], {}, {}, {}
-        names = {id(p): name.split(".", 1)[1] for name, p in module.named_parameters()}  # '0.layers.3..' -> global
+        names = {id(p): global_name(name) for name, p in module.named_parameters()}
         for chunk in module:
             blocks = [(f"layers.{i}", [block], block) for i, block in chunk.layers.items()]
             root = [m for m in (chunk.embed_tokens, chunk.norm, chunk.lm_head) if m is not None]
@@ -156,10 +155,10 @@ class FSDP:
         for unit in self.units:
             unit.norm_pieces = [(i, a, b, self.replicas(slot[3])) for i, a, b, slot in unit.segments()]
             unit.tp_partial = [(i, a, b) for i, a, b, slot in unit.segments()
-                               if getattr(slot[3], "tp_partial_grad", False)]
+                               if has_tp_partial_grad(slot[3])]
 
     def _make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
-        """Materializes one unit from the meta device: only this unit's full tensors exist at once (DESIGN 2.4)."""
+        """Materializes one unit from the meta device: only this unit's full tensors exist at once."""
         slots = [(m, attr, names[id(p)], p) for top in tops for m in top.modules()
                  for attr, p in m._parameters.items() if p is not None]
         unit = Unit(name, slots, self.group, device, compute_dtype)
@@ -175,7 +174,7 @@ class FSDP:
 
     def replicas(self, meta_param):
         """Ranks holding an identical copy of one element of this rank's gradient shard."""
-        return 1 if hasattr(meta_param, "tp_shard") else self.mesh.tp_group.size
+        return 1 if tp_shard_of(meta_param) else self.mesh.tp_group.size
 
     # ---------------------------------------------------------------- forward
     def _wrap_forward(self, block, unit):
@@ -290,48 +289,36 @@ class FSDP:
         return [(unit.params[i].grad.view(-1)[a:b], r) for unit in self.units for i, a, b, r in unit.norm_pieces
                 if unit.params[i].grad is not None]
 
-    def _gather_state(self, tensors_of_unit):
-        """{global name: full tensor} on the group's rank 0 ({} elsewhere), one unit at a time."""
-        state = {}
-        for unit in self.units:
-            full = torch.empty(unit.padded, device=unit.local.device)
-            self.group.all_gather(full, tensors_of_unit(unit))
-            if self.group.rank == 0:
-                for slot, view in zip(unit.slots, unit.views(full)):
-                    state[slot[2]] = view.detach().cpu().clone()
-        return state
-
     def owned_pieces(self):
-        """This rank's shard as parallel.ddp.Pieces, one per (optimizer param, slot) overlap. HSDP replicas hold
+        """This rank's shard as Pieces, one per (optimizer param, slot) overlap. HSDP replicas hold
         the same shards: only the first shard group (dp x cp ranks [0, K·cp)) writes; tp-replicated: tp rank 0."""
         first = self.mesh.dp_cp_group.rank < self.group.size
         pieces = []
         for unit in self.units:
             slot_start = {id(slot[3]): a for slot, a in zip(unit.slots, unit.offsets)}  # in the unit's flat buffer
             for i, s, e, (_, _, name, meta) in unit.segments():
-                tp = getattr(meta, "tp_shard", None)
+                tp = tp_shard_of(meta)
                 offset = unit.start + unit.ranges[i][0] + s - slot_start[id(meta)]  # within the tp-local tensor
                 pieces.append(Piece(name, unit.params[i], s, e, tuple(meta.shape), tp, offset,
                                     first and (tp is not None or self.mesh.coord["tp"] == 0)))
         return pieces
 
-    def model_state(self):  # every rank of the group takes part
-        return self._gather_state(lambda unit: unit.local)
-
-    def full_grads(self):
-        """The averaged full gradients by global name (tests compare them with one process)."""
-        return self._gather_state(lambda unit: torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.params]))
-
-    @torch.no_grad()
-    def load_model_state(self, state):
-        """Loads a full state dict (global names) into this rank's shards; no communication."""
-        for unit in self.units:
-            flat = unit.flat_from(lambda slot: state[slot[2]])
-            unit.local.copy_(flat[unit.start:unit.start + unit.shard_numel])
+def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
+         cls=FSDP, group=None):
+    """module: nn.ModuleList of GPT chunks on the meta device, materialized here one unit at a time with
+    init_param(global name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp. Under pp a
+    stage runs many micro-batches between a unit's first forward and last backward: it stays gathered."""
+    return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
+               overlap=overlap, keep_gathered=mesh.pp > 1)
 
 
-def wrap(module, mesh, args, device, init_param, cls=FSDP, group=None):
-    """module: nn.ModuleList of GPT chunks on the meta device. FSDP shards over dp x cp."""
-    return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, DTYPES[args.dtype],
-               DTYPES[args.reduce_dtype], overlap=not args.no_overlap, keep_gathered=mesh.pp > 1)
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def gathers_per_step(micro_batches, keep_gathered):
+    """All-gathers of each unit per step: 1 when kept gathered (under pp), else 2 · micro_batches (fwd, bwd)."""
+    return 1 if keep_gathered else 2 * micro_batches
+
+
+def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes):
+    """Bytes one rank sends per step for n_params: (gathers · compute_bytes + reduce_bytes)(S-1)/S · n_params."""
+    return (gathers * compute_bytes + reduce_bytes) * (shard_size - 1) / shard_size * n_params

@@ -9,6 +9,8 @@ Overlap:  as FSDP; a unit's replica all-reduce runs as its reduce-scatter is fin
           behind; the last unit's in finish_grad_sync).
 Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
 """
+import torch
+
 from parallel import fsdp
 from parallel.fsdp import FSDP
 
@@ -22,5 +24,13 @@ class HSDP(FSDP):
         return super().replicas(meta_param) * self.mesh.replicate_group.size
 
 
-def wrap(module, mesh, args, device, init_param):
-    return fsdp.wrap(module, mesh, args, device, init_param, cls=HSDP, group=mesh.shard_group)
+def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True):
+    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, cls=HSDP,
+                     group=mesh.shard_group)
+
+
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def replica_bytes(n_params, shard_size, replicas, grad_bytes=4):
+    """Bytes one rank sends all-reducing its gradient shard over the replicas: 2(R-1)/R · grad_bytes · n_params/K."""
+    return 2 * (replicas - 1) / replicas * grad_bytes * n_params / shard_size

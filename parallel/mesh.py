@@ -120,21 +120,3 @@ class Mesh:
             shown = g if len(g) <= 8 else g[:4] + ["..."] + g[-2:]
             lines.append(f"  {name:9s} size {len(g):4d}  {len(members):4d} groups  e.g. ranks {shown}  {scope}")
         return "\n".join(lines)
-
-
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(description="Print which ranks share each group and where they land (L28).")
-    p.add_argument("--world", type=int, required=True)
-    for axis in ("dp", "pp", "cp", "tp", "dp-shard"):
-        p.add_argument(f"--{axis}", type=int, default=None if axis in ("dp", "dp-shard") else 1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    a = p.parse_args()
-    try:
-        print(Mesh(0, a.world, a.dp, a.pp, a.cp, a.tp, a.dp_shard).describe(a.gpus_per_node))
-    except LayoutError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

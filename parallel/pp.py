@@ -13,16 +13,15 @@ Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activati
 Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches).
 Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
 """
-import argparse
 import copy
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
+import model as M
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
 
@@ -43,8 +42,7 @@ class Stage:
 def cost_model(cfg):
     """(forward FLOPs per token, parameters) of one layer, of the head, of the embedding."""
     d, vocab = cfg.d_model, cfg.padded_vocab
-    layer_params = d * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_kv_head) + 3 * d * cfg.ffn_dim + 2 * d
-    return {"layer": (2 * layer_params + 4 * d * cfg.seq_len, layer_params),
+    return {"layer": (M.layer_flops_per_token(cfg), M.layer_param_count(cfg)),
             "head": (2 * d * vocab, d * vocab + d), "embed": (0, d * vocab)}
 
 
@@ -75,47 +73,32 @@ def balanced_counts(cfg, parts):
     return min_max_partition(cfg.n_layer, parts, memory)[1]
 
 
-def micro_batch_count(args, mesh):
-    return args.global_batch // (args.micro_batch * mesh.dp)
-
-
-def layer_counts(cfg, P, V, args, M):
-    """Layers per virtual stage, after checking the pipeline flags against the model and the batch."""
+def layer_counts(cfg, P, V, n_micro, layer_split=None):
+    """Layers per virtual stage: balanced by cost, or the given split, checked against the model and the batch."""
     n, parts = cfg.n_layer, P * V
-    if args.pp_schedule not in S.SCHEDULES:
-        raise LayoutError("--pp-schedule", f"unknown schedule {args.pp_schedule!r}; choose {', '.join(S.SCHEDULES)}")
-    if V < 1:
-        raise LayoutError("--pp-virtual", f"must be >= 1, got {V}")
-    if V > 1 and args.pp_schedule != "interleaved":
-        raise LayoutError("--pp-virtual", f"{V} chunks per stage need --pp-schedule interleaved")
     if n < parts:
         raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; the model has {n}")
-    if V > 1 and M > P and M % P:
+    if V > 1 and n_micro > P and n_micro % P:
         raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count M = global-batch / "
-                          f"(micro-batch·dp) = {M} to be a multiple of pp = {P} (or at most {P})")
-    if not args.pp_split:
+                          f"(micro-batch·dp) = {n_micro} to be a multiple of pp = {P} (or at most {P})")
+    if not layer_split:
         if V > 1 and n % parts:
             raise LayoutError("--pp-virtual", f"interleaved needs n_layer {n} divisible by pp·V = {P}·{V} "
                               "(or an explicit --pp-split)")
         return balanced_counts(cfg, parts)
-    try:
-        counts = [int(s) for s in str(args.pp_split).split(",")]
-    except ValueError:
-        raise LayoutError("--pp-split", f"expected comma-separated layer counts, got {args.pp_split!r}") from None
+    counts, shown = list(layer_split), ",".join(map(str, layer_split))
     if len(counts) != parts:
         raise LayoutError("--pp-split", f"{len(counts)} counts given, pp·V = {P}·{V} = {parts} needed")
-    if min(counts) < 1:
-        raise LayoutError("--pp-split", f"every stage needs at least one layer, got {args.pp_split}")
     if sum(counts) != n:
-        raise LayoutError("--pp-split", f"counts {args.pp_split} sum to {sum(counts)}, the model has {n} layers")
+        raise LayoutError("--pp-split", f"counts {shown} sum to {sum(counts)}, the model has {n} layers")
     return counts
 
 
-def split(full, mesh, args):
+def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
     """The chunks (GPTs on the meta device) this rank runs, in virtual-stage order. Only the first
     virtual stage keeps embed_tokens and only the last keeps norm, lm_head and the loss."""
-    P, V, rank = mesh.pp, args.pp_virtual, mesh.coord["pp"]
-    counts = layer_counts(full.cfg, P, V, args, micro_batch_count(args, mesh))
+    P, V, rank = mesh.pp, n_virtual, mesh.coord["pp"]
+    counts = layer_counts(full.cfg, P, V, n_micro, layer_split)
     starts = [sum(counts[:v]) for v in range(P * V)]
     chunks = []
     for c in range(V):
@@ -129,7 +112,7 @@ def split(full, mesh, args):
             chunk.embed_tokens = None
         if v < P * V - 1:
             chunk.norm = chunk.lm_head = None
-        chunk.pipeline = Stage(v, P * V, args.pp_schedule, tuple(keep))
+        chunk.pipeline = Stage(v, P * V, schedule, tuple(keep))
         chunks.append(chunk)
     return chunks
 
@@ -324,24 +307,8 @@ def eval_step(chunks, mesh, batches, positions, autocast):
         return execute(chunks, mesh, batches, positions, autocast, train=False)[0].item()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Draw a pipeline schedule and its theoretical utilization.")
-    p.add_argument("--pp", type=int, default=4, help="stages P")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(S.SCHEDULES))
-    p.add_argument("--virtual", type=int, default=1, help="chunks per stage V (interleaved)")
-    args = p.parse_args(argv)
-    P, M, V = args.pp, args.microbatches, args.virtual
-    for bad, message in ((P < 1, "--pp: must be >= 1"), (M < 1, "--microbatches: must be >= 1"),
-                         (V < 1, "--virtual: must be >= 1"),
-                         (V > 1 and args.schedule != "interleaved", "--virtual: V > 1 needs --schedule interleaved"),
-                         (V > 1 and M > P and M % P, "--microbatches: interleaved needs M a multiple of P or M <= P")):
-        if bad:
-            print(f"error: {message}", file=sys.stderr)
-            return 2
-    print(S.draw(args.schedule, P, M, V))
-    return 0
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+def p2p_bytes(sends, tokens, d_model, elem_bytes, seq_shards=1):
+    """Bytes a stage sends per step: sends · tokens · d · e / seq_shards (sp), + 48 for the 6-int64 shape broadcast."""
+    return sends * tokens * d_model * elem_bytes / seq_shards + 6 * 8

@@ -7,7 +7,7 @@ and receives each compute implies and a SHAPE broadcast (stage 0 tells every sta
 shape after its first forward). Nothing here touches torch: the executor in pp.py runs the lists,
 and the tests check them (each (chunk, mb) once, forward before backward, sends match receives,
 no deadlock even when a communication batch blocks its stream until every op in it is matched,
-as NCCL's does). `draw` renders the classic timeline with forward = 1 tick and backward = 2.
+as NCCL's does). bench/pp_draw.py renders the timeline.
 """
 import bisect
 from typing import NamedTuple
@@ -103,7 +103,7 @@ def with_communication(orders, P, V):
     right after the compute that makes it; the receiver posts its receive before its first compute
     that starts at or after that tick, so the transfer overlaps whatever the receiver is busy with.
     Every rank then posts its messages in order of (tick, message), one global order that respects
-    every data dependency, so in-order streams cannot deadlock (`check_no_deadlock` verifies it).
+    every data dependency, so in-order streams cannot deadlock (tests/pp_deadlock.py verifies it).
     """
     last = P * V - 1
     timeline = simulate(orders, P, V)
@@ -165,75 +165,6 @@ def batches(actions):
 
 # ---------------------------------------------------------------- checks and timelines
 
-def check_no_deadlock(actions, P, V):
-    """Runs the action lists under NCCL-like rules: each rank posts its p2p batches in order onto one
-    stream; only the batch at the head of a stream makes progress; a send and the matching receive
-    (the k-th on each (src, dst) channel) transfer when both are at their stream heads; a batch
-    completes when all its ops have; SHAPE is a collective the rank waits for. Computes wait for
-    their receives. Raises DeadlockError naming each rank's stuck action."""
-    steps = [batches(a) for a in actions]
-    pc, posted = [0] * P, [False] * P  # program counter; whether the current step's batch is posted
-    stream = [[] for _ in range(P)]  # per rank, posted batches: lists of ops [kind, channel, index, done, action]
-    received = [set() for _ in range(P)]  # completed receives as (op, chunk, mb)
-    counts = {}  # (kind, src, dst) -> ops posted so far on that channel
-
-    def post(r, batch):
-        ops = []
-        for a in batch:
-            if a.op == "SHAPE":
-                ops.append(["SHAPE", None, 0, False, a])
-                continue
-            kind, channel = ("send", (r, a.peer)) if a.op in SENDS else ("recv", (a.peer, r))
-            k = counts.get((kind, channel), 0)
-            counts[(kind, channel)] = k + 1
-            ops.append([kind, channel, k, False, a])
-        stream[r].append(ops)
-
-    def runnable(r, a):
-        if a.op == "SHAPE":
-            return not any(op[0] == "SHAPE" for ops in stream[r] for op in ops)
-        if a.op in COMPUTE:
-            v = stage_of(r, a.chunk, P)
-            needs = (a.op == "F" and v > 0) or (a.op == "B" and v < P * V - 1)
-            return not needs or ("RECV_" + a.op, a.chunk, a.mb) in received[r]
-        return True
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):  # each rank's program runs until it waits
-            while pc[r] < len(steps[r]):
-                step = steps[r][pc[r]]
-                if step[0].op not in COMPUTE and not posted[r]:
-                    post(r, step)
-                    posted[r] = True
-                if not runnable(r, step[0]):
-                    break
-                pc[r], posted[r], progress = pc[r] + 1, False, True
-        heads = [stream[r][0] if stream[r] else [] for r in range(P)]
-        if all(any(op[0] == "SHAPE" for op in h) for h in heads):
-            for h in heads:
-                for op in h:
-                    op[3] = op[3] or op[0] == "SHAPE"
-        for h in heads:
-            for op in h:
-                if op[0] == "send" and not op[3]:
-                    dst = op[1][1]
-                    match = [o for o in heads[dst] if o[0] == "recv" and o[1] == op[1] and o[2] == op[2]]
-                    if match:
-                        op[3] = match[0][3] = True
-        for r in range(P):
-            while stream[r] and all(op[3] for op in stream[r][0]):
-                for op in stream[r].pop(0):
-                    if op[0] == "recv":
-                        received[r].add((op[4].op, op[4].chunk, op[4].mb))
-                progress = True
-    stuck = {r: str(steps[r][pc[r]][0]) if pc[r] < len(steps[r]) else "unfinished communication"
-             for r in range(P) if pc[r] < len(steps[r]) or stream[r]}
-    if stuck:
-        raise DeadlockError(f"schedule deadlocks; stuck at {stuck}")
-
-
 def simulate(orders, P, V, f=1, b=2):
     """Start and end tick of every compute when each runs as soon as its rank is free and its input
     is ready (forward f ticks, backward b). Returns per rank a list of (start, end, action)."""
@@ -259,29 +190,3 @@ def simulate(orders, P, V, f=1, b=2):
         if not moved:
             raise DeadlockError(f"compute order deadlocks at {[str(orders[r][pc[r]]) for r in range(P)]}")
     return timeline
-
-
-def draw(schedule, P, M, V=1):
-    """The classic diagram, one row per stage: F3 = forward of micro-batch 3 (one tick), B3 and its
-    '--' tail = backward (two ticks), a letter after the number = the chunk (interleaved), . = idle."""
-    timeline = simulate(SCHEDULES[schedule](P, M, V), P, V)
-    width = len(str(M - 1)) + 1 + (V > 1)
-    end = max(e for row in timeline for _, e, _ in row)
-    lines = [f"{schedule}: P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")
-             + "; F3 = forward of micro-batch 3 (1 tick), B3 -- = its backward (2 ticks)"
-             + (", a/b/.. = the chunk" if V > 1 else "") + ", . = idle"]
-    for r, row in enumerate(timeline):
-        cells = ["." * width] * end
-        for start, stop, a in row:
-            label = f"{a.op}{a.mb}{'abcdefgh'[a.chunk] if V > 1 else ''}".ljust(width)
-            cells[start] = label
-            for t in range(start + 1, stop):
-                cells[t] = "-" * width
-        lines.append(f"stage {r} |" + " ".join(cells))
-    busy = sum(e - s for s, e, _ in timeline[0])
-    lines.append(f"simulated utilization {busy / end:.3f} ({busy} busy of {end} ticks per stage); "
-                 f"theory M/(M+P-1) = {M}/{M + P - 1} = {theoretical_utilization(P, M):.3f}"
-                 + (f", interleaved VM/(VM+P-1) = {V * M}/{V * M + P - 1} = {theoretical_utilization(P, M, V):.3f}"
-                    if V > 1 else "")
-                 + (" (gpipe: the same bubble, M activation sets in flight, not P)" if schedule == "gpipe" else ""))
-    return "\n".join(lines)

@@ -225,3 +225,11 @@ class RingAttention:
 
     def __call__(self, q, k, v):
         return _RingAttentionFn.apply(q, k.contiguous(), v.contiguous(), self)
+
+
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def ring_bytes(kv_elements, cp, elem_bytes):
+    """(fwd, bwd) bytes one rank sends per layer: (cp-1) · kv · e each, bwd + cp hops of the fp32 dK,dV: cp · kv · 4."""
+    forward = (cp - 1) * kv_elements * elem_bytes
+    return forward, forward + cp * kv_elements * 4

@@ -21,6 +21,7 @@ from torch import nn
 from torch.autograd import Function
 
 from model import RMSNorm
+from parallel import tag_tp_shard
 from parallel.mesh import LayoutError
 
 # ---------------------------------------------------------------- the four collectives of Megatron TP
@@ -154,9 +155,8 @@ def leave_tp(x, group, sequence_parallel):
 # ---------------------------------------------------------------- sharded modules
 
 def shard(param, dim, group):
-    """Marks a param as this rank's block of a global tensor: M.local_init then gives it exactly that slice."""
-    param.tp_shard = (dim, group.rank, group.size)
-    return param
+    """Tags a param as this rank's block of a global tensor (parallel/__init__.py): init gives it that slice."""
+    return tag_tp_shard(param, dim, group.rank, group.size)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -315,3 +315,22 @@ def parallelize(chunk, mesh, sequence_parallel=False):
     if sp:
         chunk.seq_shards = group.size  # hidden states carry T/t tokens; rope still needs all T positions
     return chunk
+
+
+# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+
+def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
+    """Bytes one rank sends in an all_gather_seq or reduce_scatter_seq of (tokens, d): (tp-1)/tp · tokens · d · e."""
+    return (tp - 1) / tp * tokens * d_model * elem_bytes
+
+
+def activation_collectives(layers, embedding, head, sequence_parallel, recompute):
+    """(tokens, d) collectives per micro-batch, an all-reduce counting 2: 8 a block (sp 10), +2 recomputed (sp 3),
+    2 the embedding, 2 the head (sp 3: its input gathered again in backward)."""
+    sp = sequence_parallel
+    return layers * (8 + 2 * sp + recompute * (3 if sp else 2)) + 2 * embedding + (2 + sp) * head
+
+
+def loss_bytes(tokens, tp):
+    """Bytes one rank sends in the vocab-parallel loss's all-gather of (2, tokens) fp32: (tp-1) · 2 · tokens · 4."""
+    return (tp - 1) * 2 * tokens * 4

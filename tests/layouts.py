@@ -1,4 +1,4 @@
-"""Layout equivalence (DESIGN 2.3): train the same tiny model under any layout and compare losses.
+"""Layout equivalence: train the same tiny model under any layout and compare losses.
 
     losses = train_losses(world=4, flags=["--dp-mode", "fsdp"])
     assert_same_losses(losses, train_losses(1, []))
@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 
 import train
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
 
 BASE = ["--model", "tiny", "--steps", "10", "--global-batch", "8", "--micro-batch", "4", "--seq-len", "64",
         "--dtype", "fp32", "--device", "cpu", "--lr", "3e-3", "--warmup", "2", "--log-every", "0",

@@ -3,14 +3,11 @@ import contextlib
 import io
 from pathlib import Path
 
-import pytest
-
 import train
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
 from tests.layouts import BASE, assert_same_losses, train_losses
 
 REPO = Path(__file__).resolve().parent.parent
-NEEDED = [name for name in ("tp", "pp", "fsdp", "cp") if not (REPO / "parallel" / f"{name}.py").exists()]
 FLAGS = ["--steps", "5", "--peak-tflops", "1", "--dp", "2", "--dp-mode", "fsdp", "--cp", "2", "--cp-mode", "ring",
          "--pp", "2", "--pp-schedule", "1f1b", "--tp", "2"]
 
@@ -22,7 +19,6 @@ def _rank_main(rank, world, argv):
     return losses, out.getvalue()
 
 
-@pytest.mark.skipif(bool(NEEDED), reason=f"parallel/{{{','.join(NEEDED)}}}.py not landed yet")
 def test_dp2_fsdp_cp2_ring_pp2_1f1b_tp2_equals_one_process(tmp_path):
     reference = train_losses(1, ["--steps", "5", "--peak-tflops", "1"])
     argv = BASE + ["--out", str(tmp_path)] + FLAGS

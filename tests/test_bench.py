@@ -91,14 +91,11 @@ def test_mfu_sweep_runs_train_py(tmp_path):
     assert row[:3] == ["ddp 1", "1", "2"] and row[3].endswith("%") and row[5] == "1.000"  # no recompute: HFU = MFU
 
 
-def test_default_layouts_follow_the_parallel_files(monkeypatch, tmp_path):
-    (tmp_path / "parallel").mkdir()
-    monkeypatch.setattr(common, "REPO", tmp_path)
-    assert [n for n, _, _ in mfu_sweep.default_layouts(2)] == ["ddp 1", "ddp 2"]
-    (tmp_path / "parallel" / "tp.py").write_text("")
-    (tmp_path / "parallel" / "ckpt.py").write_text("")
+def test_default_layouts_cover_every_axis():
+    assert [n for n, _, _ in mfu_sweep.default_layouts(1)] == ["ddp 1", "ddp 1 + ckpt full"]
     layouts = mfu_sweep.default_layouts(2)
     assert ("tp 2", 2, ["--tp", "2"]) in layouts and ("ddp 1 + ckpt full", 1, ["--ckpt", "full"]) in layouts
+    assert {n for n, _, _ in layouts} >= {"ddp 2", "fsdp 2", "tp 2", "pp 2", "cp 2"}
     assert mfu_sweep.parse_layout("tp2=2:--tp 2 --sp") == ("tp2", 2, ["--tp", "2", "--sp"])
 
 

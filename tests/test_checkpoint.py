@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import model as M
 import optim
-import reshard
 import sample
+import saves.export
+import saves.load
+import saves.write
 import train
 from data.loader import TokenLoader
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
 from tests.layouts import BASE
 
 ARGS = BASE + ["--peak-tflops", "1", "--keep", "0"]
@@ -48,7 +49,7 @@ def drop_saves_after(run, step, rank):
     """As if the run had died right after the save of `step`."""
     dist.barrier()
     if rank == 0:
-        for save in checkpoint.complete_saves(run):
+        for save in saves.write.complete_saves(run):
             if int(save.name.split("_")[1]) > step:
                 shutil.rmtree(save)
     dist.barrier()
@@ -91,7 +92,7 @@ def test_same_layout_resume_is_bitwise(resume_runs, name):
 
 def test_each_element_is_written_once(resume_runs):
     """The 4D save: one writer per element (dp, cp and tp replicas deduplicated), pieces spread over ranks."""
-    saved = reshard.Saved(resume_runs[0] / "4d" / "ckpt_0000002").validate()
+    saved = saves.load.Saved(resume_runs[0] / "4d" / "step_0000002").validate()
     full = M.GPT(M.config_from_dict(saved.meta["config"]["model"]))
     assert set(saved.tensors) == {n for n, _ in full.named_parameters()}
     for name, t in saved.tensors.items():
@@ -113,7 +114,7 @@ def _reshard_rank(rank, world, root):
     for name, flags in RESHARD_TARGETS.items():
         run = Path(root) / f"to-{name}"
         if rank == 0:
-            shutil.copytree(f"{base}/ckpt_0000003", run / "ckpt_0000003")
+            shutil.copytree(f"{base}/step_0000003", run / "step_0000003")
         dist.barrier()
         out[name] = quiet(train.main, ARGS + flags + ["--out", str(run), "--steps", "8", "--save-every", "3",
                                                       "--resume"])
@@ -129,13 +130,13 @@ def reshard_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     runs = run_ranks(_reshard_rank, 4, args=(str(root),), timeout=400)[0]
     one = root / "one-process"
-    shutil.copytree(root / "fsdp4" / "ckpt_0000003", one / "ckpt_0000003")
-    assembled, tensor = [], reshard.Saved.tensor
-    reshard.Saved.tensor = lambda *args: assembled.append(args[1:]) or tensor(*args)
+    shutil.copytree(root / "fsdp4" / "step_0000003", one / "step_0000003")
+    assembled, tensor = [], saves.load.Saved.tensor
+    saves.load.Saved.tensor = lambda *args: assembled.append(args[1:]) or tensor(*args)
     try:
         runs["one-process"] = quiet(train.main, ARGS + ["--out", str(one), "--steps", "8", "--resume"])
     finally:
-        reshard.Saved.tensor = tensor
+        saves.load.Saved.tensor = tensor
     runs["full tensors assembled"] = assembled
     return root, runs
 
@@ -166,7 +167,7 @@ def read_safetensors(path):
 def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypatch, capsys):
     """model.py export streams one full tensor at a time; the exported model's loss on step 4's batch is the one
     the fsdp-4 run logged; sample.py runs on the sharded save."""
-    read, live, most = reshard.Saved.tensor, [0], [0]
+    read, live, most = saves.load.Saved.tensor, [0], [0]
 
     def counted(self, name, kind="param"):
         t = read(self, name, kind)
@@ -175,12 +176,12 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
         weakref.finalize(t, lambda: live.__setitem__(0, live[0] - 1))
         return t
 
-    monkeypatch.setattr(reshard.Saved, "tensor", counted)
-    save = reshard_runs[0] / "fsdp4" / "ckpt_0000003"
-    assert M.main(["export", str(save), str(tmp_path)]) == 0
+    monkeypatch.setattr(saves.load.Saved, "tensor", counted)
+    save = reshard_runs[0] / "fsdp4" / "step_0000003"
+    assert saves.export.main([str(save), str(tmp_path)]) == 0
     assert most[0] == 1
     tensors = read_safetensors(tmp_path / "model.safetensors")
-    config = reshard.Saved(save).meta["config"]
+    config = saves.load.Saved(save).meta["config"]
     gpt = M.GPT(M.config_from_dict(config["model"]))
     gpt.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
     loader = TokenLoader(train.REPO / "data" / "pystdlib", "train", 64, 8, 1337, prefetch=False)
@@ -204,15 +205,15 @@ def test_resume_auto_keep_k_and_incomplete_saves_are_ignored_then_removed(tmp_pa
     without `complete` are skipped by the next resume, which removes them."""
     assert len(run1(["--out", str(tmp_path), "--steps", "3", "--save-every", "1", "--keep", "2",
                      "--resume", "auto"])) == 3
-    assert [p.name for p in checkpoint.complete_saves(tmp_path)] == ["ckpt_0000002", "ckpt_0000003"]
-    killed = tmp_path / ".tmp_ckpt_0000004_abcdef"  # a save killed mid-write
-    unmarked = tmp_path / "ckpt_0000005"  # no `complete`: not a save
+    assert [p.name for p in saves.write.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
+    killed = tmp_path / ".tmp_step_0000004_abcdef"  # a save killed mid-write
+    unmarked = tmp_path / "step_0000005"  # no `complete`: not a save
     for folder in (killed, unmarked):
         folder.mkdir()
         (folder / "rank00000.bin").write_bytes(b"junk")
     assert run1(["--out", str(tmp_path), "--steps", "3", "--resume", "auto"]) == []  # resumed at the end: step 3
     assert not killed.exists() and not unmarked.exists()
-    assert [p.name for p in checkpoint.complete_saves(tmp_path)] == ["ckpt_0000002", "ckpt_0000003"]
+    assert [p.name for p in saves.write.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
 
 
 def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
@@ -220,7 +221,7 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     would block the loop: the writer would time out); saves never overlap; the metrics show the stall; and the
     save, a snapshot taken before step 3, resumes bitwise."""
     steps_started, seen, in_flight, most = [], [], [0], [0]
-    lr_at, write_rank = optim.lr_at, checkpoint.write_rank
+    lr_at, write_rank = optim.lr_at, saves.write.write_rank
     later = threading.Event()
 
     def tracking_lr_at(step, *args):
@@ -239,15 +240,15 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
         in_flight[0] -= 1
 
     monkeypatch.setattr(optim, "lr_at", tracking_lr_at)
-    monkeypatch.setattr(checkpoint, "write_rank", slow_write)
+    monkeypatch.setattr(saves.write, "write_rank", slow_write)
     metrics = tmp_path / "m.jsonl"
     straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
     assert seen == [True, True] and most[0] == 1, (seen, most)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
-    monkeypatch.setattr(checkpoint, "write_rank", write_rank)
-    shutil.rmtree(tmp_path / "ckpt_0000004")
+    monkeypatch.setattr(saves.write, "write_rank", write_rank)
+    shutil.rmtree(tmp_path / "step_0000004")
     assert run1(["--out", str(tmp_path), "--steps", "4", "--resume"]) == straight[2:]
 
 
@@ -264,7 +265,7 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     monkeypatch.setattr(optim, "unscale_and_clip", overflow_once)
     fp16 = ["--dtype", "fp16", "--seq-len", "32", "--out", str(tmp_path), "--steps", "3"]
     straight = run1(fp16 + ["--save-every", "2"])
-    shutil.rmtree(tmp_path / "ckpt_0000003")
+    shutil.rmtree(tmp_path / "step_0000003")
     metrics = tmp_path / "m.jsonl"
     assert run1(fp16 + ["--resume", "--metrics", str(metrics)]) == straight[2:]
     assert json.loads(metrics.read_text())["loss_scale"] == 2.0 ** 15
@@ -275,12 +276,12 @@ def snapshot(folder):
 
 
 def _truncate(run):
-    data = next(run.glob("ckpt_*/rank00000.bin"))
+    data = next(run.glob("step_*/rank00000.bin"))
     data.write_bytes(data.read_bytes()[:1000])
 
 
 BAD_RESUMES = {
-    "no save (only a killed one)": ([], lambda run: (run / ".tmp_ckpt_0000001_abcdef").mkdir(), "no complete save"),
+    "no save (only a killed one)": ([], lambda run: (run / ".tmp_step_0000001_abcdef").mkdir(), "no complete save"),
     "a different model shape": (["--d-model", "64"], None, "model.d_model=128, this run has model.d_model=64"),
     "truncated files": ([], _truncate, "rank00000.bin is truncated: 1000 of"),
 }

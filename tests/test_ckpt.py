@@ -12,9 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
 import train
+from bench.ckpt_memory import heap_reader, measure_memory
 from parallel import ckpt
+from parallel.launch import run_ranks
 from parallel.mesh import LayoutError
-from tests.dist import run_ranks
 from tests.layouts import BASE, assert_same_losses
 
 FAST = ["--peak-tflops", "1"]
@@ -173,7 +174,6 @@ def test_recompute_reproduces_dropout(policy):
 
 def test_peak_memory_falls_from_none_through_sqrt_to_full():
     """The bench's exact malloc-counted peak (bench/ckpt_memory.py, L17), on 9 layers: none > sqrt > full."""
-    from bench.ckpt_memory import heap_reader, measure_memory
     read = heap_reader(torch.device("cpu"))
     if read is None:
         pytest.skip("needs glibc's mallinfo2 to count allocated bytes")

@@ -8,7 +8,7 @@ import pytest
 import torch._dynamo
 
 import train
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
 from tests.layouts import BASE, assert_same_losses
 
 FLAGS = ["--steps", "3", "--n-layer", "10"]

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 import model as M
 import train
 from parallel import cp as CP
+from parallel import ddp
+from parallel.ddp import DDP
+from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
-from tests.dist import run_ranks
 from tests.layouts import BASE, assert_same_losses, train_losses
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,7 +134,6 @@ def test_other_modes_send_the_docstring_bytes(mode):
 
 def _grad_rank(rank, world):
     """Step-1 gradients of a cp run, after DDP's sync over dp x cp, against one process on the whole sequence."""
-    from parallel.ddp import DDP
     cfg = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
     x = torch.randint(0, 64, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = x[:, :-1], x[:, 1:]
@@ -176,7 +177,6 @@ LAYOUTS = {  # world -> {name: flags}; each world's layouts run one after anothe
     4: {**{f"{mode}-cp4": ["--cp", "4", "--cp-mode", mode] for mode in CP.MODES},
         "ring-cp2xdp2": ["--cp", "2", "--dp", "2"], "ring-cp2xtp2": ["--cp", "2", "--tp", "2"]},
 }
-HAVE_TP = (REPO / "parallel" / "tp.py").exists()
 NO_PEAK = ["--peak-tflops", "1"]  # MFU is not under test: skip train.py's 0.3 s CPU matmul measurement per run
 
 
@@ -185,14 +185,11 @@ def _layouts_rank(rank, world, layouts, unsynced_last, out_dir):
     unsynced_last: finally a 3-step cp run with DDP's gradient sync skipped (the picotron bug)."""
     out = {}
     for name, flags in layouts.items():
-        if name.endswith("tp2") and not HAVE_TP:
-            continue
         try:
             out[name] = train.main(BASE + NO_PEAK + ["--out", out_dir] + flags)
         except Exception as e:  # noqa: BLE001 - reported per layout by the test that reads it
             out[name] = f"{type(e).__name__}: {e}"
     if unsynced_last:
-        from parallel import ddp
         ddp.DDP.finish_grad_sync = lambda self: None
         out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", out_dir, "--cp", "2", "--steps", "3",
                                                        "--no-overlap"])
@@ -211,8 +208,6 @@ def layout_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", [*LAYOUTS[2], *LAYOUTS[4]])
 def test_layout_equals_one_process(layout_runs, name):
     """cp 2 and cp 4 in every mode, cp2 x dp2, cp2 x tp2: the same losses as one process over 10 steps."""
-    if name.endswith("tp2") and not HAVE_TP:
-        pytest.skip("parallel/tp.py has not landed")
     got = layout_runs[name]
     assert not isinstance(got, str), got
     assert_same_losses(got, layout_runs["one process"], rtol=1e-5)

@@ -9,8 +9,8 @@ from torch import nn
 import model as M
 import train
 from parallel.ddp import DDP
-from parallel.mesh import Mesh
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
+from parallel.mesh import LayoutError, Mesh
 
 CFG = M.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
@@ -101,7 +101,6 @@ def test_dp_not_dividing_world_on_two_ranks(tmp_path):
 
 
 def test_mesh_rejects_bad_dp_layouts():
-    from parallel.mesh import LayoutError
     with pytest.raises(LayoutError, match="--dp"):
         Mesh(0, 4, dp=3)
     with pytest.raises(LayoutError, match="--dp-shard"):

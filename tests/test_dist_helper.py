@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import RankError, run_ranks
+from parallel.launch import RankError, run_ranks
 
 
 def _sum_of_ranks(rank, world):

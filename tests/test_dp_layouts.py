@@ -1,4 +1,4 @@
-"""DDP, FSDP and HSDP against one process (DESIGN 2.3; lab L5, L6, L8, L9, L14, L16).
+"""DDP, FSDP and HSDP against one process (layout equivalence; lab L5, L6, L8, L9, L14, L16).
 
 Each layout is one set of gloo ranks that (1) runs the first step by hand, returning the averaged step-1
 gradients, the data rows it read and the bytes its collectives sent, then (2) trains 10 steps through
@@ -15,38 +15,38 @@ import torch
 import model as M
 import optim
 import train
+from config import accumulation_steps
 from data.loader import TokenLoader
-from parallel.mesh import Mesh, infer_dp
-from tests.dist import run_ranks
+from parallel.launch import run_ranks
+from parallel.mesh import Mesh
 from tests.layouts import BASE, assert_same_losses
+from tests.wrapper_state import full_grads
 
 
 def _first_step_and_losses(rank, world, flags, out_dir):
     argv = BASE + ["--out", out_dir, "--metrics", f"{out_dir}/metrics.jsonl"] + flags
     args = train.parse_args(argv)
-    train.check_args(args)
-    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
-    mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
+    mesh = Mesh(rank, world, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
+    dp = mesh.dp
     folder = train.data_folder(args, rank, world)
     cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp,
                          prefetch=False)
     torch.manual_seed(args.seed)
-    chunks, wrapper = train.build_model(cfg, mesh, args, torch.device("cpu"))
+    n_micro = accumulation_steps(args.global_batch, args.micro_batch, dp)
+    chunks, wrapper = train.build(cfg, mesh, args, n_micro, torch.device("cpu"))
     x, y = loader.get(0)
     mesh.stats.reset()
-    train.forward_backward(chunks, wrapper, mesh, x, y, args, nullcontext(), 1.0)
+    train.forward_backward(train.Run(chunks, wrapper, mesh, None, optim.LossScaler(False), nullcontext(),
+                                     args.micro_batch), x, y)
     launched_in_backward = getattr(wrapper, "launched_in_backward", None)
     wrapper.finish_grad_sync()
     calls, sent, all_gathers = dict(mesh.stats.calls), dict(mesh.stats.bytes), dict(getattr(wrapper, "all_gathers", {}))
-    if hasattr(wrapper, "full_grads"):
-        grads = wrapper.full_grads()
-    else:
-        grads = {name.split(".", 1)[1]: p.grad.clone() for name, p in wrapper.module.named_parameters()}
+    grads = full_grads(wrapper)
     norm = optim.global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item()
     result = dict(  # numpy, not tensors: tensors cross processes as file descriptors that die with the rank
         grads={k: v.numpy() for k, v in grads.items()}, norm=norm, x=x.numpy(),
-        rows=(loader.rows.start, loader.rows.stop), micro_batches=len(train.micro_batches(x, y, args.micro_batch)),
+        rows=(loader.rows.start, loader.rows.stop), micro_batches=n_micro,
         calls=calls, bytes=sent, all_gathers=all_gathers,
         launched_in_backward=launched_in_backward, n_buckets=len(getattr(wrapper, "buckets", [])),
         params=M.param_counts(cfg)[0], dp=dp, shard=mesh.shard_group.size, n_layer=cfg.n_layer)

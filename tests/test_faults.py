@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
-import faults
 import model as M
+import saves.restarts
+import saves.write
 import train
 from tests.layouts import BASE, train_losses
 from tests.test_checkpoint import ARGS, quiet
@@ -101,8 +101,8 @@ def test_non_finite_loss_stops_with_exit_3_keeping_the_last_good_save(tmp_path, 
             train.main(ARGS + ["--micro-batch", "8"] + run)
         assert exit_info.value.code == 3
         errors.append(capsys.readouterr().err.strip().splitlines()[-1])
-        assert [p.name for p in checkpoint.complete_saves(tmp_path)] == ["ckpt_0000002"]
-    assert errors[0].startswith("error: step 3: non-finite loss nan") and "ckpt_0000002" in errors[0], errors[0]
+        assert [p.name for p in saves.write.complete_saves(tmp_path)] == ["step_0000002"]
+    assert errors[0].startswith("error: step 3: non-finite loss nan") and "step_0000002" in errors[0], errors[0]
     assert "attempt 1 failed at this step too: not retrying" in errors[1], errors[1]
     assert errors[2].startswith("error: step 3 failed in two attempts in a row"), errors[2]
     assert calls == []  # the third attempt trained nothing
@@ -124,7 +124,7 @@ def test_crashes_at_the_same_step_twice_stop_the_restarts(tmp_path, monkeypatch)
 
 
 def test_faults_module_marks_a_finished_attempt_done(tmp_path):
-    attempts = faults.Attempts(tmp_path, 0, resuming=False)
+    attempts = saves.restarts.Attempts(tmp_path, 0, resuming=False)
     attempts.begin(0)
     attempts.progress(3)
     assert attempts.end("done") == ""

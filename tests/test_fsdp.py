@@ -1,5 +1,6 @@
 """FSDP/HSDP internals on 4 gloo ranks: sharded memory (L13), prefetch and reduce-scatter ordering (L14, L16),
-shard-by-shard init equal to one process (DESIGN 2.4), state round trip, bf16 traffic, grad-norm replica counts.
+shard-by-shard init equal to one process (no rank builds the whole model), state round trip, bf16 traffic,
+grad-norm replica counts.
 One set of ranks runs every check (module fixture); each test asserts one property."""
 import gc
 import warnings
@@ -14,8 +15,9 @@ import model as M
 import optim
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
+from parallel.launch import run_ranks
 from parallel.mesh import Mesh
-from tests.dist import run_ranks
+from tests.wrapper_state import full_state, load_full_state
 
 # sizes chosen so units do not divide by 4 (padding) and one rank's shard straddles matrices and vectors
 CFG = M.ModelConfig(n_layer=4, d_model=18, n_head=3, n_kv_head=1, ffn_dim=31, vocab_size=64, seq_len=16)
@@ -100,10 +102,10 @@ def init_and_state_check(rank, world, mesh):
         return t
     fsdp = FSDP(tiny_gpt(), mesh, mesh.dp_cp_group, tracked_init, "cpu")
     left = [n for n, _ in fsdp.module.named_parameters() if "fsdp_shard" not in n]
-    state = fsdp.model_state()
+    state = full_state(fsdp)
     full = M.init_weights(tiny_gpt()[0], SEED, "cpu").state_dict()
-    fsdp.load_model_state({k: v + 1 for k, v in full.items()})  # every rank loads the full state
-    reloaded = fsdp.model_state()
+    load_full_state(fsdp, {k: v + 1 for k, v in full.items()})  # every rank loads the full state
+    reloaded = full_state(fsdp)
     as_numpy = lambda d: {k: v.numpy() for k, v in d.items()}  # tensors cannot outlive their rank's process
     return dict(state=as_numpy(state), reloaded=as_numpy(reloaded), full=as_numpy(full),
                 peak_live=peak[0], local_numel=sum(p.numel() for p in fsdp.module.parameters()),

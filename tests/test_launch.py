@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.dist import free_port
+from parallel.launch import free_port
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,10 +1,13 @@
 """parallel/mesh.py: the rank order (tp innermost, dp outermost), the groups, HSDP's split, describe() (L28)."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from parallel.mesh import LayoutError, Mesh, infer_dp
+
+PLACEMENT = Path(__file__).resolve().parent.parent / "bench" / "placement.py"
 
 
 def groups(mesh, name):
@@ -64,9 +67,9 @@ def test_dp_shard_must_divide_dp():
 
 
 def test_command_line_describe_and_its_error():
-    ok = subprocess.run([sys.executable, "-m", "parallel.mesh", "--world", "16", "--tp", "8"],
+    ok = subprocess.run([sys.executable, str(PLACEMENT), "--world", "16", "--tp", "8"],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "tp        size    8" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "parallel.mesh", "--world", "6", "--tp", "4"],
+    bad = subprocess.run([sys.executable, str(PLACEMENT), "--world", "6", "--tp", "4"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --tp")

@@ -1,9 +1,11 @@
 """model.py: shapes, causality, GQA, presets, layout-independent init, FLOP accounting, Hugging Face export."""
+import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import model as M
+from saves.export import export_hf
 
 CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=100, seq_len=32)
 
@@ -95,9 +97,9 @@ def test_hfu_adds_one_forward_per_recomputed_layer():
 
 
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
-    transformers = __import__("pytest").importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     gpt = make()
-    M.export_hf(CFG, gpt.state_dict(), tmp_path)
+    export_hf(CFG, gpt.state_dict(), tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
     hf.eval()
     x = torch.randint(0, 100, (2, 20))

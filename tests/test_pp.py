@@ -4,24 +4,27 @@ cost-balanced split and its bad inputs. On gloo ranks: every schedule equals one
 (M = 1, P, 2P), composition with ddp, fsdp, tp, cp and ckpt, at most P activation sets in flight on
 stage 0 under 1F1B (M under GPipe), and a rank that raises mid-schedule ends every rank with an error.
 The layout runs share four launches (module fixtures); each test asserts one property."""
-import importlib.util
 import io
 import json
 import time
-from argparse import Namespace
 from contextlib import nullcontext, redirect_stderr
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import config
 import model as M
 import train
+from bench import pp_draw
+from config import UsageError
 from parallel import pp
 from parallel import pp_schedule as S
+from parallel.ddp import DDP
+from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
-from tests.dist import run_ranks
 from tests.layouts import BASE, assert_same_losses
+from tests.pp_deadlock import check_no_deadlock
 
 GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]))
         for P in (2, 3, 4) for M in (1, 2, 3, 4, 8, 12) for V in Vs if V == 1 or M <= P or M % P == 0]
@@ -59,8 +62,8 @@ def test_sends_match_receives_in_order_between_neighbouring_stages(schedule, P, 
 
 @pytest.mark.parametrize("schedule,P,M,V", GRID)
 def test_no_deadlock_when_every_stream_runs_its_batches_in_order(schedule, P, M, V):
-    S.check_no_deadlock(S.build(schedule, P, M, V), P, V)
-    S.check_no_deadlock(S.forward_only(P, M, V), P, V)
+    check_no_deadlock(S.build(schedule, P, M, V), P, V)
+    check_no_deadlock(S.forward_only(P, M, V), P, V)
 
 
 def test_the_deadlock_check_catches_a_receive_posted_out_of_order():
@@ -68,7 +71,7 @@ def test_the_deadlock_check_catches_a_receive_posted_out_of_order():
     receives = [k for k, a in enumerate(actions[1]) if a.op == "RECV_F"]
     actions[1][receives[1]], actions[1][receives[2]] = actions[1][receives[2]], actions[1][receives[1]]
     with pytest.raises(S.DeadlockError):
-        S.check_no_deadlock(actions, 2, 1)
+        check_no_deadlock(actions, 2, 1)
 
 
 @pytest.mark.parametrize("schedule,V", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
@@ -81,11 +84,11 @@ def test_simulated_bubble_equals_theory(schedule, V, P, M):
 
 
 def test_the_timeline_command_draws_every_stage_and_the_utilization(capsys):
-    assert pp.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b"]) == 0
+    assert pp_draw.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b"]) == 0
     out = capsys.readouterr().out
     assert out.count("stage ") == 4 and "M/(M+P-1) = 8/11 = 0.727" in out
     assert "stage 3 |.. .. .. F0 B0 -- F1" in out
-    assert pp.main(["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual", "2"]) == 0
+    assert pp_draw.main(["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual", "2"]) == 0
     assert "VM/(VM+P-1) = 16/19 = 0.842" in capsys.readouterr().out
 
 
@@ -98,18 +101,13 @@ def meta_gpt(n_layer=8, **kw):
         return M.GPT(cfg)
 
 
-def split_args(pp_split=None, schedule="1f1b", virtual=1, global_batch=8, micro_batch=1):
-    return Namespace(pp_split=pp_split, pp_schedule=schedule, pp_virtual=virtual, global_batch=global_batch,
-                     micro_batch=micro_batch)
-
-
 def fake_mesh(P, rank, dp=1):
     return SimpleNamespace(pp=P, dp=dp, coord={"pp": rank})
 
 
 def test_split_keeps_each_stage_its_layers_the_embedding_first_and_the_head_last():
     full = meta_gpt(8)
-    stages = [pp.split(full, fake_mesh(2, r), split_args("3,5")) for r in range(2)]
+    stages = [pp.split(full, fake_mesh(2, r), n_micro=8, layer_split=(3, 5)) for r in range(2)]
     (first,), (last,) = stages
     assert list(first.layers) == ["0", "1", "2"] and list(last.layers) == ["3", "4", "5", "6", "7"]
     assert first.embed_tokens is not None and first.lm_head is None and first.norm is None
@@ -118,7 +116,7 @@ def test_split_keeps_each_stage_its_layers_the_embedding_first_and_the_head_last
 
 
 def test_interleaved_chunks_go_round_robin():
-    chunks = pp.split(meta_gpt(8), fake_mesh(2, 1), split_args(schedule="interleaved", virtual=2))
+    chunks = pp.split(meta_gpt(8), fake_mesh(2, 1), n_micro=8, schedule="interleaved", n_virtual=2)
     assert [list(c.layers) for c in chunks] == [["2", "3"], ["6", "7"]]  # virtual stages 1 and 3 of 4
     assert chunks[1].lm_head is not None and chunks[0].lm_head is None
 
@@ -135,20 +133,29 @@ def test_default_split_balances_the_head_against_the_layers():
 
 
 @pytest.mark.parametrize("flag,kwargs,n_layer,P", [
-    ("--pp-split", dict(pp_split="3,4"), 8, 2),  # does not sum to the layers
-    ("--pp-split", dict(pp_split="8,0"), 8, 2),  # an empty stage
-    ("--pp-split", dict(pp_split="2,2,4"), 8, 2),  # one count per stage
-    ("--pp-split", dict(pp_split="4,x"), 8, 2),
+    ("--pp-split", dict(layer_split=(3, 4)), 8, 2),  # does not sum to the layers
+    ("--pp-split", dict(layer_split=(2, 2, 4)), 8, 2),  # one count per stage
     ("--pp", dict(), 3, 4),  # more stages than layers
-    ("--pp-virtual", dict(schedule="interleaved", virtual=2), 6, 2),  # 6 layers, P·V = 4
-    ("--pp-virtual", dict(virtual=2), 8, 2),  # chunks need the interleaved schedule
-    ("--pp-schedule", dict(schedule="zigzag"), 8, 2),
-    ("--micro-batch", dict(schedule="interleaved", virtual=2, global_batch=6, micro_batch=2), 8, 2),  # M=3, P=2
+    ("--pp-virtual", dict(schedule="interleaved", n_virtual=2), 6, 2),  # 6 layers, P·V = 4
+    ("--micro-batch", dict(schedule="interleaved", n_virtual=2, n_micro=3), 8, 2),  # M=3, P=2
 ])
-def test_bad_pipeline_flags_raise_a_layout_error_naming_the_flag(flag, kwargs, n_layer, P):
+def test_bad_pipeline_layouts_raise_a_layout_error_naming_the_flag(flag, kwargs, n_layer, P):
     with pytest.raises(LayoutError) as err:
-        pp.split(meta_gpt(n_layer), fake_mesh(P, 0), split_args(**kwargs))
+        pp.split(meta_gpt(n_layer), fake_mesh(P, 0), **{"n_micro": 8, **kwargs})
     assert err.value.flag == flag and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag,flags", [
+    ("--pp-split", ["--pp-split", "8,0"]),  # an empty stage
+    ("--pp-split", ["--pp-split", "4,x"]),
+    ("--pp-virtual", ["--pp-virtual", "2"]),  # chunks need the interleaved schedule
+    ("--pp-virtual", ["--pp-virtual", "0"]),
+    ("--pp-schedule", ["--pp-schedule", "zigzag"]),
+])
+def test_bad_pipeline_flags_are_refused_by_the_command_line(flag, flags):
+    with pytest.raises(UsageError) as err:
+        config.parse_args(["--pp", "2"] + flags)
+    assert str(err.value).startswith(flag) and "\n" not in str(err.value)
 
 
 def test_pp_not_dividing_the_world_is_one_line_and_exit_2(capsys, tmp_path):
@@ -199,7 +206,6 @@ SCHEDULE_RUNS = {  # name: (world, reference layers, flags); global batch 8, so 
     for P in (2, 4) for m in (1, P, 2 * P)
     for s, n, extra in (("gpipe", 4, []), ("1f1b", 4, []),
                         ("interleaved", 8, ["--n-layer", "8", "--pp-virtual", "2"]))}
-LANDED = {m: importlib.util.find_spec(f"parallel.{m}") is not None for m in ("fsdp", "tp", "cp", "ckpt")}
 COMPOSED_RUNS = {  # all on 4 ranks
     "pp2xdp2-ddp": ["--pp", "2", "--dp", "2", "--micro-batch", "2"],
     "pp2xdp2-fsdp": ["--pp", "2", "--dp", "2", "--micro-batch", "2", "--dp-mode", "fsdp"],
@@ -212,9 +218,6 @@ COMPOSED_RUNS = {  # all on 4 ranks
     "pp2xcp2": ["--pp", "2", "--cp", "2"],
     "pp4-ckpt-full": ["--pp", "4", "--micro-batch", "2", "--ckpt", "full"],
 }
-NEEDS = {"pp2xdp2-fsdp": "fsdp", "pp2xdp2-fsdp-interleaved": "fsdp",
-         "pp2xtp2": "tp", "pp2xtp2-sp": "tp", "pp2xcp2": "cp", "pp4-ckpt-full": "ckpt"}
-COMPOSED = {k: v for k, v in COMPOSED_RUNS.items() if LANDED.get(NEEDS.get(k), True)}
 
 
 @pytest.fixture(scope="module")
@@ -237,9 +240,9 @@ def schedule_losses(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def composed_losses(tmp_path_factory):
-    runs = [argv(*flags) for flags in COMPOSED.values()]
+    runs = [argv(*flags) for flags in COMPOSED_RUNS.values()]
     folder = str(tmp_path_factory.mktemp("composed"))
-    return dict(zip(COMPOSED, run_ranks(_train_many, 4, args=(runs, folder), timeout=400)[0]))
+    return dict(zip(COMPOSED_RUNS, run_ranks(_train_many, 4, args=(runs, folder), timeout=400)[0]))
 
 
 @pytest.mark.parametrize("name", list(SCHEDULE_RUNS))
@@ -254,9 +257,7 @@ def test_the_pipelined_evaluation_matches_one_process(name, schedule_losses, ref
 
 @pytest.mark.parametrize("name", list(COMPOSED_RUNS))
 def test_pipeline_composed_with_other_axes_matches_one_process(name, composed_losses, references):
-    if name not in COMPOSED:
-        pytest.skip(f"parallel/{NEEDS[name]}.py has not landed")
-    n_layer = 8 if "--n-layer" in COMPOSED[name] else 4
+    n_layer = 8 if "--n-layer" in COMPOSED_RUNS[name] else 4
     assert_same_losses(composed_losses[name][0], references[n_layer][0], rtol=1e-5)
 
 
@@ -268,7 +269,7 @@ TINY = M.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, v
 def tiny_pipeline(mesh, schedule, n_micro, virtual=1):
     with torch.device("meta"):
         full = M.GPT(TINY)
-    chunks = pp.split(full, mesh, split_args(schedule=schedule, virtual=virtual, global_batch=n_micro))
+    chunks = pp.split(full, mesh, n_micro, schedule, virtual)
     for chunk in chunks:
         M.init_weights(chunk, 0, "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -278,7 +279,6 @@ def tiny_pipeline(mesh, schedule, n_micro, virtual=1):
 
 
 def _in_flight(rank, world):
-    from parallel.ddp import DDP
     mesh = Mesh(rank, world, pp=world)
     out = {}
     for schedule in ("gpipe", "1f1b"):
@@ -315,7 +315,6 @@ class Broken(RuntimeError):
 
 
 def _one_rank_raises(rank, world):
-    from parallel.ddp import DDP
     mesh = Mesh(rank, world, pp=world)
     chunks, batches = tiny_pipeline(mesh, "1f1b", 8)
     wrapper = DDP(torch.nn.ModuleList(chunks), mesh)

@@ -20,8 +20,8 @@ import train
 from parallel import tp
 from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
+from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
-from tests.dist import run_ranks
 from tests.layouts import BASE, assert_same_losses
 
 FAST = ["--peak-tflops", "1"]  # skip the CPU matmul-rate measurement

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+import model as M
 import optim
-import reshard
+import saves.load
+import saves.write
 import train
 from tests.layouts import BASE
 
@@ -53,26 +54,26 @@ def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatc
 def test_resume_continues_bitwise(tmp_path):
     straight = run(["--steps", "10", "--out", str(tmp_path / "a")])
     run(["--steps", "10", "--save-every", "5", "--out", str(tmp_path / "b")])
-    shutil.rmtree(tmp_path / "b" / "ckpt_0000010")  # as if the run died after step 5's save
+    shutil.rmtree(tmp_path / "b" / "step_0000010")  # as if the run died after step 5's save
     resumed = run(["--steps", "10", "--resume", "--out", str(tmp_path / "b")])
     assert resumed == straight[5:]
 
 
 def _slow_save(run_dir):
     """Resumes at step 1 and trains step 2, whose save stalls after writing its data (the kill lands there)."""
-    write_rank = checkpoint.write_rank
+    write_rank = saves.write.write_rank
 
     def slow(folder, *args):
         write_rank(folder, *args)
         time.sleep(120)
-    checkpoint.write_rank = slow
+    saves.write.write_rank = slow
     run(["--steps", "2", "--resume", "--out", run_dir])
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run(["--steps", "2", "--save-every", "1", "--out", str(tmp_path)])
-    shutil.rmtree(tmp_path / "ckpt_0000002")
-    step1 = reshard.Saved(tmp_path / "ckpt_0000001").tensor("lm_head.weight")
+    shutil.rmtree(tmp_path / "step_0000002")
+    step1 = saves.load.Saved(tmp_path / "step_0000001").tensor("lm_head.weight")
     proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_train as t; t._slow_save({str(tmp_path)!r})"],
                             cwd=REPO)
     deadline = time.time() + 60
@@ -81,7 +82,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert list(tmp_path.glob(".tmp_*")), "the kill should land mid-save"
-    state = reshard.Saved(checkpoint.complete_saves(tmp_path)[-1]).validate()
+    state = saves.load.Saved(saves.write.complete_saves(tmp_path)[-1]).validate()
     assert state.step == 1 and torch.equal(state.tensor("lm_head.weight"), step1)
 
 
@@ -131,4 +132,4 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     proc = subprocess.run([sys.executable, "train.py", "--model", "nope"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --model: unknown preset 'nope'; choose from " + ", ".join(
-        __import__("model").PRESETS)
+        M.PRESETS)

@@ -1,6 +1,6 @@
-"""Loading a sharded checkpoint (checkpoint.py) into any layout: resuming is resharding.
+"""Loading a save (write.py) into any layout: resuming is resharding.
 
-For each piece this rank holds now (parallel.ddp.Piece: a tp block of a global tensor, or a flat range of one),
+For each piece this rank holds now (a Piece: a tp block of a global tensor, or a flat range of one),
 and for the param and each Adam moment: if the save split that tensor over tp the same way, read exactly the
 overlapping byte ranges of the saved pieces (a same-layout resume or a dp/fsdp/hsdp reshard reads each byte once);
 otherwise assemble the full global tensor from its saved pieces, cut the new piece out, and drop it. So no rank
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, complete_saves, global_shape, set_rng_state
+from saves import SaveError
+from saves.write import complete_saves, global_shape, set_rng_state
 
 
 class Saved:
@@ -24,14 +25,14 @@ class Saved:
             self.meta = json.loads((self.path / "meta.json").read_text())
             self.step, self.tensors = self.meta["step"], self.meta["tensors"]
         except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
+            raise SaveError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
 
     def _fill(self, out, p, kind, first=0):
         """Reads elements [first, first + out.numel()) of saved piece p into the 1-D tensor out."""
         with open(self.path / p["file"], "rb") as f:
             f.seek(p["offsets"][kind] + first * out.element_size())
             if f.readinto(out.view(torch.uint8).numpy()) != out.numel() * out.element_size():
-                raise CheckpointError(f"{self.path / p['file']} is truncated")
+                raise SaveError(f"{self.path / p['file']} is truncated")
 
     def validate(self):
         """Every file has the size the metadata says, and every tensor's pieces add up to it."""
@@ -39,11 +40,11 @@ class Saved:
             path = self.path / name
             actual = path.stat().st_size if path.exists() else None
             if actual != size:
-                raise CheckpointError(f"{path} is {'missing' if actual is None else 'truncated'}: "
+                raise SaveError(f"{path} is {'missing' if actual is None else 'truncated'}: "
                                       f"{actual or 0} of {size} bytes")
         for name, t in self.tensors.items():
             if sum(p["numel"] for p in t["pieces"]) != int(np.prod(t["shape"])):
-                raise CheckpointError(f"{self.path}: the pieces of {name} do not cover its shape {t['shape']}")
+                raise SaveError(f"{self.path}: the pieces of {name} do not cover its shape {t['shape']}")
         return self
 
     def tensor(self, name, kind="param"):
@@ -68,7 +69,7 @@ class Saved:
         layout, or a dp/fsdp reshard, reads each byte once); else cut from the assembled full tensor."""
         info = self.tensors[piece.name]
         if info["shape"] != global_shape(piece):
-            raise CheckpointError(f"{self.path}: {piece.name} has shape {info['shape']}, "
+            raise SaveError(f"{self.path}: {piece.name} has shape {info['shape']}, "
                                   f"this model has {global_shape(piece)}")
         split = piece.tp_shard and (piece.tp_shard[0], piece.tp_shard[2])  # (dim, world) or None
         if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
@@ -98,7 +99,7 @@ def load(saved, wrapper, opt, rng_of_rank=None):
     kinds, adam = saved.meta["optimizer"]["kinds"], {}
     for piece in wrapper.owned_pieces():
         if piece.name not in saved.tensors:
-            raise CheckpointError(f"{saved.path} has no tensor {piece.name}")
+            raise SaveError(f"{saved.path} has no tensor {piece.name}")
         for kind in kinds:
             target = piece.param if kind == "param" else adam.setdefault(piece.param, {}).setdefault(
                 kind, torch.zeros_like(piece.param))  # FSDP padding keeps zero moments, as in training
@@ -129,7 +130,7 @@ def check_config(saved, current, where=""):
     found = first_difference(saved, current)
     if found:
         key, x, y = found
-        raise CheckpointError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
+        raise SaveError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
 
 
 def find_resume(run_dir, mode, config):
@@ -140,12 +141,12 @@ def find_resume(run_dir, mode, config):
     if not found:
         if mode == "auto":
             return None
-        raise CheckpointError(f"--resume: no complete save in {run_dir} (use --resume auto to start fresh)")
+        raise SaveError(f"--resume: no complete save in {run_dir} (use --resume auto to start fresh)")
     try:
         saved = Saved(found[-1]).validate()
         check_config(saved.meta["config"], config, where=f"{found[-1]} ")
-    except CheckpointError as e:
-        raise CheckpointError(f"--resume: {e}") from None
+    except SaveError as e:
+        raise SaveError(f"--resume: {e}") from None
     return saved
 
 
@@ -168,6 +169,6 @@ def model_tensors(run_dir):
     run_dir = Path(run_dir)
     path = run_dir if (run_dir / "complete").exists() else (complete_saves(run_dir) or [None])[-1]
     if path is None:
-        raise CheckpointError(f"no complete save in {run_dir}")
+        raise SaveError(f"no complete save in {run_dir}")
     saved = Saved(path).validate()
     return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}

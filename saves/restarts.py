@@ -1,7 +1,7 @@
 """Failures a long run must survive or stop on, with torchrun --max-restarts N and train.py --resume auto.
 
 - A killed or crashed rank: torchrun restarts every process, and --resume auto continues from the newest
-  complete save (checkpoint.py), so the run ends with the losses of an uninterrupted one.
+  complete save, so the run ends with the losses of an uninterrupted one.
 - A non-finite loss (or, without fp16's loss scaler, a non-finite gradient norm) stops the run before its
   optimizer step and before any save: exit status 3, the last good save stays the newest.
 - A failure that repeats: rank 0 keeps RUN/attempts.json, one record per attempt with the step it resumed
@@ -10,7 +10,13 @@
 """
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
+
+from saves.files import write_json
+from saves.write import complete_saves
 
 
 class TrainingFailure(Exception):
@@ -72,6 +78,26 @@ class Attempts:
         if self.rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.records, indent=1))
-        os.replace(tmp, self.path)
+        write_json(self.path, self.records, indent=1)
+
+
+def stop_run(error, saver, attempts, run_dir):
+    """A non-finite loss: let an async save in flight (the last good one) finish, record the failure, and return
+    the TrainingFailure to raise, naming the last good save."""
+    saver.wait()
+    repeated = attempts.end(f"failed: {error}")
+    newest = complete_saves(run_dir)
+    return TrainingFailure(f"{error}; stopped, the last good save is {newest[-1] if newest else 'none'}{repeated}")
+
+
+def restart_store(rank, world):
+    """Under torchrun --max-restarts, the rendezvous store outlives a failed attempt, and its keys (a killed peer's
+    address) would be read again: the new workers then wait on a dead port. Each attempt gets its own key prefix.
+    Returns init_process_group's store arguments ({} outside torchrun's restarts)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return {}
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timedelta(minutes=5))
+    return {"store": dist.PrefixStore(f"attempt_{restart}", store), "rank": rank, "world_size": world}

@@ -1,16 +1,11 @@
-"""Sharded checkpoints: every rank writes only what it owns (loading in any layout is in reshard.py).
+"""Sharded saves: every rank writes only what it owns (the layout of a save is in saves/__init__.py).
 
-    RUN/ckpt_0000100/        one complete save (the step, 7 digits)
-        meta.json            rank 0: step, config, layout, loss scaler, Adam's step count, every rank's RNG states,
-                             the size of every file, and for every global tensor its shape, dtype and pieces
-        rank00003.bin        rank 3's raw bytes: for each piece it writes, the param, then exp_avg and exp_avg_sq
-        complete             written last
 A piece is the run of elements [start, start + numel) of the flattened tp block `tp` = [dim, rank, world] of a
-global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment (parallel.ddp.Piece).
-Adam's state maps like its param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and
-tp-replicated norms are written once, so a save is 12 bytes per parameter in all, whatever the layout.
-Atomic: the ranks write into RUN/.tmp_ckpt_STEP_ID/, rank 0 merges their indexes into meta.json, writes `complete`,
-then renames the folder to ckpt_STEP; resume ignores anything else and removes it. The newest --keep stay.
+global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment. Adam's state maps like its
+param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and tp-replicated norms are written
+once, so a save is 12 bytes per parameter in all, whatever the layout.
+Atomic: the ranks write into RUN/.tmp_step_STEP_ID/, rank 0 merges their indexes into meta.json, writes `complete`,
+then renames the folder to step_STEP; resume ignores anything else and removes it. The newest --keep stay.
 --async-save copies the pieces to CPU memory (the stall), then a thread writes them while training goes on; rank
 0's thread waits for every rank's index file, then finalizes. No collective runs off the main thread.
 """
@@ -29,13 +24,10 @@ import numpy as np
 import torch
 
 from parallel.comm import all_reduce_max
+from saves.files import fsync_dir, write_json
 
-SAVE = re.compile(r"ckpt_(\d{7})$")
+SAVE = re.compile(r"step_(\d{7})$")
 ADAM = ("exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(Exception):
-    """A missing, corrupt or mismatched checkpoint: one line, exit status 2."""
 
 
 # ---------------------------------------------------------------- the run folder
@@ -43,13 +35,13 @@ class CheckpointError(Exception):
 def complete_saves(run_dir):
     """Complete saves in the run folder, oldest first."""
     run_dir = Path(run_dir)
-    found = [p for p in run_dir.glob("ckpt_*") if SAVE.match(p.name) and (p / "complete").exists()]
+    found = [p for p in run_dir.glob("step_*") if SAVE.match(p.name) and (p / "complete").exists()]
     return sorted(found, key=lambda p: p.name)
 
 
 def remove_incomplete(run_dir):
     """Saves killed mid-write (.tmp_*), half-deleted ones (.del_*) and folders without `complete` (rank 0)."""
-    for p in Path(run_dir).glob("*ckpt_*"):
+    for p in Path(run_dir).glob("*step_*"):
         if p.is_dir() and (p.name.startswith((".tmp_", ".del_")) or (SAVE.match(p.name) and
                                                                       not (p / "complete").exists())):
             shutil.rmtree(p, ignore_errors=True)
@@ -69,23 +61,6 @@ def prune(run_dir, keep):
     if keep > 0:
         for old in complete_saves(run_dir)[:-keep]:
             _retire(old)
-
-
-def write_json(path, obj):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- RNG states, as JSON
@@ -175,7 +150,7 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s):
         f.write(f"{step}\n")
         f.flush()
         os.fsync(f.fileno())
-    final = run_dir / f"ckpt_{step:07d}"
+    final = run_dir / f"step_{step:07d}"
     if final.exists():  # saved again after resuming from an older save
         _retire(final)
     try:
@@ -205,7 +180,7 @@ class Saver:
         adam_steps = max((int(s["step"]) for s in opt.state.values()), default=0)  # < step if fp16 skipped some
         header = {**header, "step": step, "data_position": step, "world": self.mesh.world,
                   "optimizer": {"step": adam_steps, "kinds": ["param", *ADAM] if opt.state else ["param"]}}
-        folder = self.run_dir / f".tmp_ckpt_{step:07d}_{self.run_id:06x}"
+        folder = self.run_dir / f".tmp_step_{step:07d}_{self.run_id:06x}"
         rank = self.mesh.global_rank
         if self.async_save:
             self.thread = threading.Thread(target=self._write, args=(folder, step, pieces, rank_info, header, 1800),

@@ -15,6 +15,9 @@ import socket
 import time
 import traceback
 
+import torch
+import torch.distributed as dist
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "model", "train"])
 
@@ -33,8 +36,6 @@ def _child(fn, rank, world, port, args, results, init):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        import torch
-        import torch.distributed as dist
         torch.set_num_threads(1)
         if init and world > 1:
             dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -43,7 +44,6 @@ def _child(fn, rank, world, port, args, results, init):
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         try:
-            import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:

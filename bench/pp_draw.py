@@ -1,0 +1,60 @@
+"""Draw a pipeline schedule and its theoretical utilization (L26).
+
+    python bench/pp_draw.py --pp 4 --microbatches 8 --schedule 1f1b
+    python bench/pp_draw.py --pp 4 --microbatches 8 --schedule interleaved --virtual 2
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from parallel import pp_schedule as S  # noqa: E402
+
+
+def draw(schedule, P, M, V=1):
+    """The classic diagram, one row per stage: F3 = forward of micro-batch 3 (one tick), B3 and its
+    '--' tail = backward (two ticks), a letter after the number = the chunk (interleaved), . = idle."""
+    timeline = S.simulate(S.SCHEDULES[schedule](P, M, V), P, V)
+    width = len(str(M - 1)) + 1 + (V > 1)
+    end = max(e for row in timeline for _, e, _ in row)
+    lines = [f"{schedule}: P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")
+             + "; F3 = forward of micro-batch 3 (1 tick), B3 -- = its backward (2 ticks)"
+             + (", a/b/.. = the chunk" if V > 1 else "") + ", . = idle"]
+    for r, row in enumerate(timeline):
+        cells = ["." * width] * end
+        for start, stop, a in row:
+            label = f"{a.op}{a.mb}{'abcdefgh'[a.chunk] if V > 1 else ''}".ljust(width)
+            cells[start] = label
+            for t in range(start + 1, stop):
+                cells[t] = "-" * width
+        lines.append(f"stage {r} |" + " ".join(cells))
+    busy = sum(e - s for s, e, _ in timeline[0])
+    lines.append(f"simulated utilization {busy / end:.3f} ({busy} busy of {end} ticks per stage); "
+                 f"theory M/(M+P-1) = {M}/{M + P - 1} = {S.theoretical_utilization(P, M):.3f}"
+                 + (f", interleaved VM/(VM+P-1) = {V * M}/{V * M + P - 1} = {S.theoretical_utilization(P, M, V):.3f}"
+                    if V > 1 else "")
+                 + (" (gpipe: the same bubble, M activation sets in flight, not P)" if schedule == "gpipe" else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Draw a pipeline schedule and its theoretical utilization.")
+    p.add_argument("--pp", type=int, default=4, help="stages P")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(S.SCHEDULES))
+    p.add_argument("--virtual", type=int, default=1, help="chunks per stage V (interleaved)")
+    args = p.parse_args(argv)
+    P, M, V = args.pp, args.microbatches, args.virtual
+    for bad, message in ((P < 1, "--pp: must be >= 1"), (M < 1, "--microbatches: must be >= 1"),
+                         (V < 1, "--virtual: must be >= 1"),
+                         (V > 1 and args.schedule != "interleaved", "--virtual: V > 1 needs --schedule interleaved"),
+                         (V > 1 and M > P and M % P, "--microbatches: interleaved needs M a multiple of P or M <= P")):
+        if bad:
+            print(f"error: {message}", file=sys.stderr)
+            return 2
+    print(draw(args.schedule, P, M, V))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

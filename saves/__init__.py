@@ -1,0 +1,20 @@
+"""Saves of a run: what train.py writes to disk and reads back, in any layout. (Activation checkpointing, which
+recomputes activations in backward and writes nothing, is parallel/ckpt.py.)
+
+    RUN/step_0000100/        one complete save (the step, 7 digits)
+        meta.json            rank 0: step, config, layout, loss scaler, Adam's step count, every rank's RNG states,
+                             the size of every file, and for every global tensor its shape, dtype and pieces
+        rank00003.bin        rank 3's raw bytes: for each piece it writes, the param, then exp_avg and exp_avg_sq
+        complete             written last
+    RUN/attempts.json        one record per attempt of the run (restarts.py)
+
+write.py    every rank writes only the pieces it owns (parallel/__init__.py's Piece), sync or async, atomically
+load.py     loading any save into any layout (resuming is resharding); reading full tensors for export, sampling
+restarts.py torchrun restarts, attempt records, the non-finite-loss stop
+export.py   python -m saves.export RUN OUT: a Hugging Face Llama folder
+files.py    atomic file writes
+"""
+
+
+class SaveError(Exception):
+    """A missing, corrupt or mismatched save: one line, exit status 2."""

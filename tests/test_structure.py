@@ -1,0 +1,96 @@
+"""The shape of the house: static imports, short files, arrows that point one way, a repository that explains
+itself, and a README that fits its purpose."""
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tracked(pattern):
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", pattern], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return sorted(REPO / p for p in out if (REPO / p).exists())
+
+
+PYTHON = tracked("*.py")
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def test_the_source_files_are_found():
+    names = {p.relative_to(REPO).as_posix() for p in PYTHON}
+    assert {"train.py", "model.py", "parallel/fsdp.py", "saves/write.py", "tests/test_structure.py"} <= names
+
+
+@pytest.mark.parametrize("path", PYTHON, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_imports_are_static_and_at_the_top(path):
+    tree = ast.parse(path.read_text())
+    dynamic = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        (isinstance(n.func, ast.Attribute) and n.func.attr == "import_module")
+        or (isinstance(n.func, ast.Name) and n.func.id in ("__import__", "import_module")))]
+    assert not dynamic, f"dynamic imports at lines {dynamic}"
+    top_level = {id(n) for n in tree.body}
+    buried = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+              and id(n) not in top_level and not _is_version_fallback(tree, n)]
+    assert not buried, f"imports inside functions or blocks at lines {buried}"
+
+
+def _is_version_fallback(tree, node):
+    """`try: from new.place import x / except ImportError: from old.place import x` at module level."""
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Try) and any(node is n for n in ast.walk(stmt)):
+            return any(isinstance(h.type, ast.Name) and h.type.id == "ImportError" for h in stmt.handlers)
+    return False
+
+
+@pytest.mark.parametrize("path", PYTHON, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_files_stay_short(path):
+    limit = 350 if path.parent.name == "parallel" else 400
+    n = len(path.read_text().splitlines())
+    assert n <= limit, f"{n} lines > {limit}"
+
+
+def test_the_model_imports_no_parallel_or_save_module():
+    bad = [m for m in imported_modules(REPO / "model.py") if m.split(".")[0] in ("parallel", "saves", "train",
+                                                                                    "config", "optim")]
+    assert not bad, bad
+
+
+def test_parallel_modules_take_explicit_arguments_not_the_command_line():
+    for path in tracked("parallel/*.py"):
+        text = path.read_text()
+        assert not re.search(r"\bargs\.\w", text), f"{path.name} reads the argparse namespace"
+        assert "argparse" not in set(imported_modules(path)), path.name
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    names = ["DES" + "IGN", "MIS" + "SION"]  # spelled apart, so that this file does not cite them itself
+    pattern = re.compile("|".join([rf"\b{n}\b" for n in names] + [r"\.\./shared", "seed " + "notes"]))
+    texts = PYTHON + tracked("*.md") + tracked("Makefile") + tracked("*.sbatch")
+    cited = [f"{p.relative_to(REPO)}:{i}" for p in texts for i, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line)]
+    assert not cited, cited
+
+
+def test_the_readme_is_a_front_door():
+    n = len((REPO / "README.md").read_text().splitlines())
+    assert n <= 300, f"README.md has {n} lines"
+
+
+def test_links_in_the_readmes_point_to_files_that_exist():
+    for readme in (REPO / "README.md", REPO / "bench" / "README.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)", readme.read_text()):
+            if "://" not in target:
+                assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)} links to missing {target}"
