@@ -1,0 +1,144 @@
+"""The planner's layout (bench/plan.py): its fields, whether it can run, and its per-GPU sizes (Shape).
+
+Notation, shared by every formula of the planner: L layers, d width, f ffn width, a / kv heads, hd head dim,
+T sequence, b micro-batch (sequences), t = b*T/cp tokens per microbatch per GPU, B global batch (sequences),
+M = B/(dp*b) microbatches, P = pp, V virtual stages, g = dp*cp (CP ranks hold the same weights and see
+other tokens, so gradients are reduced over dp x cp), S shard group (ddp 1, fsdp g, hsdp --shard),
+R = g/S replicas, kv_local = kv/tp (1 when tp > kv: replicated).
+
+Stages hold L/P layers; the first and last take one fewer when P does not divide L (Llama 3), the first adds
+the embedding, the last the head and the final norm; all / tp. A layer on one GPU holds model.layer_param_count's
+parameters with every matmul / tp, except the kv heads (kv_local per rank) and the two norms (whole on every rank).
+Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a layer's slot, Llama 3).
+"""
+from dataclasses import dataclass, fields
+
+from model import layer_param_count
+
+W_B, G_B, MASTER_B, ADAM_B, ACT_B = 2, 4, 4, 8, 2  # bytes: bf16 weights, fp32 grads, fp32 master, Adam, bf16
+BUCKET_MB = 25       # DDP bucket (PyTorch's default)
+GB = 1e9
+CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (bench/plan.py)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    hbm_gb: float = 80.0
+    peak_tflops: float = 989.0  # dense bf16, H100 SXM
+    intra_gbs: float = 450.0    # NVLink 4, per direction per GPU
+    inter_gbs: float = 50.0     # one 400 Gb/s NIC per GPU
+    hbm_tbs: float = 3.35       # HBM3, H100 SXM
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_mode: str = "ddp"    # ddp | fsdp | hsdp
+    shard: int = 0          # hsdp shard-group size
+    micro: int = 1          # sequences per microbatch
+    ckpt: str = "none"      # none | selective | full
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    V: int = 1              # virtual stages per rank (interleaved)
+    cp_mode: str = "ring"   # ring | ulysses | allgather
+    sp: bool = True         # sequence parallel with tp (train.py --sp)
+
+    def __str__(self):
+        s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
+        s += f",shard={self.shard}" if self.dp_mode == "hsdp" else ""
+        s += f",micro={self.micro},ckpt={self.ckpt}"
+        s += f",schedule={self.schedule},V={self.V}" if self.pp > 1 else ""
+        s += ",sp=0" if self.tp > 1 and not self.sp else ""
+        return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
+
+
+def parse_layout(text):
+    """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, and V > 1
+    implies schedule=interleaved. Booleans: sp=0 or sp=1."""
+    kinds = {f.name: type(f.default) for f in fields(Layout)}
+    kinds["sp"] = lambda v: v.lower() in ("1", "true", "yes", "on")
+    kv = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+    if set(kv) - set(kinds):
+        raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")
+    if int(kv.get("V", 1)) > 1:
+        kv.setdefault("schedule", "interleaved")
+    return Layout(**{k: kinds[k](v) for k, v in kv.items()})
+
+
+def shard_size(lay):
+    return {"ddp": 1, "fsdp": lay.dp * lay.cp, "hsdp": lay.shard}.get(lay.dp_mode, 1)
+
+
+def invalid(cfg, cl, lay, seq, batch):
+    """Why this layout cannot run (one line), or None."""
+    world, g = lay.dp * lay.tp * lay.pp * lay.cp, lay.dp * lay.cp
+    for bad, why in [
+        (world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
+        (cl.gpus_per_node % lay.tp or cfg.n_head % lay.tp, "tp must divide the gpus per node and the heads"),
+        (cfg.n_kv_head % lay.tp and lay.tp % cfg.n_kv_head, "kv heads and tp must divide one another"),
+        (seq % (2 * lay.cp), "the sequence length must be divisible by 2*cp"),
+        (lay.sp and seq % (lay.cp * lay.tp), "sequence parallel needs the sequence length divisible by cp*tp"),
+        (lay.cp_mode == "ulysses" and cfg.n_head % (lay.tp * lay.cp), "ulysses needs heads % (tp*cp) == 0"),
+        (batch % (lay.dp * lay.micro), f"the global batch ({batch}) is not divisible by dp*micro"),
+        (lay.pp * lay.V > cfg.n_layer + 2 * (lay.pp > 1), "more pipeline chunks than layers (+ embedding, head)"),
+        (lay.pp > 1 and batch // (lay.dp * lay.micro) < lay.pp, "fewer microbatches than pipeline stages"),
+        ((lay.schedule == "interleaved") != (lay.V > 1 and lay.pp > 1), "V > 1 iff interleaved with pp > 1"),
+        (lay.dp_mode == "hsdp" and not (1 < lay.shard < g and g % lay.shard == 0), "hsdp: shard in (1, dp*cp)"),
+        (lay.dp_mode not in ("ddp", "fsdp", "hsdp"), "dp_mode: ddp | fsdp | hsdp"),
+        (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
+        (lay.schedule not in ("gpipe", "1f1b", "interleaved"), "schedule: gpipe | 1f1b | interleaved"),
+        (lay.cp_mode not in ("ring", "ulysses", "allgather"), "cp_mode: ring | ulysses | allgather"),
+    ]:
+        if bad:
+            return why
+    return None
+
+
+def stage_layers(n_layer, pp):
+    """(first, most, last): layers on the first, the fullest and the last pipeline stage."""
+    q, r = divmod(n_layer, pp)
+    if pp == 1 or r == 0:
+        return q, q, q
+    return (q if pp - r >= 2 else q + 1), q + 1, q
+
+
+@dataclass
+class Shape:
+    """Per-GPU sizes of one layout, shared by the byte, memory and time formulas."""
+    cfg: object
+    lay: Layout
+    seq: int
+    batch: int
+    code: str = "reference"
+
+    def __post_init__(self):
+        cfg, lay = self.cfg, self.lay
+        if self.code not in CODES:
+            raise ValueError(f"code: {' | '.join(CODES)}, got {self.code!r}")
+        d, tp = cfg.d_model, lay.tp
+        self.M = self.batch // (lay.dp * lay.micro)
+        self.t = lay.micro * self.seq / lay.cp  # tokens per microbatch per GPU
+        self.kv_local = cfg.n_kv_head / tp if cfg.n_kv_head % tp == 0 else 1
+        norms, kv_head = 2 * d, 2 * d * cfg.head_dim  # a block's norm weights; k and v of one kv head
+        split = layer_param_count(cfg) - norms - kv_head * cfg.n_kv_head  # q, o, gate, up, down
+        self.p_layer = split / tp + kv_head * self.kv_local + norms
+        self.p_embed = cfg.padded_vocab * d / tp  # the embedding, and likewise the head
+        self.layers = first, self.most, last = stage_layers(cfg.n_layer, lay.pp)
+        if lay.pp == 1:  # params on the first and last stage (the head's stage has the final norm)
+            self.p_first = self.p_last = cfg.n_layer * self.p_layer + 2 * self.p_embed + d
+        else:
+            self.p_first, self.p_last = first * self.p_layer + self.p_embed, last * self.p_layer + self.p_embed + d
+        self.p_gpu = max(self.p_first, self.p_last)
+
+    def stages(self):
+        """(layers, params, has the embedding, has the head, pipeline sends per microbatch) of the ranks that
+        bound the per-rank numbers: the first, the last and (P > 2) a middle pipeline rank; one rank without pp."""
+        (first, most, last), P, V = self.layers, self.lay.pp, self.lay.V
+        if P == 1:
+            return [(first, self.p_first, True, True, 0)]
+        ends = [(first, self.p_first, True, False, 2 * V - 1), (last, self.p_last, False, True, 2 * V - 1)]
+        return ends + [(most, most * self.p_layer, False, False, 2 * V)] * (P > 2)

@@ -1,0 +1,97 @@
+"""The planner's search: every layout of a cluster, each priced (plan_memory.py, plan_time.py), the best kept.
+
+tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V powers of two;
+hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024 tokens are skipped; per
+layout the lightest checkpointing that fits is kept (more recompute is never faster), and a micro-batch that
+fits with no policy stops the larger ones. The table shows the best layout of each dp x tp x pp x cp mesh;
+within 0.1 MFU point the simpler layout ranks first.
+"""
+import math
+from dataclasses import dataclass
+
+from bench.plan_layout import GB, Layout, Shape, invalid
+from bench.plan_memory import shape_memory
+from bench.plan_time import members_per_node, shape_step_time
+from model import param_counts
+
+CKPTS = ("none", "selective", "full")  # each saves more memory and recomputes more
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    time: dict
+    mem: dict
+    fits: bool
+
+    @property
+    def mfu(self):
+        return self.time["mfu"]
+
+
+def evaluate(cfg, cl, lay, seq, batch, need_fit=False, checked=False, code="reference"):
+    """The Plan of one layout (None if need_fit and it does not fit); ValueError if it cannot run."""
+    why = None if checked else invalid(cfg, cl, lay, seq, batch)
+    if why:
+        raise ValueError(f"{lay}: {why}")
+    s = Shape(cfg, lay, seq, batch, code)
+    mem = shape_memory(s)
+    fits = sum(mem.values()) <= cl.hbm_gb * GB
+    return Plan(lay, shape_step_time(s, cl), mem, fits) if fits or not need_fit else None
+
+
+def pow2(limit):
+    return [1 << i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024):
+    """Every valid layout, pruned: tp, cp, micro and hsdp shard powers of two, hsdp shards no smaller than
+    a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
+    (ascending), each a list of one layout per checkpoint policy (CKPTS order)."""
+    for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
+        for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
+            for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:
+                dp = cl.gpus // (tp * cp * pp)
+                if batch % dp:
+                    continue
+                g, local = dp * cp, members_per_node(cl.gpus_per_node, tp, cp, pp, dp, 1, "dp")
+                shards = [k for k in pow2(g // 2) if k >= max(2, local)]
+                modes = [("ddp", 0)] + [("fsdp", 0)] * (g > 1) + [("hsdp", k) for k in shards]
+                scheds = [("gpipe", 1), ("1f1b", 1)] if pp > 1 else [("1f1b", 1)]
+                scheds += [("interleaved", v) for v in pow2((cfg.n_layer + 2) // pp) if v > 1 and pp > 1]
+                for mode, shard in modes:
+                    for sched, V in scheds:
+                        for cp_mode in ("ring", "ulysses", "allgather") if cp > 1 else ("ring",):
+                            family = [[Layout(dp, tp, pp, cp, mode, shard, micro, c, sched, V, cp_mode) for c in CKPTS]
+                                      for micro in pow2(min(max_micro, batch // dp))]
+                            family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch)]
+                            if family:
+                                yield family
+
+
+def rank_key(p):
+    """By MFU; within 0.1 point, the simpler layout: ddp, hsdp, fsdp; fewer model splits; smaller micro."""
+    lay = p.layout
+    return -round(p.mfu, 3), ("ddp", "hsdp", "fsdp").index(lay.dp_mode), lay.tp * lay.pp * lay.cp, lay.micro
+
+
+def plan(cfg, cl, seq, batch, top=10, code="reference"):
+    """The `top` layouts that fit in memory, by predicted MFU, one per dp x tp x pp x cp mesh (its best
+    dp mode, micro-batch, checkpointing, schedule and cp mode), for the implementation `code`."""
+    best = {}
+    for family in candidates(cfg, cl, seq, batch):
+        for lays in family:
+            # the lightest checkpointing that fits is the fastest; if none fits, larger micro-batches won't
+            p = next((p for lay in lays if (p := evaluate(cfg, cl, lay, seq, batch, True, True, code))), None)
+            if p is None:
+                break
+            mesh = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.cp)
+            if mesh not in best or rank_key(p) < rank_key(best[mesh]):
+                best[mesh] = p
+    return sorted(best.values(), key=rank_key)[:top]
+
+
+def default_batch_tokens(cfg):
+    """GPT-3 / Llama practice: 0.5M tokens under 0.5B params, 1M under 3B, 4M under 100B, else 16M."""
+    n = param_counts(cfg)[1]
+    return 2**19 if n < 5e8 else 2**20 if n < 3e9 else 2**22 if n < 1e11 else 2**24
