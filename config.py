@@ -14,9 +14,13 @@ from parallel.pp_schedule import SCHEDULES
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DP_MODES = ("ddp", "fsdp", "hsdp")
 # Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name(); first match wins.
-PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H800", 989.4), ("GH200", 989.4),
-               ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0),
-               ("RTX 4090", 165.2), ("V100", 125.0)]
+PEAK_TFLOPS = {  # dense bf16 tensor-core peak in TFLOP/s, by the full name torch.cuda.get_device_name() reports
+    "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,  # SXM, PCIe, NVL
+    "NVIDIA H200": 989.4, "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.4, "NVIDIA H800": 989.4,
+    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0, "NVIDIA L4": 121.0, "NVIDIA L40": 181.0, "NVIDIA L40S": 362.0,
+    "NVIDIA A10G": 125.0, "NVIDIA GeForce RTX 4090": 165.2,
+}
 
 
 class UsageError(ValueError):
@@ -187,26 +191,35 @@ def model_config(args, vocab_size):
     return cfg
 
 
-def peak_flops(args, device):
-    """Per-device peak FLOP/s and where it came from."""
+def peak_flops(args, device, cfg):
+    """Per-device peak FLOP/s and where it came from: --peak-tflops, the table by the GPU's full name, or on CPU the
+    best measured rate of this run's own largest matmul (forward and both backward shapes), on the threads the run
+    uses, so that MFU stays at or below 100% on an idle machine."""
     if args.peak_tflops:
         return args.peak_tflops * 1e12, "--peak-tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, tf in PEAK_TFLOPS:
-            if key in name:
-                return tf * 1e12, f"{name} bf16 dense peak"
+        if name in PEAK_TFLOPS:
+            return PEAK_TFLOPS[name] * 1e12, f"{name} bf16 dense peak"
         return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
-    a = torch.randn(512, 512, dtype=DTYPES[args.dtype])
-    b = torch.randn(512, 512, dtype=DTYPES[args.dtype])
-    rates = []
-    for _ in range(6):  # the best of six short trials: other jobs on the cores only ever slow a trial down
+    m = min(args.micro_batch * cfg.seq_len, 8192)  # the token rows of one micro-batch's matmuls
+    k, n = cfg.d_model, max(cfg.ffn_dim, cfg.padded_vocab)
+    best = max(matmul_rate(a, b, DTYPES[args.dtype]) for a, b in (((m, k), (k, n)), ((m, n), (n, k)), ((k, m), (m, n))))
+    return best, (f"best measured CPU {args.dtype} rate of this run's largest matmul, {m}x{k}x{n} and its backward "
+                  f"shapes, on {torch.get_num_threads()} threads (no device table for CPU)")
+
+
+def matmul_rate(shape_a, shape_b, dtype, trials=4, trial_s=0.05):
+    """FLOP/s of a @ b, the best of a few short trials: other jobs on the cores only ever slow a trial down."""
+    a, b = torch.randn(shape_a, dtype=dtype), torch.randn(shape_b, dtype=dtype)
+    flops, rates = 2 * shape_a[0] * shape_a[1] * shape_b[1], []
+    for _ in range(trials):
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.05:
+        while n == 0 or time.perf_counter() - t0 < trial_s:
             a @ b
             n += 1
-        rates.append(2 * 512 ** 3 * n / (time.perf_counter() - t0))
-    return max(rates), f"best measured CPU {args.dtype} matmul rate (no device table for CPU)"
+        rates.append(flops * n / (time.perf_counter() - t0))
+    return max(rates)
 
 
 def run_config(args, cfg, meta):

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+SDPA_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
+
 
 @dataclass
 class ModelConfig:
@@ -80,9 +82,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """Normalized in fp32 (one fused op), scaled in the input's dtype, as the Hugging Face Llama does."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def compute_dtype(x):
+    """The dtype matmuls run in: autocast's where it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def rope_angles(positions, head_dim, theta):
@@ -94,18 +101,20 @@ def rope_angles(positions, head_dim, theta):
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, H, T, hd). Rotates pairs (i, i + hd/2), as the Hugging Face Llama does."""
+    """x: (B, H, T, hd), cos/sin: (T, hd) in x's dtype. Rotates pairs (i, i + hd/2), as the Hugging Face Llama."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return x * cos + rotated * sin
 
 
 def causal_attention(q, k, v):
-    """q: (B, H, T, hd), k/v: (B, Hkv, T, hd) -> (B, H, T, hd). Flash kernel on CUDA."""
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q: (B, H, T, hd), k/v: (B, Hkv, T, hd) -> (B, H, T, hd). The fused kernel (flash on CUDA) takes the Hkv heads
+    as they are: query head h reads kv head h·Hkv/H, and no copy of K or V is made."""
+    if SDPA_TAKES_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    repeat = q.shape[1] // k.shape[1]  # torch < 2.5: SDPA needs as many kv heads as query heads
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
+                                          is_causal=True)
 
 
 class Attention(nn.Module):
@@ -159,9 +168,50 @@ def run_layers(layers, x, cos, sin):
     return x
 
 
+def loss_chunks(n_rows, n_cols, budget=2 ** 25):
+    """Row slices of an (n_rows, n_cols) matrix: at most `budget` elements each, and at least four slices."""
+    rows = max(1, min(-(-n_rows // 4), budget // n_cols))
+    return [slice(i, min(i + rows, n_rows)) for i in range(0, n_rows, rows)]
+
+
+class CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over N tokens from logits (N, V) kept in their own dtype (bf16 under autocast).
+
+    Forward takes the log-sum-exp in fp32 one chunk of rows at a time and saves only the logits and the (N,) fp32
+    lse; backward writes softmax - onehot chunk by chunk into a gradient of the logits' dtype. So no (N, V) tensor
+    exists in fp32, only one chunk (loss_chunks). The logits may be this rank's vocabulary shard [vocab_start,
+    vocab_start + V): `combine(lse, target_logit)` then returns the global per-token values (tp.py)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start=0, combine=None):
+        n, vocab = logits.shape
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < vocab)  # the target's logit lives in this shard
+        local = local.clamp(0, vocab - 1)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for rows in loss_chunks(n, vocab):
+            lse[rows] = torch.logsumexp(logits[rows].float(), dim=1)  # (rows, V) fp32: one chunk
+        target_logit = logits.gather(1, local[:, None]).squeeze(1).float() * mine  # (N,)
+        if combine is not None:
+            lse, target_logit = combine(lse, target_logit)
+        ctx.save_for_backward(logits, lse, local, mine)
+        return (lse - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, local, mine = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        scale = grad / logits.shape[0]
+        for rows in loss_chunks(*logits.shape):
+            probs = torch.exp(logits[rows].float() - lse[rows, None])  # (rows, V): this chunk's softmax
+            probs.scatter_add_(1, local[rows, None], -mine[rows, None].to(probs.dtype))
+            grad_logits[rows] = probs * scale
+        return grad_logits, None, None, None
+
+
 def cross_entropy_loss(logits, targets):
-    """Mean over all local tokens, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """logits (B, T, V), targets (B, T) -> the mean over all local tokens."""
+    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
 
 
 class GPT(nn.Module):
@@ -175,20 +225,32 @@ class GPT(nn.Module):
         self.run_layers = run_layers
         self.loss_fn = cross_entropy_loss
         self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions
+        self.rope_cache = None
 
     def forward(self, x, targets=None, positions=None):
         """x: token ids (B, T) on the first stage, else hidden states (B, T, d).
         Returns the mean loss if targets are given and this is the last stage, else logits or hidden."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (B, T, d)
-        if positions is None:
-            positions = torch.arange(x.shape[1] * self.seq_shards, device=x.device)
-        cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.run_layers(self.layers, x, cos.to(x.dtype), sin.to(x.dtype))
+        cos, sin = self.rope(positions, x.shape[1] * self.seq_shards, x.device, compute_dtype(x))
+        x = self.run_layers(self.layers, x, cos, sin)
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.norm(x))  # (B, T, vocab_local)
         return logits if targets is None else self.loss_fn(logits, targets)
+
+    def rope(self, positions, seq_len, device, dtype):
+        """cos, sin (T, hd) in the compute dtype, made once and reused while the positions are the same (every
+        micro-batch and layer of a step: under cp the step's positions are one tensor)."""
+        key = (positions if positions is not None else seq_len, device, dtype)
+        cached = self.rope_cache
+        if cached is None or cached[0][0] is not key[0] and not (positions is None and cached[0] == key) \
+                or cached[0][1:] != key[1:]:
+            if positions is None:
+                positions = torch.arange(seq_len, device=device)
+            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            self.rope_cache = cached = (key, cos.to(dtype), sin.to(dtype))
+        return cached[1], cached[2]
 
 
 # ---------------------------------------------------------------- initialization

@@ -1,19 +1,24 @@
-"""Optimization pieces shared by every layout: AdamW groups, the LR schedule, the fp16 loss scaler,
-and gradient clipping by the global norm of a sharded, partly replicated set of gradients."""
+"""Optimization pieces shared by every layout: AdamW over fp32 masters, the LR schedule, the fp16 loss scaler, and
+clipping by the global norm of a sharded, partly replicated set of gradients. Nothing here reads a value back to the
+host: the norm, the overflow flag and the loss scale stay on the device, and fused AdamW skips an overflowed step by
+itself, so a training step needs no host sync before its end."""
 import math
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 
 def make_adamw(params, lr, weight_decay, device):
-    """AdamW over fp32 master weights. Matrices decay; norms (1-D) do not."""
+    """AdamW over fp32 master weights, fused (one kernel for all parameters) where torch has it for the device.
+    Matrices decay; norms (1-D) do not."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = {"fused": True} if str(device).startswith("cuda") else {}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **fused)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    except RuntimeError:  # no fused kernel for this device in this torch
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lr_at(step, lr, min_lr, warmup, total):
@@ -24,57 +29,70 @@ def lr_at(step, lr, min_lr, warmup, total):
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-class LossScaler:
-    """Dynamic loss scaling for fp16: multiply the loss by `scale` so small gradients survive fp16,
-    divide the gradients back before the step; on inf/nan skip the step and halve the scale,
-    after `interval` clean steps double it. A disabled scaler (fp32/bf16) is the identity."""
+def optimizer_step(opt, found_inf=None):
+    """opt.step(), skipped where found_inf (a 0-dim device tensor) is 1. Fused AdamW reads the flag on the device;
+    torch without a fused kernel for the device has to read it on the host."""
+    if found_inf is None or opt.defaults.get("fused"):
+        opt.found_inf = found_inf
+        opt.step()
+    elif not found_inf.item():
+        opt.step()
 
-    def __init__(self, enabled, scale=2.0 ** 16, interval=2000):
-        self.enabled, self.scale, self.interval, self.clean_steps = enabled, scale if enabled else 1.0, interval, 0
-        self.skipped = False  # whether the last update skipped its step
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: multiply the loss by `scale` so small gradients survive fp16, divide the
+    gradients back before the step; on inf/nan skip the step and halve the scale, after `interval` clean steps
+    double it. The scale and the count of clean steps live on the device. A disabled scaler (fp32/bf16) is 1."""
+
+    def __init__(self, enabled, device="cpu", scale=2.0 ** 16, interval=2000):
+        self.enabled, self.interval = enabled, interval
+        self.scale = torch.tensor(scale if enabled else 1.0, device=device)  # 0-dim fp32
+        self.clean_steps = torch.zeros((), dtype=torch.int32, device=device)
 
     def state_dict(self):
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+        return {"scale": self.scale.item(), "clean_steps": int(self.clean_steps.item())}
 
     def load_state_dict(self, d):
-        self.scale, self.clean_steps = d["scale"], d["clean_steps"]
+        self.scale.fill_(d["scale"])
+        self.clean_steps.fill_(d["clean_steps"] % self.interval)
 
     def update(self, found_inf):
-        """Returns True if the step should be skipped."""
-        self.skipped = self.enabled and found_inf
-        if not self.enabled:
-            return False
-        if found_inf:
-            self.scale /= 2
-            self.clean_steps = 0
-            return True
-        self.clean_steps += 1
-        if self.clean_steps % self.interval == 0:
-            self.scale *= 2
-        return False
+        """After the step: halve on overflow (found_inf 1), double after `interval` clean steps."""
+        if self.enabled:
+            torch._amp_update_scale_(self.scale, self.clean_steps, found_inf, 2.0, 0.5, self.interval)
 
 
-def global_grad_norm(grads_and_replicas, world_group):
-    """The L2 norm of the full gradient. Each entry is (grad, r): a tensor this rank holds and the
-    number of ranks holding an identical copy, so that every element is counted exactly once."""
-    device = next((g.device for g, _ in grads_and_replicas), torch.device("cpu"))
-    sq = torch.zeros((), device=device, dtype=torch.float32)
+def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
+    """The L2 norm of the full gradient. Each entry is (grad, r): a tensor this rank holds and the number of ranks
+    holding an identical copy of it, so that every element counts once. One _foreach_norm per replica count, then
+    one all-reduce of the squared sum (and of `also_sum`, a 0-dim tensor summed over the world in the same call).
+    Returns the norm, or (norm, summed also_sum)."""
+    by_replicas = defaultdict(list)
     for g, replicas in grads_and_replicas:
-        sq += g.float().pow(2).sum() / replicas
+        by_replicas[replicas].append(g)
+    device = next((g.device for g, _ in grads_and_replicas), torch.device("cpu"))
+    sums = torch.zeros(2, device=device, dtype=torch.float32)  # [sum of squares, also_sum]
+    for replicas, grads in by_replicas.items():
+        sums[0] += torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum() / replicas
+    if also_sum is not None:
+        sums[1] = also_sum
     if world_group.size > 1:
-        dist.all_reduce(sq, group=world_group.pg)  # a scalar: not counted as traffic
-    return sq.sqrt()
+        dist.all_reduce(sums, group=world_group.pg)  # two scalars: not counted as traffic
+    norm = sums[0].sqrt()
+    return norm if also_sum is None else (norm, sums[1])
 
 
 @torch.no_grad()
-def unscale_and_clip(grads_and_replicas, world_group, inv_scale, max_norm):
-    """Divides by the loss scale, then clips to max_norm (0: no clipping). Returns the pre-clip norm,
-    which is inf/nan if any gradient anywhere overflowed."""
+def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, bad_losses=None):
+    """Divides the gradients by the loss scale and clips them to max_norm (0: no clipping), in one pass, with no
+    branch on a device value. Returns (the pre-clip norm of the unscaled gradients, which is inf/nan if any gradient
+    anywhere overflowed; the number of ranks whose `bad_losses` was 1, i.e. whose loss was not finite)."""
     grads = [g for g, _ in grads_and_replicas]
-    if inv_scale != 1.0:
-        torch._foreach_mul_(grads, inv_scale)
-    norm = global_grad_norm(grads_and_replicas, world_group)
-    if max_norm > 0 and torch.isfinite(norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
-    return norm
+    local_bad = bad_losses if bad_losses is not None else torch.zeros((), device=grads[0].device if grads else "cpu")
+    scaled_norm, bad = global_grad_norm(grads_and_replicas, world_group, also_sum=local_bad)
+    norm = scaled_norm / loss_scale
+    coef = 1 / loss_scale
+    if max_norm > 0:
+        coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return norm, bad

@@ -38,6 +38,7 @@ from config import (
 from data.loader import DataError, TokenLoader
 from data.prepare import prepare
 from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp
+from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
 from saves import SaveError
 from saves.load import find_resume, load
@@ -106,44 +107,52 @@ def forward_backward(run, x, y):
 
 
 def train_step(run, x, y, lr, grad_clip):
-    """One optimizer step. Returns (this rank's share of the loss, the global gradient norm), both on the device."""
+    """One optimizer step with no host sync. Returns, on the device, this rank's share of the loss and the step's
+    health: [global gradient norm, 1 if the gradients overflowed (fp16 skips that step), ranks whose loss is not
+    finite]."""
     for group in run.opt.param_groups:
         group["lr"] = lr
     loss = forward_backward(run, x, y)
     run.wrapper.finish_grad_sync()  # waits for the reductions still in flight, averages over dp x cp
-    grads = run.wrapper.grads_for_norm()
-    grad_norm = optim.unscale_and_clip(grads, run.mesh.world_group, 1 / run.scaler.scale, grad_clip)
-    overflowed = not torch.isfinite(grad_norm).item()
-    if not run.scaler.update(found_inf=overflowed):  # fp16 skips a step whose gradients overflowed
-        run.opt.step()
+    grad_norm, bad_losses = optim.unscale_and_clip(run.wrapper.grads_for_norm(), run.mesh.world_group,
+                                                   run.scaler.scale, grad_clip, (~torch.isfinite(loss)).float())
+    overflow = (~torch.isfinite(grad_norm)).float()
+    optim.optimizer_step(run.opt, overflow if run.scaler.enabled else None)
+    run.scaler.update(overflow)
     run.opt.zero_grad(set_to_none=True)
-    return loss, grad_norm
+    return loss, torch.stack([grad_norm, overflow, bad_losses])
 
 
 @torch.no_grad()
 def evaluate(run, loader, n_batches):
-    total = 0.0
+    total = torch.zeros((), device=run.scaler.scale.device)
     for step in range(n_batches):
         x, y = loader.get(step)
         batches, positions = split_batch(x, y, run.micro_batch, run.mesh)
         if run.mesh.pp > 1:
-            total += pp.eval_step(run.chunks, run.mesh, batches, positions, run.autocast)
+            total += pp.eval_step(run.chunks, run.wrapper, run.mesh, batches, positions, run.autocast)
             continue
         for xb, yb in batches:
             with run.autocast:
-                total += run.chunks[0](xb, yb, positions).item() / len(batches)
-    return mean_over_replicas(total / n_batches, run.mesh, x.device)
+                total += run.chunks[0](xb, yb, positions) / len(batches)
+    return replica_mean(total / n_batches, run.mesh).item()
 
 
-def mean_over_replicas(local_loss, mesh, device):
-    """The global mean loss from each rank's local mean: sum over the last pipeline stage's tp-rank-0
-    ranks, divided by dp x cp. A scalar for logging, so it is not counted as traffic."""
+def replica_mean(local_loss, mesh):
+    """The global mean loss (or losses) from each rank's local mean, on the device: the sum over the last pipeline
+    stage's tp-rank-0 ranks, in rank order, divided by dp x cp. Gathered and summed here rather than all-reduced, so
+    the result does not depend on how many losses are reduced at once. Scalars: not counted as traffic."""
     if mesh.world == 1:
-        return float(local_loss)
-    owns = mesh.coord["pp"] == mesh.pp - 1 and mesh.coord["tp"] == 0
-    value = torch.tensor([float(local_loss) if owns else 0.0], device=device)
-    dist.all_reduce(value, group=mesh.world_group.pg)
-    return value.item() / mesh.dp_cp_group.size
+        return local_loss
+    flat = local_loss.reshape(-1).contiguous()
+    gathered = flat.new_empty(mesh.world * flat.numel())
+    ALL_GATHER(gathered, flat, group=mesh.world_group.pg)
+    gathered = gathered.view(mesh.world, -1)  # (world, n): row r is rank r's losses
+    owners = [r for r in range(mesh.world) if mesh.coords(r)["pp"] == mesh.pp - 1 and mesh.coords(r)["tp"] == 0]
+    total = gathered[owners[0]]
+    for r in owners[1:]:
+        total = total + gathered[r]
+    return (total / mesh.dp_cp_group.size).reshape(local_loss.shape)
 
 
 def train(args):
@@ -171,7 +180,7 @@ def train(args):
     chunks, wrapper = build(cfg, mesh, args, n_micro, device)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext()
     run = Run(chunks, wrapper, mesh, optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device),
-                optim.LossScaler(args.dtype == "fp16"), autocast, args.micro_batch)
+                optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
     start = resume(saved, run, layout, rank)
     run_id = agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
     if rank == 0 and args.resume:
@@ -184,10 +193,11 @@ def train(args):
     for step in log.bar:
         t0 = log.start_step()
         x, y = loader.get(step)
-        local_loss, grad_norm = train_step(run, x, y, scheduled_lr(args, step), args.grad_clip)
-        row = log.measure(step, mean_over_replicas(local_loss.item(), mesh, device), grad_norm.item(), run, t0)
-        if not math.isfinite(row["loss"]) or (not run.scaler.enabled and not math.isfinite(row["grad_norm"])):
-            raise stop_run(NonFiniteLoss(step + 1, row["loss"], row["grad_norm"]), saver, attempts, args.out)
+        local_loss, health = train_step(run, x, y, scheduled_lr(args, step), args.grad_clip)
+        row = log.end_step(step, local_loss, health, run, t0)  # the step's one host read
+        if row["bad_losses"] or (not run.scaler.enabled and not math.isfinite(row["grad_norm"])):
+            loss = replica_mean(local_loss, mesh).item()
+            raise stop_run(NonFiniteLoss(step + 1, loss, row["grad_norm"]), saver, attempts, args.out)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             row["val_loss"] = evaluate(run, val_loader, args.eval_batches)
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -199,8 +209,7 @@ def train(args):
     attempts.end("done")
     profiler.stop()
     loader.close()
-    log.close()
-    return log.losses
+    return log.close()
 
 
 # ---------------------------------------------------------------- setup and bookkeeping around the loop
@@ -267,12 +276,12 @@ class StepLog:
 
     def __init__(self, args, cfg, mesh, device, start):
         self.args, self.mesh, self.device, self.rank = args, mesh, device, mesh.global_rank
-        self.peak, peak_source = peak_flops(args, device)
+        self.peak, peak_source = peak_flops(args, device, cfg)
         self.tokens = args.global_batch * cfg.seq_len
         recomputed = ckpt.recomputed_layers(cfg, args.ckpt)
         self.flops_model = M.flops_per_token(cfg) * self.tokens  # MFU: PaLM's 6N + 12·L·d·T per token
         self.flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens  # HFU adds recompute
-        self.metrics, self.losses = None, []
+        self.metrics, self.local_losses = None, []
         if args.metrics and self.rank == 0:
             Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(args.metrics, "a")
@@ -286,24 +295,37 @@ class StepLog:
 
     def start_step(self):
         self.mesh.stats.reset()  # comm_gb counts this step's traffic only
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this step's peak
         return time.perf_counter()
 
-    def measure(self, step, loss, grad_norm, run, t0):
+    def logs(self, step):
+        return bool(self.metrics) or bool(self.args.log_every and (step + 1) % self.args.log_every == 0)
+
+    def end_step(self, step, local_loss, health, run, t0):
+        """Reads the step's scalars in one transfer: the health, the loss scale, and on a step that logs, the loss
+        (averaged over replicas on the device first). Other steps keep their loss on the device until the end."""
+        self.local_losses.append(local_loss)
+        logged = self.logs(step)  # the same on every rank: the all-reduce below is collective
+        values = [health, run.scaler.scale.reshape(1)] + [replica_mean(local_loss, self.mesh).reshape(1)] * logged
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # the optimizer step has finished: dt_s covers all of it
+        grad_norm, overflow, bad_losses, scale, *loss = torch.cat(values).tolist()
         dt, world = time.perf_counter() - t0, self.mesh.world
-        row = {"step": step + 1, "loss": loss, "lr": run.opt.param_groups[0]["lr"], "grad_norm": grad_norm,
-               "tokens": self.tokens, "dt_s": dt, "tok_s": self.tokens / dt,
+        row = {"step": step + 1, "loss": loss[0] if loss else None, "lr": run.opt.param_groups[0]["lr"],
+               "grad_norm": grad_norm, "tokens": self.tokens, "dt_s": dt, "tok_s": self.tokens / dt,
                "tflops": self.flops_model / dt / world / 1e12,
                "mfu": self.flops_model / dt / world / self.peak if self.peak else None,
                "hfu": self.flops_hw / dt / world / self.peak if self.peak else None,
-               "mem_gb": peak_memory_gb(self.device), "comm_gb": self.mesh.stats.total_bytes / 1e9}
+               **memory_gb(self.device), "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
         if run.scaler.enabled:
-            row.update(loss_scale=run.scaler.scale, skipped=run.scaler.skipped)
+            row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step's update
         return row
 
     def write(self, row):
-        self.losses.append(row["loss"])
+        del row["bad_losses"]
+        if row["loss"] is None:  # a step that does not log
+            return
         if self.metrics:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
@@ -315,14 +337,21 @@ class StepLog:
                            f"mem {row['mem_gb']:.2f} GB")
 
     def close(self):
+        """Every step's global loss, read in one transfer at the end."""
         if self.metrics:
             self.metrics.close()
+        if not self.local_losses:
+            return []
+        return replica_mean(torch.stack(self.local_losses), self.mesh).tolist()
 
 
-def peak_memory_gb(device):
+def memory_gb(device):
+    """The step's peak of allocated and reserved memory; on CPU, the process's peak resident size for both."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS (KB on Linux)
+        return {"mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+    return {"mem_gb": rss, "mem_reserved_gb": rss}
 
 
 class NoProfiler:

@@ -168,7 +168,7 @@ def gpu_peak_tflops():
     if not has_cuda():
         return None
     name = torch.cuda.get_device_name(0)
-    return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
+    return PEAK_TFLOPS.get(name)
 
 
 def median(values):
@@ -206,7 +206,7 @@ class TrainStep:
         self.mode, self.device = mode, device
         self.model = build_gpt(preset, device=device, **overrides)
         self.opt = optim.make_adamw(self.model.parameters(), 3e-4, 0.1, device)
-        self.scaler = optim.LossScaler(mode == "fp16")
+        self.scaler = optim.LossScaler(mode == "fp16", device)
         self.world = Mesh().world_group  # one process: norms need no communication
 
     def forward_backward(self, x, y):
@@ -217,9 +217,10 @@ class TrainStep:
 
     def update(self):
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = optim.unscale_and_clip([(p.grad, 1) for p in params], self.world, 1 / self.scaler.scale, 1.0)
-        if not self.scaler.update(not torch.isfinite(norm).item()):
-            self.opt.step()
+        norm, _ = optim.unscale_and_clip([(p.grad, 1) for p in params], self.world, self.scaler.scale, 1.0)
+        overflow = (~torch.isfinite(norm)).float()
+        optim.optimizer_step(self.opt, overflow if self.scaler.enabled else None)
+        self.scaler.update(overflow)
         self.opt.zero_grad(set_to_none=True)
         return norm
 

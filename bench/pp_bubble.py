@@ -59,7 +59,7 @@ def _measure(rank, world, cfg_fields, schedule, micro_counts, steps, min_micro_b
                     torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=gen)) for _ in range(n_micro)]
         rows = []
         for step in range(warmup + max(steps, min_micro_batches // n_micro)):  # short steps: more of them
-            _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), 1.0, wrapper, timed=True)
+            _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper, timed=True)
             for p in wrapper.params:
                 p.grad = None
             if step >= warmup:

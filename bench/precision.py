@@ -80,7 +80,7 @@ def dtype_column(mode, device, x, y, shape, k=4096):
     column = [x.dtype, seen["linear_in"], dtypes_of(step.model.parameters()), seen["linear_out"], seen["attn_out"],
               seen["logits"], loss.dtype, accum, seen["act_grad"], dtypes_of(grads), norm.dtype,
               dtypes_of([s["exp_avg"] for s in state]), dtypes_of([s["exp_avg_sq"] for s in state]),
-              f"{step.scaler.scale:g}"]
+              f"{step.scaler.scale.item():g}"]
     return [str(v).replace("torch.", "") for v in column]
 
 

@@ -119,6 +119,7 @@ REGISTRY = [
     Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 150),
     Script("bench/pp_bubble.py", ["L26"], 150),
     Script("bench/ring_vs_sdpa.py", ["L25"], 120, gpu_only=True),  # the bf16 flash kernels
+    Script("bench/gpu.py", ["L22"], 540, gpu_only=True),  # one GPU: ours vs Hugging Face, kernels, ring (< 8 min)
     # GPU only: the small preset with and without full checkpointing (L20 on real hardware).
     Script("bench/mfu_sweep.py", ["L20", "L23"], 300, ["--model", "small", "--layout", "ckpt none=1:",
                                                        "--layout", "ckpt full=1:--ckpt full", "--micro-batches", "8",

@@ -128,6 +128,7 @@ class FSDP:
                  reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
         self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
+        self.weight_dtype = compute_dtype  # forward computes with the gathered weights
         self.reduce_dtype = reduce_dtype
         self.sync_grads = True  # False on all but the last micro-batch: keep the unsharded gradient
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward

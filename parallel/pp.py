@@ -5,7 +5,7 @@ Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a l
           first), or --pp-split; rank r holds virtual stages r, r+P, ... (round robin, V = --pp-virtual).
 Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d
           elements each (b·T/tp·d under sequence parallel), point to point to the neighbouring rank:
-          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline, plus one 6-integer shape broadcast.
+          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline. Shapes come from the config, not the wire.
 Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
           receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
 Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
@@ -24,8 +24,6 @@ import torch
 import model as M
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
-
-DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def actions_for(schedule, P, M, V, rank, train=True):
 class Pipeline:
     """One rank's run of one action list. Tensors live in dicts keyed by (chunk, micro-batch)."""
 
-    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed):
+    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed, activation_dtype):
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
         self.loss_scale, self.wrapper, self.timed = loss_scale, wrapper, timed
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
@@ -159,7 +157,8 @@ class Pipeline:
         self.inputs, self.outputs, self.input_grads = {}, {}, {}
         self.receives = {}  # (op, chunk, mb) -> (buffer, the Posted batch it arrives in)
         self.sends = []  # Posted batches with sends in flight
-        self.shape = None  # (shape, dtype) of the activations between stages
+        chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the dtype of the weights
+        self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model), activation_dtype)
         self.loss = torch.zeros((), device=self.device)
         self.record = StageRecord()
 
@@ -178,8 +177,6 @@ class Pipeline:
                     end = time.perf_counter()
                     self.record.busy_s += end - start
                     self.record.events.append((step[0], start - t0, end - t0))
-                elif step[0].op == "SHAPE":
-                    self.exchange_shape()
                 else:
                     self.post(step)
             except Exception as e:
@@ -234,17 +231,6 @@ class Pipeline:
             self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
         # out, x and the graph between them are no longer referenced: freed here
 
-    def exchange_shape(self):
-        """Stage 0 broadcasts the activation shape and dtype after its first forward."""
-        header = torch.zeros(6, dtype=torch.int64, device=self.device)
-        if self.rank == 0:
-            out = self.outputs[(0, 0)]
-            header[0], header[1] = DTYPE_CODES.index(out.dtype), out.dim()
-            header[2:2 + out.dim()] = torch.tensor(out.shape)
-        self.group.broadcast(header, src=0)
-        code, ndim = int(header[0]), int(header[1])
-        self.shape = (tuple(header[2:2 + ndim].tolist()), DTYPE_CODES[code])
-
     def post(self, batch):
         """One batch_isend_irecv for a run of consecutive sends and receives."""
         sends, receives = [], []
@@ -256,7 +242,7 @@ class Pipeline:
             elif a.op == "SEND_B":
                 sends.append((self.input_grads.pop(key).contiguous(), a.peer))
             else:
-                receives.append((a, torch.empty(self.shape[0], dtype=self.shape[1], device=self.device)))
+                receives.append((a, torch.empty(self.activation[0], dtype=self.activation[1], device=self.device)))
         posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]), [t for t, _ in sends])
         for a, buf in receives:
             self.receives[(a.op, a.chunk, a.mb)] = (buf, posted)
@@ -287,28 +273,32 @@ class Posted:
         return self.done or all(w.is_completed() for w in self.works)
 
 
-def execute(chunks, mesh, batches, positions, autocast, loss_scale=1.0, wrapper=None, train=True, timed=False):
+def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0, wrapper=None, train=True,
+            timed=False):
     """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, StageRecord).
-    timed: the stages start and end the step together (a pp-group barrier), and on CUDA each compute is
-    synchronized, so that busy / wall_s is the stage's utilization (benchmarks; off in training)."""
+    activation_dtype: of what flows between stages, the dtype of the weights forward sees (the embedding's output,
+    to which every block adds). timed: the stages start and end the step together (a pp-group barrier), and on
+    CUDA each compute is synchronized, so that busy / wall_s is the stage's utilization (benchmarks; off in
+    training)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
-    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed).run(actions)
+    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed, activation_dtype).run(
+        actions)
 
 
 def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale):
     """Forward and backward of every micro-batch; the summed local loss (nonzero on the last stage)."""
-    return execute(chunks, mesh, batches, positions, autocast, loss_scale, wrapper)[0]
+    return execute(chunks, mesh, batches, positions, autocast, wrapper.weight_dtype, loss_scale, wrapper)[0]
 
 
-def eval_step(chunks, mesh, batches, positions, autocast):
-    """The mean loss over the micro-batches (last stage; 0.0 elsewhere)."""
+def eval_step(chunks, wrapper, mesh, batches, positions, autocast):
+    """The summed mean loss of the micro-batches, on the device (last stage; 0 elsewhere)."""
     with torch.no_grad():
-        return execute(chunks, mesh, batches, positions, autocast, train=False)[0].item()
+        return execute(chunks, mesh, batches, positions, autocast, wrapper.weight_dtype, train=False)[0]
 
 
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
 
 def p2p_bytes(sends, tokens, d_model, elem_bytes, seq_shards=1):
-    """Bytes a stage sends per step: sends · tokens · d · e / seq_shards (sp), + 48 for the 6-int64 shape broadcast."""
-    return sends * tokens * d_model * elem_bytes / seq_shards + 6 * 8
+    """Bytes a stage sends per step: sends · tokens · d · e / seq_shards (sp)."""
+    return sends * tokens * d_model * elem_bytes / seq_shards

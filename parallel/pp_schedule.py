@@ -3,8 +3,8 @@
 A model of P·V virtual stages is spread round-robin over P ranks: rank r holds virtual stages
 r, r+P, r+2P, ... as its local chunks 0, 1, ..., V-1. A schedule is first a compute order per rank
 (forward / backward of micro-batch i on local chunk c); `with_communication` then adds the sends
-and receives each compute implies and a SHAPE broadcast (stage 0 tells every stage the activation
-shape after its first forward). Nothing here touches torch: the executor in pp.py runs the lists,
+and receives each compute implies (the executor knows the activation shape from the config, so
+nothing else is exchanged). Nothing here touches torch: the executor in pp.py runs the lists,
 and the tests check them (each (chunk, mb) once, forward before backward, sends match receives,
 no deadlock even when a communication batch blocks its stream until every op in it is matched,
 as NCCL's does). bench/pp_draw.py renders the timeline.
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 
 class Action(NamedTuple):
-    op: str  # F, B (compute); SEND_F, RECV_F, SEND_B, RECV_B (p2p); SHAPE (broadcast from stage 0)
+    op: str  # F, B (compute); SEND_F, RECV_F, SEND_B, RECV_B (p2p)
     chunk: int = 0  # local chunk index on this rank
     mb: int = 0  # micro-batch
     peer: int = -1  # pp rank on the other end of a send or receive
@@ -97,7 +97,7 @@ def theoretical_utilization(P, M, V=1):
 # ---------------------------------------------------------------- communication
 
 def with_communication(orders, P, V):
-    """Adds the p2p actions the compute orders imply, and the SHAPE broadcast.
+    """Adds the p2p actions the compute orders imply.
 
     Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts it
     right after the compute that makes it; the receiver posts its receive before its first compute
@@ -114,9 +114,6 @@ def with_communication(orders, P, V):
     def gap_for(r, tick):
         return bisect.bisect_left(starts[r], tick)  # before the first compute starting at or after tick
 
-    gaps[0][1].append(((1, -1, ""), Action("SHAPE")))  # stage 0 knows the shape after its first forward
-    for r in range(1, P):
-        gaps[r][gap_for(r, 1)].append(((1, -1, ""), Action("SHAPE")))
     for r in range(P):
         for k, (_, end, a) in enumerate(timeline[r]):
             v = stage_of(r, a.chunk, P)
@@ -152,7 +149,7 @@ def forward_only(P, M, V=1):
 
 
 def batches(actions):
-    """Groups a rank's actions into runnable steps: a compute or SHAPE alone, or a run of
+    """Groups a rank's actions into runnable steps: a compute alone, or a run of
     consecutive p2p actions, which the executor posts as one batch_isend_irecv."""
     out = []
     for a in actions:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from model import RMSNorm
+from model import CrossEntropy, RMSNorm
 from parallel import tag_tp_shard
 from parallel.mesh import LayoutError
 
@@ -220,47 +220,29 @@ class VocabParallelEmbedding(nn.Embedding):
 
 # ---------------------------------------------------------------- vocab-parallel cross-entropy
 
-class VocabParallelCrossEntropy(Function):
-    """Mean CE over tokens from logits sharded by vocab, (N, V/t) per rank, never gathering them.
-
-    The global log-sum-exp is log Σ_r exp(lse_r) over the ranks' local (max-shifted, stable) log-sum-exps,
-    i.e. the max and the sum-exp of Megatron's two all-reduces travel together; the target logit lives on
-    one rank (zeros elsewhere), so its sum over tp is it. Both go in one all-gather of (2, N) floats per
-    rank (the comm layer sums; a MAX all-reduce is not needed). Backward is local: softmax - onehot."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
-        input_dtype, logits = logits.dtype, logits.float()  # (N, V/t)
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.shape[1])
-        local = local.clamp(0, logits.shape[1] - 1)
-        target_logit = logits.gather(1, local[:, None]).squeeze(1) * mine  # (N,)
-        stats = torch.stack([torch.logsumexp(logits, dim=1), target_logit])  # (2, N)
+def combine_over_vocab_shards(group):
+    """The global per-token (lse, target logit) from each rank's over its vocabulary shard: log Σ_r exp(lse_r), and
+    the target logit, which lives on one rank (zeros elsewhere), summed. Both travel in one all-gather of (2, N)
+    fp32 per rank (the comm layer sums; Megatron's MAX all-reduce is not needed)."""
+    def combine(lse, target_logit):
+        stats = torch.stack([lse, target_logit])  # (2, N)
         gathered = stats.new_empty((group.size * 2, stats.shape[1]))
         group.all_gather(gathered, stats)
         gathered = gathered.view(group.size, 2, -1)  # (t, 2, N)
-        lse = torch.logsumexp(gathered[:, 0], dim=0)  # (N,)
-        ctx.save_for_backward(logits, lse, local, mine)
-        ctx.input_dtype = input_dtype
-        return (lse - gathered[:, 1].sum(0)).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, lse, local, mine = ctx.saved_tensors
-        probs = torch.exp(logits - lse[:, None])  # (N, V/t): this rank's slice of the softmax
-        probs.scatter_add_(1, local[:, None], -mine.to(probs.dtype)[:, None])
-        return (probs * (grad / logits.shape[0])).to(ctx.input_dtype), None, None, None
+        return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(0)
+    return combine
 
 
 class VocabParallelLoss:
-    """GPT.loss_fn under tp: logits (B, T, V/t), targets (B, T) -> mean CE over the local tokens."""
+    """GPT.loss_fn under tp: logits (B, T, V/t), targets (B, T) -> mean CE over the local tokens, never gathering the
+    logits: model.CrossEntropy on this rank's vocabulary shard, its statistics combined over tp. Backward is local:
+    softmax - onehot on the shard."""
 
     def __init__(self, group, vocab_per_rank):
-        self.group, self.vocab_start = group, group.rank * vocab_per_rank
+        self.vocab_start, self.combine = group.rank * vocab_per_rank, combine_over_vocab_shards(group)
 
     def __call__(self, logits, targets):
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.group,
-                                               self.vocab_start)
+        return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.combine)
 
 
 # ---------------------------------------------------------------- applying it to a GPT chunk

@@ -6,8 +6,8 @@ def check_no_deadlock(actions, P, V):
     """Runs the action lists under NCCL-like rules: each rank posts its p2p batches in order onto one
     stream; only the batch at the head of a stream makes progress; a send and the matching receive
     (the k-th on each (src, dst) channel) transfer when both are at their stream heads; a batch
-    completes when all its ops have; SHAPE is a collective the rank waits for. Computes wait for
-    their receives. Raises DeadlockError naming each rank's stuck action."""
+    completes when all its ops have. Computes wait for their receives. Raises DeadlockError naming each rank's
+    stuck action."""
     steps = [batches(a) for a in actions]
     pc, posted = [0] * P, [False] * P  # program counter; whether the current step's batch is posted
     stream = [[] for _ in range(P)]  # per rank, posted batches: lists of ops [kind, channel, index, done, action]
@@ -17,9 +17,6 @@ def check_no_deadlock(actions, P, V):
     def post(r, batch):
         ops = []
         for a in batch:
-            if a.op == "SHAPE":
-                ops.append(["SHAPE", None, 0, False, a])
-                continue
             kind, channel = ("send", (r, a.peer)) if a.op in SENDS else ("recv", (a.peer, r))
             k = counts.get((kind, channel), 0)
             counts[(kind, channel)] = k + 1
@@ -27,8 +24,6 @@ def check_no_deadlock(actions, P, V):
         stream[r].append(ops)
 
     def runnable(r, a):
-        if a.op == "SHAPE":
-            return not any(op[0] == "SHAPE" for ops in stream[r] for op in ops)
         if a.op in COMPUTE:
             v = stage_of(r, a.chunk, P)
             needs = (a.op == "F" and v > 0) or (a.op == "B" and v < P * V - 1)
@@ -48,10 +43,6 @@ def check_no_deadlock(actions, P, V):
                     break
                 pc[r], posted[r], progress = pc[r] + 1, False, True
         heads = [stream[r][0] if stream[r] else [] for r in range(P)]
-        if all(any(op[0] == "SHAPE" for op in h) for h in heads):
-            for h in heads:
-                for op in h:
-                    op[3] = op[3] or op[0] == "SHAPE"
         for h in heads:
             for op in h:
                 if op[0] == "send" and not op[3]:

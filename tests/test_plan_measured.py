@@ -2,7 +2,7 @@
 code="ours" predicts the bytes every group sends (equal to the comm counters) and the peak memory per rank
 (within 15% of the bytes allocated).
 
-Each layout builds the model the way train.train does, takes one warm-up step (so Adam's state exists), then
+Each layout builds the model the way train.py does, takes one warm-up step (so Adam's state exists), then
 one measured step: forward and backward of every microbatch, the gradient sync and the clip (not AdamW's
 update: on CPU it is torch's foreach version, whose temporaries a fused GPU step does not make). Measured:
 - bytes: mesh.stats.log (parallel/comm.py, ring terms) summed per group; dp, dp_cp, shard and replicate are
@@ -27,8 +27,8 @@ import config
 import optim
 import train
 from bench import plan as P
+from parallel.launch import run_ranks
 from parallel.mesh import Mesh, infer_dp
-from tests.dist import run_ranks
 
 MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128",
          "--vocab-size", "256", "--seq-len", "64"]
@@ -117,14 +117,15 @@ def measure(rank, world, flags, micro, accum):
     args, cfg, lay, batch = parse(world, flags, micro, accum)
     mesh = Mesh(rank, world, dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp, dp_shard=args.dp_shard)
     torch.manual_seed(args.seed)
-    chunks, wrapper = train.build_model(cfg, mesh, args, torch.device("cpu"))
+    chunks, wrapper = train.build(cfg, mesh, args, accum, torch.device("cpu"))
+    run = train.Run(chunks, wrapper, mesh, None, optim.LossScaler(False), nullcontext(), micro)
     opt = optim.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     rows = ids[mesh.coord["dp"] * micro * accum:(mesh.coord["dp"] + 1) * micro * accum]  # this dp rank's share
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def step():
-        train.forward_backward(chunks, wrapper, mesh, x, y, args, nullcontext(), 1.0)
+        train.forward_backward(run, x, y)
         wrapper.finish_grad_sync()
         optim.unscale_and_clip(wrapper.grads_for_norm(), mesh.world_group, 1.0, args.grad_clip)
 

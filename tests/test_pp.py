@@ -285,7 +285,7 @@ def _in_flight(rank, world):
         chunks, batches = tiny_pipeline(mesh, schedule, 8)
         wrapper = DDP(torch.nn.ModuleList(chunks), mesh)
         mesh.stats.reset()
-        _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), 1.0, wrapper)
+        _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper)
         out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s,
                          mesh.stats.bytes["send"], mesh.stats.calls["send"])
     return out
@@ -330,7 +330,7 @@ def _one_rank_raises(rank, world):
         chunks[0].forward = fails_on_the_third_micro_batch
     t0 = time.time()
     try:
-        pp.execute(chunks, mesh, batches, None, nullcontext(), 1.0, wrapper)
+        pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper)
     except Exception as e:
         return f"{type(e).__name__}: {e}", time.time() - t0
     return "finished", time.time() - t0
