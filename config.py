@@ -1,14 +1,19 @@
 """The run's configuration: the command line of train.py, its validation, the model config it implies,
 and the peak FLOP/s that MFU divides by. Every bad flag becomes one UsageError line (exit status 2)."""
 import argparse
+import hashlib
+import math
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import model as M
 from parallel import ckpt
 from parallel.cp import MODES as CP_MODES
-from parallel.mesh import LayoutError
+from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,24 +37,22 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message.removeprefix("argument "))
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError
-    return value
+def typed(name, parse, ok):
+    """An argparse type: parse(text), refused unless ok(value); argparse names it in its message."""
+    def check(text):
+        value = parse(text)
+        if not ok(value):
+            raise ValueError
+        return value
+    check.__name__ = name
+    return check
 
 
-positive_int.__name__ = "positive integer"  # argparse names the type in its message: "invalid positive integer"
-
-
-def nonnegative_int(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-nonnegative_int.__name__ = "non-negative integer"
+positive_int = typed("positive integer", int, lambda v: v >= 1)
+nonnegative_int = typed("non-negative integer", int, lambda v: v >= 0)
+positive_float = typed("positive number", float, lambda v: math.isfinite(v) and v > 0)
+nonnegative_float = typed("non-negative number", float, lambda v: math.isfinite(v) and v >= 0)
+probability = typed("number in [0, 1)", float, lambda v: 0 <= v < 1)
 
 
 def one_of(choices, what):
@@ -87,17 +90,17 @@ def parse_args(argv=None):
     a("--model", default="tiny", type=one_of(M.PRESETS, "preset"), help=f"preset: {', '.join(M.PRESETS)}")
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size", "seq-len"):
         a(f"--{name}", type=positive_int, help="override the preset's field")
-    a("--dropout", type=float, default=0.0, help="residual dropout (off by default)")
+    a("--dropout", type=probability, default=0.0, help="residual dropout (off by default)")
     a("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
     a("--global-batch", type=positive_int, default=32, help="sequences per optimizer step, all ranks together")
     a("--micro-batch", type=positive_int, default=8,
       help="sequences per forward per DP rank; accumulation = B / (b*dp)")
-    a("--steps", type=nonnegative_int, default=100, help="optimizer steps")
-    a("--lr", type=float, default=3e-3, help="peak learning rate")
-    a("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    a("--steps", type=positive_int, default=100, help="optimizer steps")
+    a("--lr", type=positive_float, default=3e-3, help="peak learning rate")
+    a("--min-lr", type=nonnegative_float, default=3e-4, help="learning rate at the end of the cosine decay")
     a("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
-    a("--weight-decay", type=float, default=0.1)
-    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    a("--weight-decay", type=nonnegative_float, default=0.1)
+    a("--grad-clip", type=nonnegative_float, default=1.0, help="clip the global gradient norm (0: off)")
     a("--seed", type=int, default=1337, help="seeds the weights and the batches")
     a("--dtype", type=one_of(DTYPES, "dtype"), help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling)")
     a("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
@@ -116,12 +119,12 @@ def parse_args(argv=None):
     a("--ckpt", default="none", type=recompute_policy,
       help="activation checkpointing, i.e. recompute activations in backward (not a save: see --save-every): "
            f"{ckpt.POLICIES}")
-    a("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
+    a("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
     a("--no-overlap", action="store_true", help="sync gradients after backward instead of during it")
     a("--device", type=one_of(("cpu", "cuda"), "device"), help="cpu | cuda (default: cuda if available)")
     a("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")
-    a("--peak-tflops", type=float, help="device peak for MFU (default: device table, or measured on CPU)")
+    a("--peak-tflops", type=positive_float, help="device peak for MFU (default: device table, or measured on CPU)")
     a("--out", default="out", help="run folder: saves, metrics, trace")
     a("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
     a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
@@ -156,6 +159,63 @@ def check_args(args):
         raise UsageError("--device: cuda requested but no GPU is visible")
 
 
+def check_layout(args, world):
+    """The layout from the flags and the world size alone, before any process group forms: every rank finds the
+    same error and exits 2 on its own. Returns (dp, micro-batches per step)."""
+    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
+    if args.dp_shard and dp % args.dp_shard:
+        raise LayoutError("--dp-shard", f"dp_shard {args.dp_shard} does not divide dp {dp}")
+    return dp, accumulation_steps(args.global_batch, args.micro_batch, dp)
+
+
+def check_writable(path, flag, folder):
+    """path (a folder to be, or a file to be) can be created: it is not the other kind of thing, nothing on its way
+    is a file, and the nearest existing folder takes a new file (probed, then removed: nothing is left)."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
+    parent = path if folder else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}: {parent} is a file, so {path} cannot be created")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write_probe_"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
+
+
+def check_fits(cfg, args, dp, device):
+    """Refuses a run whose model state alone cannot fit on one device, before anything is built: parameters,
+    gradients and Adam's two moments (16 bytes per parameter) split over tp·pp and, when sharded, over the
+    data-parallel shard group, against the device's memory (on CPU, the machine's RAM over the ranks on it).
+    Also one (tokens, d) activation of a micro-batch, and the step's token ids. Each is a lower bound of what the
+    run needs, so a run that fits is never refused."""
+    if cfg.vocab_size >= 2 ** 31:
+        raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
+    shards = args.tp * args.pp * {"ddp": 1, "fsdp": dp * args.cp, "hsdp": (args.dp_shard or 1) * args.cp}[args.dp_mode]
+    state = 16 * M.param_counts(cfg)[0] / shards
+    activation = 2 * args.micro_batch * cfg.seq_len * cfg.d_model / (args.cp * (args.tp if args.sp else 1))
+    batch = 16 * args.global_batch / dp * cfg.seq_len + 8 * args.global_batch  # int64 inputs and targets, offsets
+    if device.type == "cuda":
+        limit, where = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    else:
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_here
+        where = f"this machine's RAM / {ranks_here} rank(s)"
+    for what, need in (("model state (16 bytes per parameter after sharding)", state),
+                       ("one micro-batch activation", activation), ("one step's token batch", batch)):
+        if need > limit:
+            raise UsageError(f"--model: {what} needs {need / 1e9:.4g} GB per rank, more than the {limit / 1e9:.4g} "
+                             f"GB of {where}")
+
+
+def data_identity(meta_path):
+    """What a resume compares to know it reads the same data: a hash of the data folder's meta.json."""
+    return hashlib.sha256(Path(meta_path).read_bytes()).hexdigest()[:16]
+
+
 def device_defaults(args, device):
     """The fast path is the default on CUDA: bf16 autocast (TF32 for what stays fp32) and torch.compile. CPU: fp32,
     eager, so that every layout matches one process to float tolerance."""
@@ -184,6 +244,8 @@ def model_config(args, vocab_size):
     fields = {**base.__dict__, "dropout": args.dropout, **overrides}
     if not fields["vocab_size"]:
         fields["vocab_size"] = vocab_size
+    if fields["vocab_size"] < vocab_size:
+        raise UsageError(f"--vocab-size: {fields['vocab_size']} is below the data's vocabulary of {vocab_size}")
     cfg = M.ModelConfig(**fields)
     problem = cfg.validate()
     if problem:
@@ -222,9 +284,9 @@ def matmul_rate(shape_a, shape_b, dtype, trials=4, trial_s=0.05):
     return max(rates)
 
 
-def run_config(args, cfg, meta):
-    """What must match on --resume: the model, the data and the optimization, not the layout."""
+def run_config(args, cfg, meta, data_id):
+    """What must match on --resume: the model, the data (by the identity of its meta.json) and the optimization,
+    not the layout."""
     train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
                                             "seed", "dtype", "steps")}
-    return {"model": dict(cfg.__dict__), "train": train, "data": str(args.data or "pystdlib"),
-            "tokenizer": meta["tokenizer"]}
+    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"]}

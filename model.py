@@ -279,14 +279,20 @@ def local_init(name, param, cfg, seed):
 
 
 @torch.no_grad()
+def materialize(module, device, init_param):
+    """Meta parameters -> real ones on `device`, each filled with init_param(name, meta param). Tags set on the meta
+    parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects."""
+    tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        p.__dict__.update(tags[name])
+        p.copy_(init_param(name, p))
+    return module
+
+
 def init_weights(model, seed, device):
-    """Materializes a meta-device model on `device` with the layout-independent initial weights."""
-    marks = {name: dict(p.__dict__) for name, p in model.named_parameters()}  # tp_shard, tp_partial_grad
-    model.to_empty(device=device)  # new Parameter objects: the marks must be carried over
-    for name, p in model.named_parameters():
-        p.__dict__.update(marks[name])
-        p.copy_(local_init(name, p, model.cfg, seed))
-    return model
+    """Materializes a meta-device GPT on `device` with the layout-independent initial weights."""
+    return materialize(model, device, lambda name, p: local_init(name, p, model.cfg, seed))
 
 
 # ---------------------------------------------------------------- FLOP accounting

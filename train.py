@@ -28,7 +28,10 @@ import optim
 from config import (
     DTYPES,
     UsageError,
-    accumulation_steps,
+    check_fits,
+    check_layout,
+    check_writable,
+    data_identity,
     device_defaults,
     model_config,
     parse_args,
@@ -156,16 +159,18 @@ def replica_mean(local_loss, mesh):
 
 
 def train(args):
+    dp, n_micro = check_layout(args, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group forms
+    check_writable(args.out, "--out", folder=True)
+    if args.metrics:
+        check_writable(args.metrics, "--metrics", folder=False)
     rank, world, device = init_distributed(args)
     device_defaults(args, device)
-    mesh = Mesh(rank, world, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
-    n_micro = accumulation_steps(args.global_batch, args.micro_batch, mesh.dp)
+    mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
     folder = data_folder(args, rank, world)
     meta = json.loads((folder / "meta.json").read_text())
     cfg = model_config(args, meta["vocab_size"])
-    if mesh.cp > 1:
-        cp.validate(cfg, mesh, args.cp_mode)
-    config, layout = run_config(args, cfg, meta), run_layout(args, mesh)
+    check_fits(cfg, args, dp, device)  # before anything is built
+    config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)
     saved = find_resume(args.out, args.resume, config)  # validated before anything is written
     attempts = Attempts(args.out, rank, resuming=args.resume is not None)
     attempts.check()
@@ -179,8 +184,8 @@ def train(args):
     torch.manual_seed(args.seed)
     chunks, wrapper = build(cfg, mesh, args, n_micro, device)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext()
-    run = Run(chunks, wrapper, mesh, optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device),
-                optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
+    opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
+    run = Run(chunks, wrapper, mesh, opt, optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
     start = resume(saved, run, layout, rank)
     run_id = agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
     if rank == 0 and args.resume:
@@ -201,7 +206,7 @@ def train(args):
         if args.eval_every and (step + 1) % args.eval_every == 0:
             row["val_loss"] = evaluate(run, val_loader, args.eval_batches)
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            row["save_stall_s"] = saver.save(step + 1, wrapper, run.opt, save_header(config, layout, run.scaler))
+            row["save_stall_s"] = saver.save(step + 1, wrapper, opt, save_header(config, layout, run.scaler))
         attempts.progress(step + 1)
         log.write(row)
         profiler.step()
@@ -381,8 +386,10 @@ def main(argv=None):
         code, error = 2, e
     except TrainingFailure as e:
         code, error = 3, e
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
         print(f"error: {error}", file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        time.sleep(1)  # torchrun stops every worker once one exits: let local rank 0's line get out first
     sys.exit(code)
 
 

@@ -17,6 +17,7 @@ gradient of the mean over the global batch, and the learning rate does not depen
 """
 import torch
 
+import model as M
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
 
 
@@ -30,16 +31,6 @@ def sync_tp_partial_grads(params, mesh):
     for p in params:
         if has_tp_partial_grad(p):
             mesh.tp_group.all_reduce(p.grad)
-
-
-@torch.no_grad()
-def materialize(module, device, init_param):
-    """Meta parameters -> real ones on `device`, each filled with init_param(global name, meta param)."""
-    tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}  # tp_shard, tp_partial_grad
-    module.to_empty(device=device)  # new Parameter objects: the tags must be carried over
-    for name, p in module.named_parameters():
-        p.__dict__.update(tags[name])
-        p.copy_(init_param(global_name(name), p))
 
 
 class Bucket:
@@ -131,7 +122,7 @@ class DDP:
 
 def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
     """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
-    materialize(module, device, init_param)
+    M.materialize(module, device, lambda name, p: init_param(global_name(name), p))
     return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
 
 

@@ -17,6 +17,7 @@ import optim
 import saves.load
 import saves.write
 import train
+from parallel.launch import free_port
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,6 +112,29 @@ BAD_INPUTS = {
     "dp-shard without hsdp": (["--dp-shard", "1"], "--dp-shard"),
     "reduce-dtype under ddp": (["--reduce-dtype", "bf16"], "--reduce-dtype"),
     "pp-split without pp": (["--pp-split", "2,2"], "--pp-split"),
+    "absurd depth": (["--n-layer", "99999999999999999999"], "GB per rank"),
+    "absurd width": (["--d-model", "1048576", "--n-head", "8"], "GB per rank"),
+    "absurd vocabulary": (["--vocab-size", "1000000000"], "GB per rank"),
+    "vocabulary past 2^31": (["--vocab-size", "3000000000"], "--vocab-size"),
+    "absurd batch": (["--global-batch", "100000000000", "--micro-batch", "4"], "GB per rank"),
+    "vocabulary below the data's": (["--vocab-size", "100"], "--vocab-size"),
+    "zero steps": (["--steps", "0"], "--steps"),
+    "nan lr": (["--lr", "nan"], "--lr"),
+    "inf lr": (["--lr", "inf"], "--lr"),
+    "negative lr": (["--lr", "-1"], "--lr"),
+    "negative save-every": (["--save-every", "-1"], "--save-every"),
+    "negative eval-every": (["--eval-every", "-1"], "--eval-every"),
+    "negative log-every": (["--log-every", "-1"], "--log-every"),
+    "negative warmup": (["--warmup", "-1"], "--warmup"),
+    "negative bucket": (["--bucket-mb", "-1"], "--bucket-mb"),
+    "negative grad-clip": (["--grad-clip", "-1"], "--grad-clip"),
+    "negative peak": (["--peak-tflops", "-1"], "--peak-tflops"),
+    "unknown cp mode at cp 1": (["--cp-mode", "zigzag"], "--cp-mode"),
+    "unknown schedule at pp 1": (["--pp-schedule", "zb9"], "--pp-schedule"),
+    "out is a file": (["--out", "FILE"], "--out"),
+    "out under a file": (["--out", "FILE/run"], "--out"),
+    "out unwritable": (["--out", "/proc/no-such-dir/run"], "--out"),
+    "metrics is a folder": (["--metrics", "FOLDER"], "--metrics"),
 }
 
 
@@ -119,6 +143,9 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     flags, named = BAD_INPUTS[case]
     if "CORRUPT" in flags:
         flags = [str(_corrupt_data(tmp_path)) if f == "CORRUPT" else f for f in flags]
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    (tmp_path / "FOLDER").mkdir()
+    flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         train.main(BASE + ["--out", str(out), "--metrics", str(out / "m.jsonl")] + flags)
@@ -133,3 +160,26 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --model: unknown preset 'nope'; choose from " + ", ".join(
         M.PRESETS)
+
+
+def test_a_layout_error_is_found_before_the_process_group_forms(tmp_path):
+    """Rank 0 of a world of 2 whose peer never starts: were the group formed first, it would wait for the peer.
+    Every node's local rank 0 prints the line; every worker exits 2."""
+    for rank, local_rank, prints in ((0, 0, True), (1, 0, True), (1, 1, False)):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        proc = subprocess.run([sys.executable, "train.py", "--tp", "3", "--out", str(tmp_path / "run")], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == ("error: --tp: tp·pp·cp = 3·1·1 = 3 does not divide the world size 2"
+                                       if prints else ""), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_knows_the_data_by_its_identity_not_its_path(tmp_path):
+    """The same data folder named two ways (relative and absolute) is the same data."""
+    data = REPO / "data" / "pystdlib"
+    run(["--steps", "3", "--save-every", "2", "--out", str(tmp_path), "--data", str(data)])
+    shutil.rmtree(tmp_path / "step_0000003")
+    relative = os.path.relpath(data, Path.cwd())
+    assert len(run(["--steps", "3", "--out", str(tmp_path), "--data", relative, "--resume"])) == 1
