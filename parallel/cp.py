@@ -1,27 +1,26 @@
 """Context parallel: the sequence is split over the cp group; only attention needs the other ranks' tokens.
 
-Split:    zigzag: 2·CP chunks, cp rank r holds chunks r and 2CP-1-r, so causal attention work is equal on every
-          rank. Tokens, targets and RoPE positions move together; norms, MLPs and the loss (a mean over local
-          tokens) are token-local; the DP wrapper averages gradients over dp x cp (same weights, other tokens).
-L25, the collective that lets a local query see all keys and values. Bytes sent per rank per layer in forward
-(b micro-batch, s = T/CP local tokens, e bytes/element, |K_r| = |V_r| = b·s·Hkv·hd·e); a step sends this
-x n_layer x micro-batches, plus backward:
-  ring:      send/recv (batch_isend_irecv) of K,V around the ring, each hop overlapped with a block's attention:
-             (CP-1)·2·|K_r|; backward the same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
-  ulysses:   all-to-all (s tokens, all H heads) -> (all T tokens, H/CP heads), SDPA, all-to-all back:
-             (CP-1)/CP · b·s·(2·H + 2·Hkv)·hd·e; backward the same.
-  allgather: all-gather of K,V (Llama 3's choice): (CP-1)·2·|K_r|; backward a reduce-scatter of dK,dV, same size.
-Memory:   activations are 1/CP of the sequence per rank; attention holds two K,V blocks (ring), the whole
-          sequence's K,V (allgather) or the whole sequence for H/CP heads (ulysses).
+Split:    zigzag: 2·CP chunks, rank r holds chunks r and 2CP-1-r (equal causal work per rank). Tokens, targets and
+          RoPE positions move together; the rest is token-local; the DP wrapper averages grads over dp x cp.
+Sends, per rank and layer in forward (b micro-batch, s = T/CP local tokens, e bytes/element, |K_r| = |V_r| =
+b·s·Hkv·hd·e); a step sends this x n_layer x micro-batches, plus backward:
+  ring:      K,V hop around the ring, each hop overlapped with a block's attention: (CP-1)·2·|K_r|; backward the
+             same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
+  ulysses:   all-to-all of q, k, v, each with its own heads (s tokens, h heads) -> (T tokens, h/CP heads), SDPA
+             with GQA, all-to-all back: (CP-1)/CP · b·s·(2·H + 2·lcm(Hkv, CP))·hd·e; backward the same. No overlap.
+  allgather: all-gather of K,V: (CP-1)·2·|K_r|; per local query chunk a causal call on its own key chunk and a full
+             call on all earlier keys, merged by log-sum-exp; backward reduce-scatters dK,dV, the same size.
+Memory:   activations are 1/CP of the sequence; attention holds two K,V blocks (ring), the whole sequence's K,V
+          (allgather) or the whole sequence for H/CP heads (ulysses). K,V keep the model's Hkv heads, never repeated
+          per query head; only ulysses, when CP does not divide Hkv, repeats them to lcm(Hkv, CP) heads.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 
 from model import causal_attention
 from parallel.mesh import LayoutError
-from parallel.ring_attention import RingAttention, local_chunks
+from parallel.ring_attention import RingAttention, attend_blocks, attend_blocks_backward, local_chunks, pick_kernel
 
 MODES = ("ring", "ulysses", "allgather")
 
@@ -99,12 +98,13 @@ def heads_to_seq(y, group):
 
 def ulysses_attention(q, k, v, group):
     cp, kv_heads = group.size, k.shape[1]
-    if kv_heads % cp:  # too few kv heads to split: repeat each until cp divides them (GQA grouping holds)
-        repeat = cp // math.gcd(kv_heads, cp)
+    if kv_heads % cp:  # the one copy left: too few kv heads to split, so each is repeated just until cp divides
+        repeat = cp // math.gcd(kv_heads, cp)  # them (lcm(Hkv, CP) heads; GQA grouping holds); no more than that
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, heads/CP, T, hd), zigzag rank order
+    q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, heads/CP, T, hd) each, zigzag rank order
     where = gathered_positions(q.shape[2], cp, q.device)  # position of each gathered token
     order = torch.argsort(where)  # gathered index of each position
+    # model.py's attention hands SDPA the kv heads as they are (enable_gqa; its torch < 2.5 fallback repeats)
     y = causal_attention(q[:, :, order], k[:, :, order], v[:, :, order])  # (B, H/CP, T, hd), position order
     return heads_to_seq(y[:, :, where], group)
 
@@ -128,18 +128,54 @@ class _GatherKV(torch.autograd.Function):
         return out, None
 
 
+def _in_position_order(kv, cp):
+    """(CP·2, B, Hkv, s, hd) gathered in rank order -> (2, B, Hkv, T, hd) in position order, in one copy. Rank r
+    holds chunks r and 2CP-1-r, so chunk p is rank p's first chunk for p < CP and rank 2CP-1-p's second after."""
+    _, B, kv_heads, s, hd = kv.shape
+    chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)  # (2, B, Hkv, CP, 2, c, hd)
+    ranks = torch.tensor([*range(cp), *reversed(range(cp))], device=kv.device)
+    slots = torch.tensor([0] * cp + [1] * cp, device=kv.device)
+    return chunks[:, :, :, ranks, slots].reshape(2, B, kv_heads, cp * s, hd)
+
+
+def _chunk_blocks(rank, cp, c):
+    """For each local query chunk p: a causal call on key chunk p and a full call on all earlier keys (if any),
+    as [(q rows, k rows, causal)] of the local q and the position-ordered K,V."""
+    blocks = []
+    for i, p in enumerate(local_chunks(rank, cp)):
+        rows = slice(i * c, (i + 1) * c)
+        blocks += [(rows, slice(p * c, (p + 1) * c), True)] + ([(rows, slice(0, p * c), False)] if p else [])
+    return blocks
+
+
+class _ChunkAttentionFn(torch.autograd.Function):
+    """q (B, H, s, hd) of this rank's chunks against the whole sequence's kv (2, B, Hkv, T, hd) -> (B, H, s, hd),
+    by ring_attention's block kernels merged by log-sum-exp; backward from the final (out, lse) alone."""
+
+    @staticmethod
+    def forward(ctx, q, kv, blocks):
+        kernel = pick_kernel(q)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        ctx.aux = attend_blocks(q, kv, blocks, kernel, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.blocks, ctx.kernel = blocks, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        attend_blocks_backward(dout, q, kv, out, lse, ctx.blocks, ctx.kernel, ctx.aux, dq, dkv)
+        return dq.to(q.dtype), dkv.to(kv.dtype), None
+
+
 def allgather_attention(q, k, v, group):
-    cp, (B, H, s, hd) = group.size, q.shape
-    kv = _GatherKV.apply(torch.stack([k, v]), group).view(cp, 2, *k.shape)  # (CP, 2, B, Hkv, s, hd)
-    kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, B, k.shape[1], cp * s, hd)  # all tokens, rank order
-    order = torch.argsort(gathered_positions(cp * s, cp, q.device))
-    k_all, v_all = kv[0][:, :, order], kv[1][:, :, order]  # (B, Hkv, T, hd), position order
-    repeat = H // k.shape[1]
-    if repeat > 1:
-        k_all, v_all = k_all.repeat_interleave(repeat, dim=1), v_all.repeat_interleave(repeat, dim=1)
-    mine = local_positions(cp * s, group.rank, cp, q.device)
-    visible = mine[:, None] >= torch.arange(cp * s, device=q.device)[None, :]  # (s, T) causal by position
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible)
+    cp, s = group.size, q.shape[2]
+    kv = _in_position_order(_GatherKV.apply(torch.stack([k, v]), group), cp)  # (2, B, Hkv, T, hd)
+    return _ChunkAttentionFn.apply(q, kv, _chunk_blocks(group.rank, cp, s // 2))
 
 
 # ---------------------------------------------------------------- wiring

@@ -1,17 +1,17 @@
 """Ring attention: exact causal attention when the sequence is sharded over the cp group (cp.py's `ring`).
 
 Split:    rank r holds the queries and the K,V of its sequence chunks (zigzag: chunks r and 2CP-1-r of 2CP).
-Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per layer and rank, with K_r,V_r the
-          local blocks: forward (CP-1)·(|K_r|+|V_r|); backward the same again plus CP hops of the fp32 dK,dV
-          accumulator that travels with its block and ends back at the block's owner.
-Overlap:  the next block's transfer is started before the attention of the block in hand, and the dK,dV
-          accumulator's hop overlaps the next step's block gradients.
-Merge:    each block returns (out_i, lse_i) from a fused kernel; online softmax: lse = logaddexp(lse, lse_i),
-          out = out·exp(lse_old - lse) + out_i·exp(lse_i - lse). Backward needs only the final out and lse (the
-          flash backward recomputes each block's probabilities as exp(s - lse)), so nothing per block is kept.
-Causality per (query chunk, key chunk): earlier key chunk = full block, same chunk = causal, later = skipped.
-          Under zigzag every step costs half a block on every rank (balanced); `flops` counts what ran.
-Memory:   no rank ever holds more than two K,V blocks (in hand and arriving), never the whole sequence.
+Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per layer and rank, with K_r,V_r the local
+          blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|); backward the same again plus CP hops of the fp32 dK,dV
+          accumulator (Hkv heads) that travels with its block and ends back at the block's owner.
+Overlap:  each hop starts before the attention of the block in hand; the dK,dV hop overlaps the next step's work.
+Kernels:  K,V reach every block call with their own Hkv heads: the fused kernels share each kv head among its H/Hkv
+          query heads; the math fallback views q as (B, Hkv, H/Hkv·Tq, hd), so its matmuls copy no K,V and sum
+          dK,dV over the group in their reduction. Per (query chunk, key chunk): earlier key chunk = full block,
+          same = causal, later = skipped; under zigzag each step costs every rank half a block (`flops` counts).
+Merge:    online softmax of the blocks' (out_i, lse_i): lse = logaddexp(lse, lse_i), out = out·exp(lse_old - lse) +
+          out_i·exp(lse_i - lse). Backward needs only the final out and lse. cp.py's allgather reuses both.
+Memory:   at most two K,V blocks per rank (in hand, arriving): never the whole sequence, never K,V per query head.
 """
 import torch
 
@@ -51,7 +51,7 @@ def plan_blocks(q_chunks, k_chunks):
     return blocks
 
 
-# ---------------------------------------------------------------- block kernels: (out, lse) and the backward
+# ---------------------------------------------------------------- block kernels: q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd)
 
 def _flash_cuda_fwd(q, k, v, causal, scale):
     out, lse, *aux = _ATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -74,28 +74,43 @@ def _flash_cpu_bwd(dout, q, k, v, out, lse, causal, scale, aux):
                                                                        scale=scale)
 
 
-def _scores(q, k, causal, scale):
-    s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+def _by_kv_head(x, kv_heads):
+    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads that share a kv head, stacked along the rows."""
+    B, H, T, d = x.shape
+    return x.reshape(B, kv_heads, H // kv_heads * T, d)  # a view: heads h = kv·H/Hkv + g are adjacent
+
+
+def _scores(q_rows, k, causal, scale, tq):
+    """q_rows (B, Hkv, G·Tq, hd), k (B, Hkv, Tk, hd) -> fp32 scores (B, Hkv, G·Tq, Tk), causal per query head."""
+    s = (q_rows.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        B, kv_heads, rows, tk = s.shape
+        future = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
+        s = s.view(B, kv_heads, rows // tq, tq, tk).masked_fill(future, float("-inf")).view(B, kv_heads, rows, tk)
     return s
 
 
 def _math_fwd(q, k, v, causal, scale):
+    B, H, tq, hd = q.shape
     with torch.autocast(q.device.type, enabled=False):
-        s = _scores(q, k, causal, scale)
-        lse = s.logsumexp(-1)  # (B, H, Tq)
-        return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse, None
+        s = _scores(_by_kv_head(q, k.shape[1]), k, causal, scale, tq)
+        lse = s.logsumexp(-1)  # (B, Hkv, G·Tq)
+        out = torch.exp(s - lse[..., None]) @ v.float()  # (B, Hkv, G·Tq, hd)
+        return out.view(B, H, tq, hd).to(q.dtype), lse.view(B, H, tq), None
 
 
 def _math_bwd(dout, q, k, v, out, lse, causal, scale, aux):
+    B, H, tq, hd = q.shape
+    kv_heads = k.shape[1]
     with torch.autocast(q.device.type, enabled=False):
-        p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])  # this block's share of the full softmax
-        dout32 = dout.float()
-        dv = p.transpose(-2, -1) @ dout32
-        delta = (dout32 * out.float()).sum(-1, keepdim=True)  # (B, H, Tq, 1)
-        ds = p * (dout32 @ v.float().transpose(-2, -1) - delta)
-        dq, dk = ds @ k.float() * scale, ds.transpose(-2, -1) @ q.float() * scale
+        q_rows, dout_rows = _by_kv_head(q, kv_heads).float(), _by_kv_head(dout, kv_heads).float()
+        s = _scores(q_rows, k, causal, scale, tq)
+        p = torch.exp(s - _by_kv_head(lse[..., None], kv_heads))  # (B, Hkv, G·Tq, Tk): share of the full softmax
+        dv = p.transpose(-2, -1) @ dout_rows  # (B, Hkv, Tk, hd): the group summed by the matmul
+        delta = (dout_rows * _by_kv_head(out, kv_heads).float()).sum(-1, keepdim=True)  # (B, Hkv, G·Tq, 1)
+        ds = p * (dout_rows @ v.float().transpose(-2, -1) - delta)
+        dq = (ds @ k.float() * scale).view(B, H, tq, hd)
+        dk = ds.transpose(-2, -1) @ q_rows * scale  # (B, Hkv, Tk, hd)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -116,49 +131,67 @@ def pick_kernel(q):
     return "math"
 
 
+# ---------------------------------------------------------------- blocks merged by log-sum-exp (ring and allgather)
+
+def attend_blocks(q, kv, blocks, kernel, out, lse):
+    """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)], merging each
+    block's (out_i, lse_i) into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq). Returns each call's aux."""
+    fwd, scale, aux = KERNELS[kernel][0], q.shape[-1] ** -0.5, []
+    for qs, ks, causal in blocks:
+        o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
+        merged = torch.logaddexp(lse[:, :, qs], lse_i)  # (B, H, q rows)
+        out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged)[..., None]
+                         + o_i.float() * torch.exp(lse_i - merged)[..., None])
+        lse[:, :, qs] = merged
+        aux.append(a)
+    return aux
+
+
+def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
+    """The gradients of attend_blocks from the final out and lse: adds into fp32 dq (B, H, Tq, hd), dkv like kv."""
+    bwd, scale = KERNELS[kernel][1], q.shape[-1] ** -0.5
+    for (qs, ks, causal), a in zip(blocks, aux):
+        dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kv[0][:, :, ks],
+                               kv[1][:, :, ks], out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal,
+                               scale, a)
+        dq[:, :, qs] += dq_i
+        dkv[0, :, :, ks] += dk_i
+        dkv[1, :, :, ks] += dv_i
+
+
+def block_flops(q, blocks):
+    B, H, _, hd = q.shape
+    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd * (0.5 if causal else 1.0)
+               for qs, ks, causal in blocks)
+
+
 # ---------------------------------------------------------------- the ring
 
-def _for_kernel(t, rows, repeat):
-    """(B, Hkv, T, hd) -> the key rows the kernel needs, with the kv heads repeated: (B, H, rows, hd)."""
-    t = t[:, :, rows]
-    return (t if repeat == 1 else t.repeat_interleave(repeat, dim=1)).contiguous()
-
-
-def _sum_to_kv_heads(g, repeat):
-    B, H, T, hd = g.shape
-    return g if repeat == 1 else g.view(B, H // repeat, repeat, T, hd).sum(2)
+def _ring_blocks(mine, theirs, c):
+    """plan_blocks in rows of the local q and of the K,V block in hand: [(q rows, k rows, causal)]."""
+    return [(slice(q_lo * c, q_hi * c), slice(0, k_hi * c), causal)
+            for q_lo, q_hi, k_hi, causal in plan_blocks(mine, theirs)]
 
 
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
         group, kernel = ring.group, ring.kernel or pick_kernel(q)
-        fwd = KERNELS[kernel][0]
         cp, rank = group.size, group.rank
-        B, H, T, hd = q.shape
-        repeat, scale = H // k.shape[1], hd ** -0.5
         mine = local_chunks(rank, cp, ring.layout)
-        c = T // len(mine)  # tokens per chunk
+        c = q.shape[2] // len(mine)  # tokens per chunk
         kv = torch.stack([k, v])  # (2, B, Hkv, T, hd): one message per hop
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         aux = []
         for step in range(cp):
             src = (rank - step) % cp  # whose K,V are in hand
             if step < cp - 1:
                 arriving = torch.empty_like(kv)
                 reqs = group.send_recv([(kv, (rank + 1) % cp)], [(arriving, (rank - 1) % cp)])
-            for q_lo, q_hi, k_hi, causal in plan_blocks(mine, local_chunks(src, cp, ring.layout)):
-                qs = slice(q_lo * c, q_hi * c)
-                ks = slice(0, k_hi * c)
-                o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), _for_kernel(kv[0], ks, repeat),
-                                    _for_kernel(kv[1], ks, repeat), causal, scale)
-                merged = torch.logaddexp(lse[:, :, qs], lse_i)  # (B, H, q rows)
-                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged)[..., None]
-                                 + o_i.float() * torch.exp(lse_i - merged)[..., None])
-                lse[:, :, qs] = merged
-                aux.append(a)
-                ring.flops += 4 * B * H * (q_hi - q_lo) * c * k_hi * c * hd * (0.5 if causal else 1.0)
+            blocks = _ring_blocks(mine, local_chunks(src, cp, ring.layout), c)
+            aux.append(attend_blocks(q, kv, blocks, kernel, out, lse))
+            ring.flops += block_flops(q, blocks)
             if step < cp - 1:
                 for r in reqs:
                     r.wait()
@@ -171,14 +204,11 @@ class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, bwd, aux = ctx.ring, KERNELS[ctx.kernel][1], iter(ctx.aux)
+        ring = ctx.ring
         group, layout = ring.group, ring.layout
         cp, rank = group.size, group.rank
-        B, H, T, hd = q.shape
-        repeat, scale = H // k.shape[1], hd ** -0.5
         mine = local_chunks(rank, cp, layout)
-        c = T // len(mine)
-        dout = dout.contiguous()
+        c = q.shape[2] // len(mine)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv_in_flight = None  # (requests, buffer): the accumulator of the block arriving next
@@ -188,15 +218,8 @@ class _RingAttentionFn(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 reqs = group.send_recv([(kv, (rank + 1) % cp)], [(arriving, (rank - 1) % cp)])
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, T, hd)
-            for q_lo, q_hi, k_hi, causal in plan_blocks(mine, local_chunks(src, cp, layout)):
-                qs, ks = slice(q_lo * c, q_hi * c), slice(0, k_hi * c)
-                dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
-                                       _for_kernel(kv[0], ks, repeat), _for_kernel(kv[1], ks, repeat),
-                                       out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale,
-                                       next(aux))
-                dq[:, :, qs] += dq_i.float()
-                dkv[0, :, :, ks] += _sum_to_kv_heads(dk_i.float(), repeat)
-                dkv[1, :, :, ks] += _sum_to_kv_heads(dv_i.float(), repeat)
+            attend_blocks_backward(dout, q, kv, out, lse, _ring_blocks(mine, local_chunks(src, cp, layout), c),
+                                   ctx.kernel, ctx.aux[step], dq, dkv)
             if dkv_in_flight:  # add this block's other ranks' contributions, then pass it on
                 for r in dkv_in_flight[0]:
                     r.wait()
