@@ -122,7 +122,7 @@ def train_step(run, x, y, lr, grad_clip):
     overflow = (~torch.isfinite(grad_norm)).float()
     optim.optimizer_step(run.opt, overflow if run.scaler.enabled else None)
     run.scaler.update(overflow)
-    run.opt.zero_grad(set_to_none=True)
+    run.wrapper.zero_grad()
     return loss, torch.stack([grad_norm, overflow, bad_losses])
 
 

@@ -8,6 +8,7 @@
      grads_for_norm()      [(gradient tensor, replicas)]: every element of the global gradient appears once after
                            dividing by `replicas`, the number of ranks holding an identical copy of it
      owned_pieces()        [Piece]: where each element this rank holds sits in the global tensors (for saves)
+     zero_grad()           after the optimizer step (DDP zeroes its buckets, whose views are the .grads)
 
 2. Parameter tags, set by tp.py on meta parameters and read by model.local_init, the wrappers and the planner:
      p.tp_shard = (dim, rank, world)   p is block `rank` of `world` equal blocks of a global tensor along `dim`

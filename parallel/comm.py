@@ -29,15 +29,40 @@ class CommStats:
         self.calls = defaultdict(int)
         self.bytes = defaultdict(float)
         self.log = []  # (kind, group name, bytes) in launch order, for tests that check ordering
+        self.timeline = []  # ("launch" | "wait", index into log): when collectives start and finish (p2p: no wait)
 
     def add(self, kind, group, nbytes):
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
         self.log.append((kind, group, nbytes))
+        self.timeline.append(("launch", len(self.log) - 1))
+        return len(self.log) - 1
+
+    def in_flight(self):
+        """Indexes of the collectives launched and not yet waited for."""
+        waited = {i for event, i in self.timeline if event == "wait"}
+        return [i for event, i in self.timeline if event == "launch" and i not in waited]
 
     @property
     def total_bytes(self):
         return sum(self.bytes.values())
+
+
+class Pending:
+    """An async collective in flight. wait() blocks until it is done, records the wait, then runs `after` (a
+    division that turns gloo's sum into a mean). Waiting twice is harmless."""
+
+    def __init__(self, work, stats=None, index=None, after=None):
+        self.work, self.stats, self.index, self.after = work, stats, index, after
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.stats is not None:
+                self.stats.timeline.append(("wait", self.index))
+            if self.after is not None:
+                self.after()
 
 
 def nbytes(t):
@@ -55,38 +80,60 @@ class Group:
         self.name, self.ranks, self.pg, self.stats = name, list(ranks), pg, stats
         self.size = len(self.ranks)
         self.rank = self.ranks.index(global_rank)
+        self.native_mean = pg is not None and dist.get_backend(pg) == "nccl"  # gloo has no ReduceOp.AVG
 
     def __repr__(self):
         return f"Group({self.name}, ranks={self.ranks})"
 
     def _count(self, kind, n):
-        self.stats.add(kind, self.name, n)
+        return self.stats.add(kind, self.name, n)
+
+    def _started(self, work, index, async_op, after=None):
+        """An async launch returns its Pending handle; a blocking one has finished: run `after` now."""
+        if async_op:
+            return Pending(work, self.stats, index, after)
+        self.stats.timeline.append(("wait", index))  # a blocking call is done when it returns
+        if after is not None:
+            after()
+        return None
 
     @torch.compiler.disable
     def all_reduce(self, t, async_op=False):
-        """Sum in place. (gloo has no AVG: callers divide.)"""
+        """Sum in place."""
         if self.size == 1:
-            return None
-        self._count("all_reduce", 2 * (self.size - 1) / self.size * nbytes(t))
-        return dist.all_reduce(t, group=self.pg, async_op=async_op)
+            return Pending(None) if async_op else None
+        index = self._count("all_reduce", 2 * (self.size - 1) / self.size * nbytes(t))
+        return self._started(dist.all_reduce(t, group=self.pg, async_op=async_op), index, async_op)
+
+    @torch.compiler.disable
+    def all_reduce_mean(self, t, async_op=False):
+        """Mean in place: one AVG all-reduce where the backend has it (NCCL), else sum, then divide once done."""
+        if self.size == 1:
+            return Pending(None) if async_op else None
+        index = self._count("all_reduce", 2 * (self.size - 1) / self.size * nbytes(t))
+        if self.native_mean:
+            return self._started(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.pg, async_op=async_op), index,
+                                 async_op)
+        work = dist.all_reduce(t, group=self.pg, async_op=async_op)
+        return self._started(work, index, async_op, after=lambda: t.div_(self.size))
 
     @torch.compiler.disable
     def all_gather(self, out, inp, async_op=False):
         """out: (size * n, ...) receives every rank's inp (n, ...) in rank order."""
         if self.size == 1:
             out.copy_(inp)
-            return None
-        self._count("all_gather", (self.size - 1) / self.size * nbytes(out))
-        return ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
+            return Pending(None) if async_op else None
+        index = self._count("all_gather", (self.size - 1) / self.size * nbytes(out))
+        return self._started(ALL_GATHER(out, inp, group=self.pg, async_op=async_op), index, async_op)
 
     @torch.compiler.disable
     def reduce_scatter(self, out, inp, async_op=False):
         """Sums inp (size * n, ...) over ranks; this rank keeps its block of n rows in out."""
         if self.size == 1:
             out.copy_(inp)
-            return None
-        self._count("reduce_scatter", (self.size - 1) / self.size * nbytes(inp))
-        return REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op)
+            return Pending(None) if async_op else None
+        index = self._count("reduce_scatter", (self.size - 1) / self.size * nbytes(inp))
+        return self._started(REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op), index, async_op)
 
     @torch.compiler.disable
     def all_to_all(self, out, inp):
@@ -94,8 +141,8 @@ class Group:
         if self.size == 1:
             out.copy_(inp)
             return None
-        self._count("all_to_all", (self.size - 1) / self.size * nbytes(inp))
-        return dist.all_to_all_single(out, inp, group=self.pg)
+        index = self._count("all_to_all", (self.size - 1) / self.size * nbytes(inp))
+        return self._started(dist.all_to_all_single(out, inp, group=self.pg), index, async_op=False)
 
     @torch.compiler.disable
     def send_recv(self, sends, recvs):
@@ -112,8 +159,8 @@ class Group:
     def broadcast(self, t, src=0):
         if self.size == 1:
             return None
-        self._count("broadcast", nbytes(t))
-        return dist.broadcast(t, self.ranks[src], group=self.pg)
+        index = self._count("broadcast", nbytes(t))
+        return self._started(dist.broadcast(t, self.ranks[src], group=self.pg), index, async_op=False)
 
 
 def all_reduce_max(group, value, device="cpu"):

@@ -2,16 +2,16 @@
 
 Split:       the batch. Each dp rank (and each cp rank, which sees other tokens) gets its own slice.
 Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·P bytes per rank (fp32).
-Overlap:     gradients are packed into buckets (--bucket-mb) in reverse creation order, the order in
-             which backward produces them. A bucket's async all-reduce starts from an autograd hook
-             the moment its last gradient is ready, while backward continues on earlier layers, and the
-             bucket before it is waited for, averaged and copied back, freeing its copy.
-             --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each
-             parameter in its own bucket, the naive one-all-reduce-per-tensor version.
-Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam),
-             plus the fp32 copies of the (at most two) buckets whose all-reduce is in flight. Gradient
-             accumulation (sync_grads False) costs nothing extra: micro-batches add into p.grad, and only
-             the last one's backward launches the all-reduces.
+Overlap:     the gradients live in flat fp32 buckets (--bucket-mb) laid out in reverse creation order, the order in
+             which backward produces them; each parameter's .grad is a view into its bucket, so autograd accumulates
+             straight into what the all-reduce sends: no copy in or out. A bucket's async all-reduce (ReduceOp.AVG
+             on NCCL; sum, then divide, on gloo) starts from an autograd hook the moment its last gradient is ready,
+             while backward continues on earlier layers; every bucket stays in flight until finish_grad_sync waits
+             for them. --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each parameter
+             in its own bucket, the naive one-all-reduce-per-tensor version.
+Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam); the buckets are
+             the gradients, so buckets in flight cost nothing more. Gradient accumulation (sync_grads False) adds
+             each micro-batch into the buckets, and only the last one's backward launches the all-reduces.
 Average, not sum (L7): each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
 gradient of the mean over the global batch, and the learning rate does not depend on the world size.
 """
@@ -34,26 +34,38 @@ def sync_tp_partial_grads(params, mesh):
 
 
 class Bucket:
+    """Parameters whose gradients are one flat fp32 buffer: each .grad is a view into it."""
+
     def __init__(self, params):
         self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        self.views = [self.buffer[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
         self.ready = 0
-        self.buffer = None
-        self.handle = None
+        self.pending = None  # the all-reduce in flight
+        for p, view in zip(params, self.views):
+            p.grad = view
+
+    def adopt(self, p, view):
+        """Makes p.grad the bucket's view again if something replaced it (an optimizer's zero_grad(set_to_none)
+        lets autograd create a fresh gradient): that gradient is the whole accumulated one, so it is copied in."""
+        if p.grad is not view:
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
 
     def launch(self, group):
-        """Copy the grads into one flat buffer and start its all-reduce without waiting."""
-        self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params])
-        self.handle = group.all_reduce(self.buffer, async_op=True)
+        for p, view in zip(self.params, self.views):
+            self.adopt(p, view)
+        self.pending = group.all_reduce_mean(self.buffer, async_op=True)
 
-    def finish(self, group):
-        if self.handle is not None:
-            self.handle.wait()
-        self.buffer /= group.size
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        self.buffer, self.handle = None, None
+    def finish(self):
+        self.pending.wait()
+        self.pending, self.ready = None, 0
 
 
 class DDP:
@@ -75,36 +87,39 @@ class DDP:
             self.buckets.append(Bucket(current))
         if self.group.size > 1 and overlap:
             for bucket in self.buckets:
-                for p in bucket.params:
-                    p.register_post_accumulate_grad_hook(self._hook(bucket))
+                for p, view in zip(bucket.params, bucket.views):
+                    p.register_post_accumulate_grad_hook(self._hook(bucket, view))
         self.launched_in_backward = 0  # buckets whose all-reduce started inside backward (tests read it)
-        self.in_flight = None  # the bucket launched last in backward, finished when the next one launches
 
-    def _hook(self, bucket):
-        def on_grad_ready(_param):
+    def _hook(self, bucket, view):
+        def on_grad_ready(param):
+            bucket.adopt(param, view)
             if not self.sync_grads:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 bucket.launch(self.group)
                 self.launched_in_backward += 1
-                if self.in_flight is not None:  # its all-reduce ran under this bucket's backward: free its copy
-                    self.in_flight.finish(self.group)
-                self.in_flight = bucket
         return on_grad_ready
 
     def finish_grad_sync(self):
-        """Wait for every bucket (launching those backward did not), then average."""
-        if self.group.size > 1:
-            for bucket in self.buckets:
-                if bucket.ready < len(bucket.params):  # not launched in backward
-                    bucket.launch(self.group)
-            for bucket in self.buckets:
-                if bucket.buffer is not None:  # not finished in backward
-                    bucket.finish(self.group)
-                bucket.ready = 0
+        """Launches the buckets backward did not, then waits for every one in launch order."""
+        for bucket in self.buckets:
+            if self.group.size > 1 and bucket.pending is None:
+                bucket.launch(self.group)
+            for p, view in zip(bucket.params, bucket.views):
+                bucket.adopt(p, view)
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.finish()
         sync_tp_partial_grads(self.params, self.mesh)
-        self.launched_in_backward, self.in_flight = 0, None
+        self.launched_in_backward = 0
+
+    def zero_grad(self):
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
 
     def optim_params(self):
         return self.params

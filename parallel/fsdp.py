@@ -282,6 +282,10 @@ class FSDP:
         self.phase = "forward"
 
     # ---------------------------------------------------------------- optimizer, norm, state
+    def zero_grad(self):
+        for p in self.optim_params():
+            p.grad = None
+
     def optim_params(self):
         return [p for unit in self.units for p in unit.params]
 

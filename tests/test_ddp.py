@@ -1,4 +1,5 @@
-"""DDP overlap from hook ordering (L9, L10) and the data-parallel flag errors (exit status 2)."""
+"""DDP overlap from hook ordering (L9, L10), gradients as bucket views, and the data-parallel flag errors (exit
+status 2)."""
 import contextlib
 import io
 
@@ -32,12 +33,15 @@ def _backward_order(rank, world, overlap, bucket_mb):
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     gpt(x, x).backward()
     launched_in_backward = ddp.launched_in_backward
-    copies_after_backward = sum(b.buffer is not None for b in ddp.buckets)
+    in_flight_after_backward = len(mesh.stats.in_flight())
+    grads_are_bucket_views = all(p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                                 for b in ddp.buckets for p in b.params)
     first_bucket_bytes = 2 * (world - 1) / world * 4 * sum(p.numel() for p in ddp.buckets[0].params)
     first_launch = mesh.stats.log[0] if mesh.stats.log else None
     ddp.finish_grad_sync()
     return dict(before_end=seen_at_last_grad[0], launched_in_backward=launched_in_backward,
-                copies_after_backward=copies_after_backward,
+                in_flight_after_backward=in_flight_after_backward, grads_are_bucket_views=grads_are_bucket_views,
+                in_flight_after_sync=len(mesh.stats.in_flight()),
                 buckets=len(ddp.buckets), calls=mesh.stats.calls["all_reduce"], first_launch=first_launch,
                 first_bucket_bytes=first_bucket_bytes, first_bucket=[n for n, p in gpt.named_parameters()
                                                                      if any(p is q for q in ddp.buckets[0].params)])
@@ -57,10 +61,11 @@ def test_ddp_first_bucket_all_reduce_launches_before_backward_ends(overlap, back
     assert "lm_head.weight" in r["first_bucket"]  # reverse creation order: backward's first grads come first
     if overlap:
         assert r["before_end"] >= 1 and r["launched_in_backward"] == r["buckets"]
-        assert r["copies_after_backward"] == 1  # each earlier bucket was finished as the next one launched
+        assert r["in_flight_after_backward"] == r["buckets"]  # every bucket in flight at once, none waited for yet
         assert r["first_launch"][0] == "all_reduce" and r["first_launch"][2] == r["first_bucket_bytes"]
     else:
         assert r["before_end"] == 0 and r["launched_in_backward"] == 0
+    assert r["grads_are_bucket_views"] and r["in_flight_after_sync"] == 0  # no copy in or out; all waited for
 
 
 def _exit_line(argv, capsys):
