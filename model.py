@@ -10,8 +10,8 @@ Parallel files plug in without subclassing:
 - `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`.
 Attention reads its head count from the tensor, so a head-sharded q_proj just works.
 """
+import hashlib
 import math
-import zlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -262,20 +262,60 @@ def init_std(name, cfg):
     return 0.02
 
 
-def full_init(name, shape, cfg, seed):
-    """The full initial tensor of one parameter: a function of (seed, name) only, on CPU in fp32."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+INIT_TILE = 1024  # the initial values are drawn tile by tile over a fixed grid of (1024, 1024) tiles
+
+
+def init_tile(name, tile_rows, tile_cols, shape, cfg, seed):
+    """One tile of a weight's initial value: a function of (seed, name, tile index) only, on CPU in fp32."""
+    key = hashlib.blake2b(f"{seed}/{name}/{tile_rows.start}/{tile_cols.start}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
     return torch.randn(shape, generator=gen) * init_std(name, cfg)
 
 
-def local_init(name, param, cfg, seed):
-    """This rank's slice of one parameter. A tensor-parallel param carries `tp_shard = (dim, rank, world)`."""
+def init_block(name, global_shape, rows, cols, cfg, seed):
+    """Rows x cols (ranges) of the initial value of global tensor `name`, seen as a matrix (shape[0], rest), made
+    from only the tiles that overlap the block: a rank builds its own share and at most one tile more at a time."""
+    out = torch.empty(len(rows), len(cols))
+    if name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    n_rows, n_cols = global_shape[0], math.prod(global_shape[1:])
+    for r0 in range(rows.start - rows.start % INIT_TILE, rows.stop, INIT_TILE):
+        for c0 in range(cols.start - cols.start % INIT_TILE, cols.stop, INIT_TILE):
+            tile_rows, tile_cols = range(r0, min(r0 + INIT_TILE, n_rows)), range(c0, min(c0 + INIT_TILE, n_cols))
+            tile = init_tile(name, tile_rows, tile_cols, (len(tile_rows), len(tile_cols)), cfg, seed)
+            r_lo, r_hi = max(rows.start, r0), min(rows.stop, tile_rows.stop)
+            c_lo, c_hi = max(cols.start, c0), min(cols.stop, tile_cols.stop)
+            out[r_lo - rows.start:r_hi - rows.start, c_lo - cols.start:c_hi - cols.start] = \
+                tile[r_lo - r0:r_hi - r0, c_lo - c0:c_hi - c0]
+    return out
+
+
+def full_init(name, shape, cfg, seed):
+    """The full initial tensor of one parameter (tests, and one process)."""
+    shape = list(shape)
+    return init_block(name, shape, range(shape[0]), range(math.prod(shape[1:])), cfg, seed).view(shape)
+
+
+def local_init(name, param, cfg, seed, flat=None):
+    """This rank's part of one parameter's initial value, generating no more than that part (plus a tile): its tp
+    block when the param carries `tp_shard = (dim, rank, world)` (parallel/__init__.py), and of that block only the
+    flattened elements [flat.start, flat.stop) when `flat` is given (an FSDP shard), returned 1-D."""
     dim, rank, world = getattr(param, "tp_shard", (0, 0, 1))
-    shape = list(param.shape)
-    shape[dim] *= world
-    return full_init(name, shape, cfg, seed).chunk(world, dim)[rank]
+    local_shape = list(param.shape) if param.dim() else [1]
+    global_shape = list(local_shape)
+    global_shape[dim] *= world
+    local_cols = math.prod(local_shape[1:])
+    whole = flat is None
+    flat = range(math.prod(local_shape)) if whole else flat
+    row_lo, row_hi = flat.start // local_cols, -(-flat.stop // local_cols)  # the local rows the range touches
+    rows, cols = range(row_lo, row_hi), range(local_cols)
+    if dim == 0:
+        rows = range(rank * local_shape[0] + row_lo, rank * local_shape[0] + row_hi)
+    else:  # a column block (dim 1 of a matrix)
+        cols = range(rank * local_cols, (rank + 1) * local_cols)
+    block = init_block(name, global_shape, rows, cols, cfg, seed).reshape(-1)
+    part = block[flat.start - row_lo * local_cols:flat.stop - row_lo * local_cols]
+    return part.view(param.shape) if whole else part
 
 
 @torch.no_grad()

@@ -79,11 +79,13 @@ def build(cfg, mesh, args, n_micro, device):
         if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
                 block.forward = torch.compile(block.forward)
+    def init_param(name, meta, flat=None):  # this rank's part of a weight's initial value, and nothing more
+        return M.local_init(name, meta, cfg, args.seed, flat)
+
     dp_options = dict(bucket_mb=args.bucket_mb) if args.dp_mode == "ddp" else dict(
         compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype])
-    wrapper = DATA_PARALLEL[args.dp_mode](nn.ModuleList(chunks), mesh, device, overlap=not args.no_overlap,
-                                          init_param=lambda name, p: M.local_init(name, p, cfg, args.seed),
-                                          **dp_options)
+    wrapper = DATA_PARALLEL[args.dp_mode](nn.ModuleList(chunks), mesh, device, init_param,
+                                          overlap=not args.no_overlap, **dp_options)
     return chunks, wrapper
 
 
