@@ -2,18 +2,25 @@
 
     python sample.py --run out/tiny --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 40
 
-Uses the tokenizer the run was trained with. Temperature 0 is greedy decoding.
+Uses the tokenizer the run was trained with. Temperature 0 is greedy decoding; an empty prompt starts from the
+end-of-text token. Bad input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not
+train.py's) is one line on stderr and exit status 2.
 """
 import argparse
+import math
 import sys
+import warnings
+from pathlib import Path
 
 import torch
 
 import model as M
+from config import OneLineParser, UsageError, nonnegative_int
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
 from saves import SaveError
 from saves.load import model_tensors
+from saves.write import complete_saves
 
 
 @torch.no_grad()
@@ -36,33 +43,101 @@ def generate(gpt, ids, max_new_tokens, temperature, top_k, vocab_size, eot=None)
     return ids
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="run folder written by train.py --out")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40, help="0: no top-k filter")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+def temperature(text):
+    """--temperature: a finite number >= 0 (a negative one would favour the least likely tokens)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError
+    return value
+
+
+temperature.__name__ = "non-negative number"  # argparse: "invalid non-negative number value: '-1'"
+
+
+def device(text):
+    """--device: cpu, cuda or cuda:N, and a CUDA device must be there."""
     try:
-        config, tensors = model_tensors(args.run)  # a save from any layout
-        enc = get_tokenizer(config["tokenizer"])
-    except (SaveError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg = M.config_from_dict(config["model"])
-    gpt = M.GPT(cfg).to(args.device)
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device is visible here (use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def utf8_text(text):
+    """--prompt: text that is valid UTF-8. Undecodable bytes on the command line reach sys.argv as lone
+    surrogates; the tokenizer would silently replace them, so they are refused instead."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(e.object[e.start])
+        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 ({what} at character {e.start})") from None
+    return text
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", required=True, help="run folder written by train.py --out (or one save in it)")
+    p.add_argument("--prompt", default="\n", type=utf8_text, help="empty: start from the end-of-text token")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=200)
+    p.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=nonnegative_int, default=40, help="0: no top-k filter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def read_save(run):
+    """(model config, tokenizer, {name: LazyTensor}, save folder) of the newest complete save in `run` (or of
+    that save): SaveError naming its meta.json unless it is a train.py save this code can sample from."""
+    config, tensors = model_tensors(run)  # a save from any layout; SaveError if there is none
+    run = Path(run)
+    save = run if (run / "complete").exists() else complete_saves(run)[-1]
+    try:
+        cfg = M.config_from_dict(config["model"])
+        return cfg, get_tokenizer(config["tokenizer"]), tensors, save
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise SaveError(f"{save / 'meta.json'}: not a train.py save ({what})".replace("\n", " ")) from None
+
+
+def build(cfg, tensors, save, device):
+    """The model of `cfg` on `device` with the saved weights, read one full tensor at a time."""
+    with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
+        warnings.simplefilter("ignore")
+        shapes = {name: p.shape for name, p in M.GPT(cfg).state_dict().items()}
+    for name, shape in shapes.items():
+        if name not in tensors or tensors[name].shape != shape:
+            found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
+            raise SaveError(f"{save / 'meta.json'}: its config's model needs {name} of shape {list(shape)}, "
+                            f"the save has {found}")
+    gpt = M.GPT(cfg).to(device)
     with torch.no_grad():
         for name, p in gpt.state_dict().items():
-            p.copy_(tensors[name]())  # one full tensor read at a time
-    gpt.eval()
+            p.copy_(tensors[name]())
+    return gpt.eval()
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        cfg, enc, tensors, save = read_save(args.run)
+        gpt = build(cfg, tensors, save, args.device)
+    except (UsageError, SaveError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     prompt = enc.encode(args.prompt, allowed_special="all")
-    ids = torch.tensor([prompt], device=args.device)
+    start = 0 if prompt else 1  # an empty prompt: start from end-of-text (the model needs one token), not shown
+    ids = torch.tensor([prompt or [enc.eot_token]], device=args.device)
     out = generate(gpt, ids, args.max_new_tokens, args.temperature, args.top_k, cfg.vocab_size, enc.eot_token)
-    print(enc.decode(out[0].tolist()))
+    print(enc.decode(out[0, start:].tolist()))
     return 0
 
 

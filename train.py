@@ -38,7 +38,7 @@ from config import (
     peak_flops,
     run_config,
 )
-from data.loader import DataError, TokenLoader
+from data.loader import DataError, TokenLoader, read_meta
 from data.prepare import prepare
 from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp
 from parallel.comm import ALL_GATHER
@@ -169,7 +169,7 @@ def train(args):
     device_defaults(args, device)
     mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
     folder = data_folder(args, rank, world)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     cfg = model_config(args, meta["vocab_size"])
     check_fits(cfg, args, dp, device)  # before anything is built
     config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)

@@ -5,8 +5,9 @@
 
 At cp = 1 the ring has one block, so the difference is the price of the machinery every cp > 1 step also pays:
 the explicit flash kernel call that returns the log-sum-exp, the fp32 online-softmax merge and the fp32 dQ/dK/dV
-accumulators (K and V reach the kernel with their own kv heads, as in SDPA). Needs a GPU (the bf16 flash kernels); on CPU it says so and exits 0.
-Writes bench/results/ring_vs_sdpa.md. Also checks that both give the same output and gradients.
+accumulators (K and V reach the kernel with their own kv heads, as in SDPA). Needs a GPU (the bf16 flash
+kernels); on CPU it says so and exits 0. Writes bench/results/ring_vs_sdpa.md. Also checks that both give the
+same output and gradients.
 """
 import argparse
 import sys

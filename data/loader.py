@@ -9,6 +9,11 @@ drawn by np.random.default_rng([seed, s]) over all windows that lie inside one s
 shards are weighted by length). DP rank r takes rows [r*B/dp, (r+1)*B/dp). The union of the
 ranks' rows is the one-process batch for any layout, and resuming at step s needs no replay.
 A background thread prepares step s+1 while step s trains.
+
+meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`; prepare.py also records each
+shard's size and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard holding an
+id at or above vocab_size: it trusts a recorded maximum while the shard keeps its recorded size, and otherwise
+scans the shard once when it opens it (a folder prepared before the record existed).
 """
 import json
 import queue
@@ -67,6 +72,57 @@ def read_shard(path):
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def read_meta(folder):
+    """The folder's meta.json as a dict, validated: `tokenizer` a name, `vocab_size` a positive integer, and
+    `max_token_id` (when recorded) an integer below it. Anything else raises DataError naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"data folder {folder} not found; run python data/prepare.py {folder.name}")
+    path = folder / "meta.json"
+    if not path.is_file():
+        raise DataError(f"{path} missing (preparation unfinished?); run python data/prepare.py {folder.name}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: unreadable: {e}".replace("\n", " ")) from None
+    except ValueError as e:
+        raise DataError(f"{path}: not valid JSON ({e}); rerun python data/prepare.py {folder.name}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    for key in ("tokenizer", "vocab_size"):
+        if key not in meta:
+            raise DataError(f"{path}: {key} missing; rerun python data/prepare.py {folder.name}")
+    if not isinstance(meta["tokenizer"], str) or not meta["tokenizer"]:
+        raise DataError(f"{path}: tokenizer must be a tokenizer's name, got {meta['tokenizer']!r}")
+    vocab = meta["vocab_size"]
+    if not is_int(vocab) or vocab < 1:
+        raise DataError(f"{path}: vocab_size must be a positive integer, got {vocab!r}")
+    top = meta.get("max_token_id", -1)
+    if not is_int(top) or top >= vocab:
+        raise DataError(f"{path}: max_token_id {top!r} is not an integer below vocab_size {vocab}")
+    return meta
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def max_token_id(path, tokens, meta=None):
+    """The largest id in the shard (-1 if empty): meta's record of it while the file keeps the recorded size,
+    else one vectorized pass over the tokens."""
+    record = (meta or {}).get("shards", {})
+    record = record.get(Path(path).name) if isinstance(record, dict) else None
+    if (isinstance(record, dict) and is_int(record.get("max_token_id")) and
+            record.get("bytes") == Path(path).stat().st_size):
+        return record["max_token_id"]
+    return int(tokens.max()) if len(tokens) else -1
+
+
+def check_vocab(path, top, vocab_size, where):
+    if top >= vocab_size:
+        raise DataError(f"{path}: token id {top} is outside the vocabulary (vocab_size {vocab_size} in {where})")
+
+
 class TokenLoader:
     def __init__(self, data_dir, split, seq_len, global_batch, seed,
                  dp_rank=0, dp_size=1, device="cpu", prefetch=True):
@@ -76,17 +132,16 @@ class TokenLoader:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         data_dir = Path(data_dir)
-        if not data_dir.is_dir():
-            raise DataError(f"data folder {data_dir} not found; "
-                            f"run python data/prepare.py {data_dir.name}")
-        if not (data_dir / "meta.json").is_file():
-            raise DataError(f"{data_dir / 'meta.json'} missing (preparation unfinished?); "
-                            f"run python data/prepare.py {data_dir.name}")
-        self.meta = json.loads((data_dir / "meta.json").read_text())
+        self.meta = read_meta(data_dir)
         paths = sorted(data_dir.glob(f"*_{split}_*.bin"))
         if not paths:
             raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.shards = [read_shard(p) for p in paths]
+        self.max_token_id = -1  # the largest id in this split's shards: a model needs vocab_size above it
+        for path, tokens in zip(paths, self.shards):
+            top = max_token_id(path, tokens, self.meta)
+            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json")
+            self.max_token_id = max(self.max_token_id, top)
         # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
         self.starts = np.array([max(len(s) - seq_len, 0) for s in self.shards], dtype=np.int64)
         self.cum_starts = np.cumsum(self.starts)

@@ -6,12 +6,16 @@ fineweb10b   FineWeb10B already tokenized with GPT-2: the val shard + N train sh
              (~98.5M tokens, ~200 MB each; at most 103)
 
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
-the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete.
+the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
+and records the tokenizer, vocab_size, each shard's size and largest token id, and max_token_id.
 Downloads stream to a temporary file and are renamed only when complete (and valid).
+Bad flags (an --out that cannot be written, --shards out of range) are refused before anything is
+created: one line on stderr, exit status 2.
 """
 import argparse
 import http.client
 import json
+import os
 import sys
 import sysconfig
 import time
@@ -23,7 +27,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.loader import DataError, read_shard, write_shard
+from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
 from data.tokenizer import get_tokenizer
 from saves.files import atomic_write, write_json
 
@@ -64,11 +68,20 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Count the tokens the loader will see, then write meta.json atomically (last)."""
-    counts = {split: sum(len(read_shard(p)) for p in out_dir.glob(f"*_{split}_*.bin"))
-              for split in ("train", "val")}
+    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard, so
+    the loader need not scan it), refuse ids outside the vocabulary, then write meta.json atomically (last)."""
+    counts, shards = {}, {}
+    for split in ("train", "val"):
+        counts[split] = 0
+        for path in sorted(out_dir.glob(f"*_{split}_*.bin")):
+            tokens = read_shard(path)
+            top = max_token_id(path, tokens)
+            check_vocab(path, top, vocab_size, f"the {enc_name} tokenizer")
+            counts[split] += len(tokens)
+            shards[path.name] = {"bytes": path.stat().st_size, "max_token_id": top}
     meta = {"tokenizer": enc_name, "vocab_size": vocab_size, "eot": eot,
-            "train_tokens": counts["train"], "val_tokens": counts["val"]}
+            "train_tokens": counts["train"], "val_tokens": counts["val"],
+            "max_token_id": max((s["max_token_id"] for s in shards.values()), default=-1), "shards": shards}
     write_json(out_dir / "meta.json", meta, indent=2)
 
 
@@ -101,8 +114,6 @@ def prepare_shakespeare(out_dir, base_url=None, tokenizer=None):
 
 
 def prepare_fineweb(out_dir, shards, base_url=None):
-    if not 1 <= shards <= FINEWEB_TRAIN_SHARDS:
-        raise ValueError(f"--shards {shards}: must be 1..{FINEWEB_TRAIN_SHARDS}")
     names = ["fineweb_val_000000.bin"]
     names += [f"fineweb_train_{i:06d}.bin" for i in range(1, shards + 1)]
     for name in names:
@@ -115,6 +126,48 @@ def prepare_fineweb(out_dir, shards, base_url=None):
     write_meta(out_dir, "gpt2", 50257, 50256)
 
 
+def writable_folder(path):
+    """path, if it is a folder this process can write into or one it can create; else DataError naming it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{path} is a file, not a folder")
+    parent = path
+    while not parent.exists() and parent != parent.parent:  # the nearest folder that exists
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DataError(f"cannot create {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write {path}: {parent} is not writable" if parent == path else
+                        f"cannot create {path}: {parent} is not writable")
+    return path
+
+
+def out_folder(text):
+    """--out: a folder that can be written (checked before anything is created)."""
+    try:
+        return writable_folder(text)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def shard_count(text):
+    """--shards: 1..FINEWEB_TRAIN_SHARDS."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= FINEWEB_TRAIN_SHARDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer in 1..{FINEWEB_TRAIN_SHARDS}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2 (not argparse's usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
+
+
 def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer=None):
     """Build data set `name` into out_dir (default data/NAME) and return that folder.
 
@@ -124,8 +177,15 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
     """
     if name not in SOURCES:
         raise ValueError(f"unknown data set {name!r}; choose from {', '.join(SOURCES)}")
-    out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent / name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if name == "fineweb10b" and not 1 <= shards <= FINEWEB_TRAIN_SHARDS:
+        raise ValueError(f"--shards {shards}: must be 1..{FINEWEB_TRAIN_SHARDS}")
+    if name == "shakespeare":
+        tokenizer = tokenizer or get_tokenizer("gpt2")  # offline without a cache: fail before creating anything
+    out_dir = writable_folder(out_dir or Path(__file__).resolve().parent / name)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create {out_dir}: {e.strerror or e}") from None
     (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
     if name == "pystdlib":
         prepare_pystdlib(out_dir, src_dir)
@@ -137,21 +197,23 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=SOURCES, help="data set to build")
-    parser.add_argument("--out", help="output folder (default: data/NAME next to this file)")
-    parser.add_argument("--shards", type=int, default=1,
+    parser.add_argument("--out", type=out_folder, help="output folder (default: data/NAME next to this file)")
+    parser.add_argument("--shards", type=shard_count, default=1,
                         help=f"fineweb10b: train shards, 1-{FINEWEB_TRAIN_SHARDS} (default 1)")
     args = parser.parse_args(argv)
     t0 = time.time()
     try:
         out_dir = prepare(args.name, args.out, args.shards)
     except (DataError, ValueError) as e:
-        sys.exit(f"prepare.py: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     meta = json.loads((out_dir / "meta.json").read_text())
     print(f"{out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['tokenizer']}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

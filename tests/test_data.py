@@ -2,6 +2,7 @@
 import functools
 import http.server
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -13,6 +14,8 @@ import pytest
 import tiktoken
 import torch
 
+from data import loader as data_loader
+from data import prepare as data_prepare
 from data.loader import DataError, TokenLoader, read_shard, write_shard
 from data.prepare import prepare, python_files
 from data.tokenizer import get_tokenizer
@@ -110,6 +113,10 @@ def test_prepare_pystdlib(tmp_path):
     assert enc.decode(val.tolist()) == "".join(t + "<|endoftext|>" for t in val_texts)
     assert enc.decode(train.tolist()) == "".join(t + "<|endoftext|>" for t in train_texts)
     assert (train == 256).sum() == len(train_texts) and train[-1] == 256
+    # each shard's largest id is recorded (the loader trusts it instead of scanning), and the overall one
+    assert meta["max_token_id"] == 256 and data_loader.read_meta(out) == meta
+    assert meta["shards"] == {p.name: {"bytes": p.stat().st_size, "max_token_id": int(read_shard(p).max())}
+                              for p in out.glob("*.bin")}
 
 
 def test_python_files_of_the_real_stdlib_leave_out_tests():
@@ -180,8 +187,10 @@ def test_prepare_fineweb_downloads_validates_and_skips(server, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         "fineweb_train_000001.bin", "fineweb_val_000000.bin", "meta.json"]
     meta = json.loads((out / "meta.json").read_text())
-    assert meta == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256,
-                    "train_tokens": 5000, "val_tokens": 3000}
+    kept = {n: {"bytes": 1024 + 2 * len(shards[n]), "max_token_id": int(shards[n].max())}
+            for n in ("fineweb_val_000000.bin", "fineweb_train_000001.bin")}
+    assert meta == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256, "train_tokens": 5000,
+                    "val_tokens": 3000, "max_token_id": max(r["max_token_id"] for r in kept.values()), "shards": kept}
     name = "fineweb_train_000001.bin"
     assert (out / name).read_bytes() == (root / name).read_bytes()
 
@@ -203,6 +212,43 @@ def test_prepare_fineweb_downloads_validates_and_skips(server, tmp_path):
     missing = f"{url}/nowhere/fineweb_val_000000.bin"
     with pytest.raises(DataError, match=f"{missing} failed: HTTP Error 404"):
         prepare("fineweb10b", tmp_path / "other", base_url=url + "/nowhere")
+
+
+def test_prepare_refuses_a_download_with_ids_outside_the_vocabulary(server, tmp_path):
+    root, url = server
+    write_shard(root / "fineweb_val_000000.bin", np.arange(100))
+    write_shard(root / "fineweb_train_000001.bin", np.array([5, 50257, 7]))  # GPT-2 ids end at 50256
+    with pytest.raises(DataError, match="fineweb_train_000001.bin: token id 50257 is outside the vocabulary"):
+        prepare("fineweb10b", tmp_path / "out", base_url=url)
+    assert not (tmp_path / "out" / "meta.json").exists()  # the folder stays incomplete
+
+
+def assert_one_line(err, *needles):
+    assert err.startswith("error: ") and err.count("\n") == 1 and all(n in err for n in needles), err
+
+
+def test_prepare_refuses_bad_flags_before_creating_anything(tmp_path, monkeypatch, capsys):
+    a_file, locked = tmp_path / "a_file", tmp_path / "locked"
+    a_file.write_text("x")
+    locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anyway: let access() answer as it does for everyone else
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, *a, **kw: (
+            False if Path(path) == locked and mode & os.W_OK else real_access(path, mode, *a, **kw)))
+    for argv, needles in [(["fineweb10b", "--shards", "0", "--out", str(tmp_path / "new")], ["--shards", "1..103"]),
+                          (["pystdlib", "--out", str(a_file)], ["--out", f"{a_file} is a file"]),
+                          (["pystdlib", "--out", str(a_file / "sub")], ["--out", f"{a_file} is a file"]),
+                          (["pystdlib", "--out", str(locked)], ["--out", f"{locked} is not writable"]),
+                          (["pystdlib", "--out", str(locked / "a" / "b")], ["--out", f"{locked} is not writable"])]:
+        with pytest.raises(SystemExit) as e:
+            data_prepare.main(argv)
+        assert e.value.code == 2, argv
+        assert_one_line(capsys.readouterr().err, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "locked"] and not any(locked.iterdir())
+    out = subprocess.run([sys.executable, "data/prepare.py", "fineweb10b", "--shards", "0", "--out",
+                          str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and out.stdout == "" and not (tmp_path / "cli").exists(), out  # was: 1, created
+    assert_one_line(out.stderr, "--shards")
 
 
 def test_unreachable_host_is_a_data_error(tmp_path):
@@ -309,6 +355,37 @@ def test_loader_errors(data_dir, tmp_path):
     (data_dir / "meta.json").unlink()
     with pytest.raises(DataError, match="meta.json missing"):
         make(data_dir)
+
+
+def test_loader_refuses_ids_outside_the_vocabulary(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())  # no recorded maxima: each shard is scanned
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100_399}))
+    with pytest.raises(DataError, match=r"toy_train_000001.bin: token id 100399 is outside the vocabulary "
+                                        r"\(vocab_size 100399 in .*meta.json\)"):
+        make(data_dir)
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100_400}))
+    assert make(data_dir, prefetch=False).max_token_id == 100_399  # fits: the largest train id is 100_399
+    # a recorded maximum is trusted while the shard keeps the recorded size, else the shard is scanned
+    path = data_dir / "toy_train_000000.bin"
+    record = {"bytes": path.stat().st_size, "max_token_id": 999_999}
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "shards": {path.name: record}}))
+    with pytest.raises(DataError, match="toy_train_000000.bin: token id 999999"):
+        make(data_dir)
+    record["bytes"] += 2
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "shards": {path.name: record}}))
+    assert make(data_dir, prefetch=False).max_token_id == 100_399
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"), ("[1]", "expected a JSON object"), ('{"vocab_size": 257}', "tokenizer missing"),
+    ('{"tokenizer": "bytes"}', "vocab_size missing"), ('{"tokenizer": "bytes", "vocab_size": "7"}', "integer, got '7'"),
+    ('{"tokenizer": "bytes", "vocab_size": 257, "max_token_id": 300}', "max_token_id 300 is not an integer below")])
+def test_bad_meta_is_one_data_error_naming_the_file(data_dir, text, message):
+    (data_dir / "meta.json").write_text(text)
+    for call in (lambda: make(data_dir), lambda: data_loader.read_meta(data_dir)):
+        with pytest.raises(DataError, match=message) as e:
+            call()
+        assert str(e.value).startswith(f"{data_dir / 'meta.json'}: ") and "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

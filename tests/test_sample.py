@@ -1,0 +1,94 @@
+"""sample.py on hostile input: each bad flag or save is one line on stderr and exit status 2, an empty prompt
+starts from end-of-text, and a prompt that is not UTF-8 is refused rather than altered."""
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train
+from data.loader import write_shard
+
+TINY = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--ffn-dim", "64",
+        "--seq-len", "16", "--steps", "1", "--global-batch", "2", "--micro-batch", "2", "--device", "cpu",
+        "--dtype", "fp32", "--eval-every", "0", "--log-every", "0", "--save-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run folder holding one save of a one-layer model trained one step on random bytes."""
+    root = tmp_path_factory.mktemp("sample")
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4000), ("val", 1000)):
+        write_shard(data / f"toy_{split}_000000.bin", rng.integers(0, 257, n))
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 257, "eot": 256}))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        train.main(TINY + ["--data", str(data), "--out", str(root / "run")])
+    return root / "run"
+
+
+def refused(capsys, *argv):
+    """stderr of sample.py refusing argv: exit status 2 and one line `error: ...`, nothing on stdout."""
+    code = sample.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and out == "", (code, out, err)
+    return err
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-0.5"), ("--temperature", "nan"),
+                                         ("--max-new-tokens", "-1"), ("--top-k", "-3")])
+def test_negative_numbers_are_refused(run, capsys, flag, value):
+    err = refused(capsys, "--run", run, "--max-new-tokens", "3", flag, value)
+    assert err.startswith(f"error: {flag}: invalid non-negative") and repr(value) in err
+
+
+def test_cuda_without_a_gpu_is_refused(run, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(capsys, "--run", run, "--device", "cuda", "--max-new-tokens", "3")
+    assert err == "error: --device: cuda: no CUDA device is visible here (use --device cpu)\n"
+
+
+def edit_save(run, tmp_path, edit):
+    """A copy of the run's save whose meta.json went through edit(meta)."""
+    save = tmp_path / "copy"
+    shutil.copytree(next(run.glob("step_*")), save)
+    meta = json.loads((save / "meta.json").read_text())
+    edit(meta)
+    (save / "meta.json").write_text(json.dumps(meta))
+    return save
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda meta: meta.pop("config"), "'config'"),
+    (lambda meta: meta["config"].update(tokenizer="klingon"), "unknown tokenizer 'klingon'"),
+    (lambda meta: meta["config"]["model"].update(n_layer=2), "needs layers.1."),
+    (lambda meta: meta["config"]["model"].update(d_model=48), "of shape [320, 48], the save has shape [320, 32]")])
+def test_a_save_sample_cannot_use_is_refused(run, tmp_path, capsys, edit, message):
+    save = edit_save(run, tmp_path, edit)
+    err = refused(capsys, "--run", save, "--max-new-tokens", "3")
+    assert str(save / "meta.json") in err and message in err, err
+
+
+def test_empty_prompt_starts_from_end_of_text(run, capsys):
+    assert sample.main(["--run", str(run), "--prompt", "", "--max-new-tokens", "0", "--temperature", "0",
+                        "--top-k", "0"]) == 0
+    assert capsys.readouterr().out == "\n"  # nothing generated, and the end-of-text it started from is not shown
+    assert sample.main(["--run", str(run), "--prompt", "", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and len(out) > 1
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(run, capsys):
+    """Bytes that are not UTF-8 reach sys.argv as lone surrogates (os.fsdecode, as Python decodes the command line);
+    the tokenizer would replace them silently."""
+    prompt = os.fsdecode(b"def \xff(x):")
+    assert prompt == "def \udcff(x):"
+    err = refused(capsys, "--run", run, "--prompt", prompt, "--max-new-tokens", "1")
+    assert err == "error: --prompt: not valid UTF-8 (byte 0xff at character 4)\n"
