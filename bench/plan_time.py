@@ -28,7 +28,7 @@ import math
 from functools import lru_cache
 
 from bench.plan_comm import collectives
-from bench.plan_layout import ACT_B, BUCKET_MB, GB, Shape, shard_size
+from bench.plan_layout import BUCKET_MB, GB, Shape, shard_size
 from model import flops_per_token
 
 MM_EFF = 0.65        # sustained GEMM fraction of peak in training (an 8k GEMM alone ~0.8; clocks drop under load)
@@ -96,7 +96,8 @@ def shape_step_time(s, cl):
     first, _, last = s.layers
     load = max(first, most, last + h) if lay.pp > 1 else first + h
     ideal = (cfg.n_layer + h) / lay.pp
-    comm = {k: seconds(cl, lay, k, *v) for k, v in collectives(s).items()}
+    sent = collectives(s)
+    comm = {k: seconds(cl, lay, k, *v) for k, v in sent.items()}
     exposed = TP_EXPOSED if s.code == "reference" else 1.0  # parallel/tp.py overlaps none of its collectives
     tp_exp = exposed * comm.get("tp", 0.0) / (s.M * most)  # per layer per microbatch
     cp_exp = comm.get("cp", 0.0) / (s.M * most)
@@ -109,7 +110,7 @@ def shape_step_time(s, cl):
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": (lay.pp - 1) * chunk / most * t_stage,
            "tp": s.M * most * tp_exp, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
     if lay.pp > 1:
-        hop = seconds(cl, lay, "pp", s.t * d * ACT_B / (tp if lay.sp else 1), 1)
+        hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage)
     g = lay.dp * lay.cp
     if g > 1 and lay.dp_mode == "ddp":  # under the last backward; the last bucket after it

@@ -3,14 +3,15 @@ code="ours" predicts the bytes every group sends (equal to the comm counters) an
 (within 15% of the bytes allocated).
 
 Each layout builds the model the way train.py does, takes one warm-up step (so Adam's state exists), then
-one measured step: forward and backward of every microbatch, the gradient sync and the clip (not AdamW's
-update: on CPU it is torch's foreach version, whose temporaries a fused GPU step does not make). Measured:
+one measured step, both train.train_step: forward and backward of every microbatch, the gradient sync, the clip,
+fused AdamW's update (no temporaries, on CPU as on GPU) and the wrapper's zero_grad. Measured:
 - bytes: mesh.stats.log (parallel/comm.py, ring terms) summed per group; dp, dp_cp, shard and replicate are
   the planner's "dp"; the busiest rank of each group (pipeline stages differ);
-- memory: the model state (the optimizer's params and Adam's two moments, by storage) plus the peak of the
-  bytes held by tensors the step allocates (LiveBytes: every op's new storage until it is freed), on the
-  fullest rank: CPU's analogue of torch.cuda.max_memory_allocated, without allocator caching or
-  fragmentation (so the planner runs with overhead 0, frag 0, no bf16 weights, fp32 activations).
+- memory: the model state (the optimizer's params, Adam's two moments and the gradients kept between steps,
+  ddp's buckets, by storage) plus the peak of the bytes held by tensors the step allocates (LiveBytes: every op's
+  new storage until it is freed), on the fullest rank: CPU's analogue of torch.cuda.max_memory_allocated,
+  without allocator caching or fragmentation (so the planner runs with overhead 0, frag 0, no bf16 weights,
+  fp32 activations).
 One set of gloo ranks per world size runs its layouts back to back. Measured peaks repeat to within ~4% (gloo's
 threads free a few buffers a little later or sooner); the predictions land within 8% of them.
 """
@@ -118,25 +119,18 @@ def measure(rank, world, flags, micro, accum):
     mesh = Mesh(rank, world, dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp, dp_shard=args.dp_shard)
     torch.manual_seed(args.seed)
     chunks, wrapper = train.build(cfg, mesh, args, accum, torch.device("cpu"))
-    run = train.Run(chunks, wrapper, mesh, None, optim.LossScaler(False), nullcontext(), micro)
     opt = optim.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
+    run = train.Run(chunks, wrapper, mesh, opt, optim.LossScaler(False), nullcontext(), micro)
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     rows = ids[mesh.coord["dp"] * micro * accum:(mesh.coord["dp"] + 1) * micro * accum]  # this dp rank's share
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-    def step():
-        train.forward_backward(run, x, y)
-        wrapper.finish_grad_sync()
-        optim.unscale_and_clip(wrapper.grads_for_norm(), mesh.world_group, 1.0, args.grad_clip)
-
-    step()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    train.train_step(run, x, y, 1e-3, args.grad_clip)
     params = wrapper.optim_params()
     state = storage_bytes(params) + storage_bytes(v for s in opt.state.values() for v in s.values() if v.numel() > 1)
+    state += storage_bytes(p.grad for p in params if p.grad is not None)  # gradients kept between steps (ddp's buckets)
     mesh.stats.reset()
     with LiveBytes() as live:
-        step()
+        train.train_step(run, x, y, 1e-3, args.grad_clip)
     sent = dict.fromkeys(("tp", "cp", "pp", "dp"), 0.0)
     for _, group, nbytes in mesh.stats.log:
         sent[AXIS[group]] += nbytes
