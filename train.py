@@ -46,7 +46,7 @@ from parallel.mesh import LayoutError, Mesh
 from saves import SaveError
 from saves.load import find_resume, load
 from saves.restarts import Attempts, NonFiniteLoss, TrainingFailure, restart_store, stop_run
-from saves.write import Saver, agree_on_run_id, remove_incomplete
+from saves.write import SaveFailed, Saver, agree_on_run_id, check_fresh_run_folder, remove_incomplete
 
 REPO = Path(__file__).resolve().parent
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
@@ -174,6 +174,8 @@ def train(args):
     check_fits(cfg, args, dp, device)  # before anything is built
     config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)
     saved = find_resume(args.out, args.resume, config)  # validated before anything is written
+    if args.resume is None:
+        check_fresh_run_folder(args.out)  # a fresh run never writes into another run's folder
     attempts = Attempts(args.out, rank, resuming=args.resume is not None)
     attempts.check()
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,
@@ -208,11 +210,11 @@ def train(args):
         if args.eval_every and (step + 1) % args.eval_every == 0:
             row["val_loss"] = evaluate(run, val_loader, args.eval_batches)
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            row["save_stall_s"] = saver.save(step + 1, wrapper, opt, save_header(config, layout, run.scaler))
+            row["save_stall_s"] = save(saver, step + 1, run, save_header(config, layout, run.scaler), attempts, args)
         attempts.progress(step + 1)
         log.write(row)
         profiler.step()
-    saver.wait()  # the last async save
+    save(saver, None, run, None, attempts, args)  # waits for the last async save
     attempts.end("done")
     profiler.stop()
     loader.close()
@@ -259,7 +261,16 @@ def run_layout(args, mesh):
 
 
 def save_header(config, layout, scaler):
-    return {"config": config, "layout": layout, "scaler": scaler.state_dict(), "format": 1}
+    return {"config": config, "layout": layout, "scaler": scaler.state_dict()}
+
+
+def save(saver, step, run, header, attempts, args):
+    """Saves (step None: waits for the save in flight); a failed save (a full disk) stops the run with exit 3,
+    recorded in the attempts, naming the last good save. Returns the seconds training stalled."""
+    try:
+        return saver.wait() if step is None else saver.save(step, run.wrapper, run.opt, header)
+    except SaveFailed as e:
+        raise stop_run(e, saver, attempts, args.out) from None
 
 
 def resume(saved, run, layout, rank):

@@ -3,7 +3,9 @@
     python -m saves.export RUN_DIR OUT_DIR      # the newest complete save of a run made in any layout
 
 The parameter names are the Hugging Face ones already (model.py), so this is a rename plus the file format.
-Both files are written atomically: an interrupted or failed export leaves no truncated file behind.
+Both files are written atomically: an interrupted or failed export leaves no truncated file behind, and a folder it
+created for them is removed again. Each tensor's pieces are checked against their CRC-32 as they are read
+(load.py): a corrupt save stops the export with one line naming the file, exit status 2.
 """
 import json
 import math
@@ -70,14 +72,15 @@ def main(argv=None):
     if len(argv) != 2:
         print("usage: python -m saves.export RUN_DIR OUT_DIR", file=sys.stderr)
         return 2
+    created = not Path(argv[1]).exists()
     try:
-        run_config, state = model_tensors(argv[0])  # a save from any layout, read tensor by tensor
+        run_config, state = model_tensors(argv[0], verify=False)  # any layout, read (and checked) tensor by tensor
         export_hf(config_from_dict(run_config["model"]), state, argv[1])
-    except SaveError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full or unwritable disk: nothing half-written is left
-        print(f"error: cannot write {argv[1]}: {e.strerror or e}", file=sys.stderr)
+    except (SaveError, OSError) as e:  # OSError: a full or unwritable disk; nothing half-written is left
+        if created and Path(argv[1]).is_dir() and not any(Path(argv[1]).iterdir()):
+            Path(argv[1]).rmdir()
+        print(f"error: {e}" if isinstance(e, SaveError) else f"error: cannot write {argv[1]}: {e.strerror or e}",
+              file=sys.stderr)
         return 2
     print(f"wrote {argv[1]}/config.json and model.safetensors")
     return 0

@@ -5,15 +5,30 @@ and for the param and each Adam moment: if the save split that tensor over tp th
 overlapping byte ranges of the saved pieces (a same-layout resume or a dp/fsdp/hsdp reshard reads each byte once);
 otherwise assemble the full global tensor from its saved pieces, cut the new piece out, and drop it. So no rank
 holds more than one full tensor beyond its own shard. Export and sampling read full tensors one at a time.
+Nothing is trusted unchecked (integrity.py): meta.json's keys and file names when a save is opened, the file sizes
+by validate(), and the CRC-32 of every piece as it is read. A resume agrees over all ranks on whether every rank's
+reads passed, so that all of them stop alike, with the same one line naming the file.
 """
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from parallel.comm import all_reduce_max
 from saves import SaveError
+from saves.integrity import DTYPES, check_files, check_meta, corrupt, crc32
+from saves.integrity import verify as verify_files
 from saves.write import complete_saves, global_shape, set_rng_state
+
+SLOT = 1 << 20  # load() agrees on kind * SLOT + (file index, or rank) + 1: exact in the float32 all-reduce
+
+
+class FileError(SaveError):
+    """A saved file that does not read back as written: `name` is its name in the save."""
+
+    def __init__(self, message, name, kind):
+        super().__init__(message)
+        self.name, self.kind = name, kind
 
 
 class Saved:
@@ -21,36 +36,52 @@ class Saved:
 
     def __init__(self, path):
         self.path = Path(path)
+        where = self.path / "meta.json"
         try:
-            self.meta = json.loads((self.path / "meta.json").read_text())
-            self.step, self.tensors = self.meta["step"], self.meta["tensors"]
-        except (OSError, ValueError, KeyError) as e:
-            raise SaveError(f"cannot read {self.path / 'meta.json'}: {type(e).__name__}: {e}") from None
+            self.meta = json.loads(where.read_text())
+        except (OSError, ValueError) as e:
+            raise SaveError(f"cannot read {where}: {type(e).__name__}: {e}") from None
+        check_meta(self.meta, where)
+        self.step, self.tensors = self.meta["step"], self.meta["tensors"]
+        self.checked, self.verified = self.meta["format"] >= 2, set()  # pieces whose CRC-32 passed on this rank
 
     def _fill(self, out, p, kind, first=0):
-        """Reads elements [first, first + out.numel()) of saved piece p into the 1-D tensor out."""
-        with open(self.path / p["file"], "rb") as f:
-            f.seek(p["offsets"][kind] + first * out.element_size())
-            if f.readinto(out.view(torch.uint8).numpy()) != out.numel() * out.element_size():
-                raise SaveError(f"{self.path / p['file']} is truncated")
+        """Reads elements [first, first + out.numel()) of saved piece p into the 1-D tensor out. A whole piece is
+        checked against its CRC-32; a part of one is cut from the whole piece, read and checked once."""
+        whole = first == 0 and out.numel() == p["numel"]
+        key = (p["file"], p["offsets"][kind])
+        if self.checked and not whole and key not in self.verified:
+            piece = torch.empty(p["numel"], dtype=out.dtype)
+            self._fill(piece, p, kind)
+            out.copy_(piece[first:first + out.numel()])
+            return
+        try:
+            with open(self.path / p["file"], "rb") as f:
+                f.seek(p["offsets"][kind] + first * out.element_size())
+                n = f.readinto(out.view(torch.uint8).numpy())
+        except OSError as e:
+            raise FileError(f"cannot read {self.path / p['file']}: {e.strerror or e}", p["file"], 1) from None
+        if n != out.numel() * out.element_size():
+            raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
+        if self.checked and whole and key not in self.verified:
+            if crc32(out) != p["crc32"][kind]:
+                raise FileError(corrupt(self.path, p["file"]), p["file"], 0)
+            self.verified.add(key)
 
     def validate(self):
-        """Every file has the size the metadata says, and every tensor's pieces add up to it."""
-        for name, size in self.meta["files"].items():
-            path = self.path / name
-            actual = path.stat().st_size if path.exists() else None
-            if actual != size:
-                raise SaveError(f"{path} is {'missing' if actual is None else 'truncated'}: "
-                                      f"{actual or 0} of {size} bytes")
-        for name, t in self.tensors.items():
-            if sum(p["numel"] for p in t["pieces"]) != int(np.prod(t["shape"])):
-                raise SaveError(f"{self.path}: the pieces of {name} do not cover its shape {t['shape']}")
+        """Every file has the size the metadata says, its pieces tile it, and every tensor's pieces cover it."""
+        check_files(self.path, self.meta)
+        return self
+
+    def verify(self, kinds=None):
+        """Reads every piece of `kinds` (default: all) and checks its CRC-32 (before trusting a save wholesale)."""
+        verify_files(self.path, self.meta, kinds=kinds)
         return self
 
     def tensor(self, name, kind="param"):
         """The full tensor, read piece by piece: each tp block is filled through one flat buffer."""
         info = self.tensors[name]
-        dtype = getattr(torch, info["dtype"])
+        dtype = DTYPES[info["dtype"]]
         full = torch.empty(info["shape"], dtype=dtype)
         blocks = {}
         for p in info["pieces"]:
@@ -75,7 +106,7 @@ class Saved:
         if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
             return cut(self.tensor(piece.name, kind), piece)
         start, n = piece.offset, piece.end - piece.start
-        out = torch.empty(n, dtype=getattr(torch, info["dtype"]))
+        out = torch.empty(n, dtype=DTYPES[info["dtype"]])
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])
             if hi > lo and (p["tp"] is None or p["tp"][1] == piece.tp_shard[1]):
@@ -95,9 +126,32 @@ def cut(full, piece):
 @torch.no_grad()
 def load(saved, wrapper, opt, rng_of_rank=None):
     """Fills this rank's params and Adam state from a save made in any layout, holding at most one full tensor
-    at a time; rng_of_rank: whose RNG states to restore (same layout), or None."""
+    at a time; rng_of_rank: whose RNG states to restore (same layout), or None. Every rank calls it; then one
+    all-reduce over wrapper.mesh agrees on whether every rank's reads passed, so that a corrupt file found by one
+    rank stops all of them with the same SaveError, naming the file, on rank 0 too."""
+    pieces, mesh = wrapper.owned_pieces(), getattr(wrapper, "mesh", None)
+    rank, names = mesh.global_rank if mesh else 0, sorted(saved.meta["files"])
+    code, error = 0, None
+    try:
+        _load(saved, pieces, opt, rng_of_rank)
+    except FileError as e:
+        error, code = e, (2 - e.kind) * SLOT + names.index(e.name) + 1  # a corrupt file outranks a short one
+    except SaveError as e:
+        error, code = e, min(rank, SLOT - 1) + 1
+    agreed = code if mesh is None else int(all_reduce_max(mesh.world_group, code, next(
+        (p.param.device for p in pieces), "cpu")))
+    if not agreed:
+        return
+    kind, index = divmod(agreed - 1, SLOT)
+    if agreed != code or error is None:
+        error = (f"{saved.path} does not fit this model (rank {index}: a tensor's name or shape, or its RNG state)",
+                 f"{saved.path / names[index]} is truncated or unreadable", corrupt(saved.path, names[index]))[kind]
+    raise SaveError(f"--resume: {error}")
+
+
+def _load(saved, pieces, opt, rng_of_rank):
     kinds, adam = saved.meta["optimizer"]["kinds"], {}
-    for piece in wrapper.owned_pieces():
+    for piece in pieces:
         if piece.name not in saved.tensors:
             raise SaveError(f"{saved.path} has no tensor {piece.name}")
         for kind in kinds:
@@ -112,7 +166,13 @@ def load(saved, wrapper, opt, rng_of_rank=None):
         state["state"] = {i: {"step": step.clone(), **adam[p]} for i, p in zip(indices, params)}
         opt.load_state_dict(state)
     if rng_of_rank is not None:
-        set_rng_state(saved.meta["rng"][str(rng_of_rank)])
+        where = saved.path / "meta.json"
+        if str(rng_of_rank) not in saved.meta["rng"]:
+            raise SaveError(f"{where} has no key 'rng.{rng_of_rank}'")
+        try:
+            set_rng_state(saved.meta["rng"][str(rng_of_rank)])
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise SaveError(f"{where}: rng.{rng_of_rank} is not an RNG state ({type(e).__name__}: {e})") from None
 
 
 def check_config(saved, current, where=""):
@@ -158,17 +218,21 @@ class LazyTensor:
     def __init__(self, saved, name):
         self.saved, self.name = saved, name
         self.shape = torch.Size(saved.tensors[name]["shape"])
-        self.dtype = getattr(torch, saved.tensors[name]["dtype"])
+        self.dtype = DTYPES[saved.tensors[name]["dtype"]]
 
     def __call__(self):
         return self.saved.tensor(self.name)
 
 
-def model_tensors(run_dir):
-    """(run config, {global name: LazyTensor}) of the newest complete save in run_dir (or of that save)."""
+def model_tensors(run_dir, verify=True):
+    """(run config, {global name: LazyTensor}) of the newest complete save in run_dir (or of that save). verify:
+    check the params' CRC-32 now (sampling: a bad file is found before anything runs); else each LazyTensor checks
+    its pieces as it reads them (export: one pass over the bytes)."""
     run_dir = Path(run_dir)
     path = run_dir if (run_dir / "complete").exists() else (complete_saves(run_dir) or [None])[-1]
     if path is None:
         raise SaveError(f"no complete save in {run_dir}")
     saved = Saved(path).validate()
+    if verify:
+        saved.verify(kinds=["param"])
     return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}

@@ -6,7 +6,11 @@
   optimizer step and before any save: exit status 3, the last good save stays the newest.
 - A failure that repeats: rank 0 keeps RUN/attempts.json, one record per attempt with the step it resumed
   from, the last step it completed and how it ended. When the last two attempts both failed at the same step,
-  the next attempt refuses to start (exit 3) instead of looping until the restarts run out.
+  the next attempt refuses to start (exit 3) instead of looping until the restarts run out. An attempts.json
+  that is not a list of such records (hand-edited, or another program's) is refused (exit 2) rather than started
+  over: starting over would overwrite the history and forget a repeated failure.
+- A save that fails (a full disk): every rank stops with exit 3 (write.SaveFailed), the previous save intact.
+- The save a stop names as the last good one is the newest complete save that verifies (write.last_good_save).
 """
 import json
 import os
@@ -15,12 +19,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from saves import SaveError, TrainingFailure
 from saves.files import write_json
-from saves.write import complete_saves
+from saves.write import SaveFailed, last_good_save
 
-
-class TrainingFailure(Exception):
-    """The run stopped itself: one line, exit status 3."""
+__all__ = ["Attempts", "NonFiniteLoss", "SaveFailed", "TrainingFailure", "restart_store", "stop_run"]
+RECORD = {"attempt": int, "resumed_from": int, "reached": int, "status": str}
 
 
 class NonFiniteLoss(TrainingFailure):
@@ -36,10 +40,22 @@ class Attempts:
         self.path, self.rank = Path(run_dir) / "attempts.json", rank
         self.records = []
         if resuming and self.path.exists():
-            try:
-                self.records = json.loads(self.path.read_text())
-            except ValueError:  # a torn write cannot happen (atomic), a hand-edited file can: start over
-                self.records = []
+            self.records = self._read()
+
+    def _read(self):
+        """The records, or SaveError if the file is not a list of them (atomic writes cannot tear it; an edit can):
+        refused, not started over, so that neither the history nor a repeated failure is lost."""
+        try:
+            records = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:
+            raise SaveError(f"cannot read {self.path}: {type(e).__name__}: {e}; fix or delete it") from None
+        good = isinstance(records, list) and all(
+            isinstance(r, dict) and all(isinstance(r.get(k), kind) and not isinstance(r.get(k), bool)
+                                        for k, kind in RECORD.items()) for r in records)
+        if not good:
+            raise SaveError(f"{self.path} is not a list of attempt records {{{', '.join(RECORD)}}}; "
+                            "fix or delete it")
+        return records
 
     @staticmethod
     def failed_step(record):
@@ -82,12 +98,19 @@ class Attempts:
 
 
 def stop_run(error, saver, attempts, run_dir):
-    """A non-finite loss: let an async save in flight (the last good one) finish, record the failure, and return
-    the TrainingFailure to raise, naming the last good save."""
-    saver.wait()
-    repeated = attempts.end(f"failed: {error}")
-    newest = complete_saves(run_dir)
-    return TrainingFailure(f"{error}; stopped, the last good save is {newest[-1] if newest else 'none'}{repeated}")
+    """A non-finite loss, or a failed save (SaveFailed, from saver.save or saver.wait): let an async save in flight
+    finish, record the failure, and return the TrainingFailure to raise, naming the last good save: the newest
+    complete one that verifies (every rank calls this: they read a share of its files each and agree)."""
+    note = ""
+    try:
+        saver.wait()
+    except SaveFailed as e:  # the save in flight failed too: it is gone, say so
+        note = f" (the save of step {e.step} in flight failed: {e.reason})"
+    repeated = attempts.end(f"failed: {error}{note}")
+    if isinstance(error, SaveFailed):  # its message names the save that is intact already
+        return TrainingFailure(f"{error}{repeated}")
+    good = last_good_save(run_dir, saver.mesh.world_group, saver.device)
+    return TrainingFailure(f"{error}{note}; stopped, the last good save is {good or 'none'}{repeated}")
 
 
 def restart_store(rank, world):

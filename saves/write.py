@@ -3,28 +3,34 @@
 A piece is the run of elements [start, start + numel) of the flattened tp block `tp` = [dim, rank, world] of a
 global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment. Adam's state maps like its
 param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and tp-replicated norms are written
-once, so a save is 12 bytes per parameter in all, whatever the layout.
+once, so a save is 12 bytes per parameter in all, whatever the layout. Each buffer's CRC-32 is taken as it is
+written (integrity.py).
 Atomic: the ranks write into RUN/.tmp_step_STEP_ID/, rank 0 merges their indexes into meta.json, writes `complete`,
 then renames the folder to step_STEP; resume ignores anything else and removes it. The newest --keep stay.
 --async-save copies the pieces to CPU memory (the stall), then a thread writes them while training goes on; rank
 0's thread waits for every rank's index file, then finalizes. No collective runs off the main thread.
+A save that fails (a full disk: OSError on any rank, in its own write or in rank 0's finalize) stops every rank
+alike: the ranks agree by an all-reduce of a failure code (after the writes, and after rank 0's finalize; for an
+async save, on the training thread at the next save() or wait()), rank 0 removes the temp folder, and every rank
+raises SaveFailed (exit 3) naming the newest save that verifies, which the failed one never touched.
 """
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
-import sys
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from parallel.comm import all_reduce_max
+from saves import SaveError, TrainingFailure
 from saves.files import fsync_dir, write_json
+from saves.integrity import FORMAT, check_files, check_meta, crc32, verify
 
 SAVE = re.compile(r"step_(\d{7})$")
 ADAM = ("exp_avg", "exp_avg_sq")
@@ -61,6 +67,40 @@ def prune(run_dir, keep):
     if keep > 0:
         for old in complete_saves(run_dir)[:-keep]:
             _retire(old)
+
+
+def check_fresh_run_folder(run_dir):
+    """For a run started without --resume: SaveError if run_dir holds another run's work (a complete save, any
+    step_* folder, or an attempts.json), which the fresh run would prune, mix with its own or overwrite; returns
+    otherwise. Reads only. Leftovers of killed saves (.tmp_*, .del_*) hold nothing loadable and do not count."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise SaveError(f"{run_dir} is not a folder: choose another --out")
+    found = sorted(p.name for p in run_dir.glob("step_*")) + ["attempts.json"] * (run_dir / "attempts.json").exists()
+    if found:
+        raise SaveError(f"{run_dir} holds saves of another run ({', '.join(found[:3])}{', ...' * (len(found) > 3)}): "
+                        "pass --resume, or choose another --out")
+
+
+def last_good_save(run_dir, group=None, device="cpu"):
+    """The newest complete save whose meta.json, sizes and checksums all verify, or None: the save a failed run
+    names to go back to. With `group` every rank of it calls this and reads a share of each save's files (the
+    cost of one rank's part of one save, usually), and one all-reduce per save tried agrees on the answer."""
+    rank, size = (group.rank, group.size) if group is not None else (0, 1)
+    for path in reversed(complete_saves(run_dir)):
+        bad = 0.0
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            check_meta(meta, path / "meta.json")
+            check_files(path, meta)
+            verify(path, meta, files=sorted(meta["files"])[rank::size])
+        except (OSError, ValueError, SaveError):
+            bad = 1.0
+        if (bad if group is None else all_reduce_max(group, bad, device)) == 0:
+            return path
+    return None
 
 
 # ---------------------------------------------------------------- RNG states, as JSON
@@ -107,32 +147,37 @@ def written_pieces(wrapper, opt, copy):
 
 
 def write_rank(folder, rank, pieces, rank_info):
-    """This rank's bytes (if it writes any), then, atomically and last, its index: the sign that it is done."""
+    """This rank's bytes (if it writes any), with each buffer's CRC-32, then, atomically and last, its index: the
+    sign that it is done."""
     folder.mkdir(parents=True, exist_ok=True)
     name, index, pos = f"rank{rank:05d}.bin", [], 0
-    with open(folder / name, "wb") if pieces else nullcontext() as f:
+    with open(folder / name, "wb") if pieces else contextlib.nullcontext() as f:
         for piece, tensors in pieces:
-            offsets = {}
+            offsets, crcs = {}, {}
             for kind, t in tensors.items():
-                f.write(t.contiguous().view(torch.uint8).numpy().data)
-                offsets[kind], pos = pos, pos + t.numel() * t.element_size()
+                data = t.contiguous().view(torch.uint8).numpy()
+                f.write(data.data)
+                offsets[kind], crcs[kind], pos = pos, crc32(data), pos + data.nbytes
             index.append({"name": piece.name, "shape": global_shape(piece), "dtype": str(t.dtype).split(".")[1],
                           "tp": piece.tp_shard, "start": piece.offset, "numel": piece.end - piece.start,
-                          "offsets": offsets})
+                          "offsets": offsets, "crc32": crcs})
         if pieces:
             f.flush()
             os.fsync(f.fileno())
     write_json(folder / f"rank{rank:05d}.json", {"file": name, "bytes": pos, "pieces": index, **rank_info})
 
 
-def finalize(run_dir, folder, step, world, header, keep, wait_s):
-    """Rank 0: once every rank's index is there, merge them into meta.json, mark complete, publish, prune."""
+def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
+    """Rank 0: once every rank's index is there, merge them into meta.json, mark complete, publish, prune.
+    Raises OSError if it cannot (a full disk, an index missing after wait_s); returns None, publishing nothing,
+    once `abort` is set (another rank's part failed), else the published folder."""
     indexes = [folder / f"rank{r:05d}.json" for r in range(world)]
     deadline = time.time() + wait_s
     while not all(p.exists() for p in indexes):
-        if time.time() > deadline or not folder.exists():
-            print(f"warning: save of step {step} abandoned: not every rank wrote to {folder}", file=sys.stderr)
+        if abort is not None and abort.is_set():
             return None
+        if time.time() > deadline or not folder.exists():
+            raise TimeoutError(f"not every rank's part reached {folder} within {wait_s} s")
         time.sleep(0.05)
     tensors, files, rng = {}, {}, {}
     for r, path in enumerate(indexes):
@@ -142,7 +187,8 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s):
             files[info["file"]] = info["bytes"]
         for p in info["pieces"]:
             entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
-            entry["pieces"].append({"file": info["file"], **{k: p[k] for k in ("tp", "start", "numel", "offsets")}})
+            entry["pieces"].append({"file": info["file"], **{k: p[k] for k in ("tp", "start", "numel", "offsets",
+                                                                                 "crc32")}})
     write_json(folder / "meta.json", {**header, "rng": rng, "files": files, "tensors": tensors})
     for path in indexes:
         path.unlink()
@@ -151,26 +197,51 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s):
         f.flush()
         os.fsync(f.fileno())
     final = run_dir / f"step_{step:07d}"
-    if final.exists():  # saved again after resuming from an older save
-        _retire(final)
+    old = final.with_name(f".del_{final.name}_{os.getpid()}")
+    if final.exists():  # saved again after resuming from an older save: the old one goes once the new one is in
+        os.replace(final, old)
     try:
         os.replace(folder, final)
-    except OSError as e:  # another process published this step meanwhile (tests share a scratch folder)
-        print(f"warning: could not publish {final}: {e}", file=sys.stderr)
-        shutil.rmtree(folder, ignore_errors=True)
-        return None
-    fsync_dir(run_dir)
+    except OSError:
+        if old.exists():
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)  # published: nothing below may fail the save (prune never raises)
+    with contextlib.suppress(OSError):  # the rename is done; an fsync error here only weakens its durability
+        fsync_dir(run_dir)
     prune(run_dir, keep)
     return final
 
 
+class SaveFailed(TrainingFailure):
+    """A save that could not be written (a full disk). Every rank raises it, alike; its temp folder is gone."""
+
+    def __init__(self, step, reason, good):
+        super().__init__(f"the save of step {step} failed ({reason}) and was removed; "
+                         + (f"the last good save, {good}, is intact" if good else "there is no earlier save"))
+        self.step, self.reason, self.good = step, reason, good
+
+
+class Job:
+    """One save in flight: its folder, this rank's outcome (set by the writer), rank 0's finalize outcome."""
+
+    def __init__(self, folder, step):
+        self.folder, self.step, self.thread = folder, step, None
+        self.written, self.abort = threading.Event(), threading.Event()
+        self.error = self.final_error = self.finish = None
+
+
+ERRNO_SLOT = 1 << 16  # failure code: errno * ERRNO_SLOT + rank + 1, exact in the float32 all-reduce
+
+
 class Saver:
     """save() writes this rank's pieces; synchronously (a barrier, then rank 0 finalizes), or with async_save
-    from a background thread after a CPU snapshot. Returns the seconds training stalled for it."""
+    from a background thread after a CPU snapshot. Returns the seconds training stalled for it. A failed save
+    raises SaveFailed on every rank: in save() itself (sync), or at the next save() or wait() (async)."""
 
     def __init__(self, run_dir, mesh, device, keep=2, async_save=False, run_id=0):
         self.run_dir, self.mesh, self.device, self.keep = Path(run_dir), mesh, device, keep
-        self.async_save, self.run_id, self.thread = async_save, run_id, None
+        self.async_save, self.run_id, self.job = async_save, run_id, None
 
     def save(self, step, wrapper, opt, header):
         t0 = time.perf_counter()
@@ -178,33 +249,87 @@ class Saver:
         pieces = written_pieces(wrapper, opt, copy=self.async_save)
         rank_info = {"rng": rng_state()}
         adam_steps = max((int(s["step"]) for s in opt.state.values()), default=0)  # < step if fp16 skipped some
-        header = {**header, "step": step, "data_position": step, "world": self.mesh.world,
+        header = {**header, "format": FORMAT, "step": step, "data_position": step, "world": self.mesh.world,
                   "optimizer": {"step": adam_steps, "kinds": ["param", *ADAM] if opt.state else ["param"]}}
-        folder = self.run_dir / f".tmp_step_{step:07d}_{self.run_id:06x}"
-        rank = self.mesh.global_rank
+        job = Job(self.run_dir / f".tmp_step_{step:07d}_{self.run_id:06x}", step)
+        job.finish = lambda abort=None: finalize(self.run_dir, job.folder, step, self.mesh.world, header, self.keep,
+                                                 1800 if self.async_save else 60, abort)
         if self.async_save:
-            self.thread = threading.Thread(target=self._write, args=(folder, step, pieces, rank_info, header, 1800),
-                                           daemon=True)
-            self.thread.start()
+            self.job, job.thread = job, threading.Thread(target=self._write, args=(job, pieces, rank_info),
+                                                         daemon=True)
+            job.thread.start()
         else:
-            write_rank(folder, rank, pieces, rank_info)
-            all_reduce_max(self.mesh.world_group, 0.0, self.device)  # a barrier: every rank's files are there
-            if rank == 0:
-                finalize(self.run_dir, folder, step, self.mesh.world, header, self.keep, wait_s=60)
+            self._write(job, pieces, rank_info)
+            self._settle(job)
         return time.perf_counter() - t0
 
-    def _write(self, folder, step, pieces, rank_info, header, wait_s):
+    def _write(self, job, pieces, rank_info):
+        """This rank's part; then, in an async save's thread on rank 0, the finalize (it waits for every index)."""
         try:
-            write_rank(folder, self.mesh.global_rank, pieces, rank_info)
-            if self.mesh.global_rank == 0:
-                finalize(self.run_dir, folder, step, self.mesh.world, header, self.keep, wait_s)
-        except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
-            print(f"warning: save of step {step} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            write_rank(job.folder, self.mesh.global_rank, pieces, rank_info)
+        except Exception as e:  # noqa: BLE001 - reported on the training thread, on every rank (_settle)
+            job.error = e
+        job.written.set()
+        if self.async_save and job.error is None and self.mesh.global_rank == 0:
+            try:
+                job.finish(job.abort)
+            except Exception as e:  # noqa: BLE001 - as above
+                job.final_error = e
 
     def wait(self):
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        """Waits for the save in flight; raises SaveFailed on every rank if it failed on any."""
+        job, self.job = self.job, None
+        if job is not None:
+            self._settle(job)
+
+    def _settle(self, job):
+        """On the training thread of every rank: agree on whether every rank's write worked (a barrier, too), let
+        rank 0 finalize (sync) or wait for its thread to (async), agree on that, and on a failure clean up."""
+        rank = self.mesh.global_rank
+        job.written.wait()
+        own = job.error
+        agreed = self._agree(own)
+        if agreed:
+            job.abort.set()
+        elif rank == 0 and not self.async_save:
+            try:
+                job.finish()
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                job.final_error = e
+        if job.thread is not None:
+            job.thread.join()
+        if not agreed:
+            own = job.final_error
+            agreed = self._agree(own)
+        if not agreed:
+            return
+        if rank == 0:
+            shutil.rmtree(job.folder, ignore_errors=True)
+        good = last_good_save(self.run_dir, self.mesh.world_group, self.device)
+        if own is not None and not isinstance(own, OSError):
+            raise own  # a bug, not the disk: its traceback, on this rank, after the collectives every rank makes
+        raise SaveFailed(job.step, self._reason(agreed, own), good)
+
+    def _code(self, error):
+        """0 for no error, else errno * ERRNO_SLOT + rank + 1: the all-reduce's max names one failing rank."""
+        if error is None:
+            return 0
+        number = getattr(error, "errno", None)
+        number = number if isinstance(number, int) and 0 < number < 256 else 0
+        return number * ERRNO_SLOT + min(self.mesh.global_rank, ERRNO_SLOT - 1) + 1
+
+    def _agree(self, error):
+        """The largest failure code over all ranks (0: every rank succeeded)."""
+        return int(all_reduce_max(self.mesh.world_group, self._code(error), self.device))
+
+    def _reason(self, agreed, own):
+        """What failed, in words: this rank's own error if it is the one agreed on, else the rank and its errno."""
+        number, rank = divmod(agreed - 1, ERRNO_SLOT)
+        where = f"rank {rank}: " if self.mesh.world > 1 else ""
+        if own is not None and agreed == self._code(own):
+            text = own.strerror if isinstance(own, OSError) and own.strerror else str(own)
+            return where + (text or type(own).__name__)
+        return where + (os.strerror(number) if number else "its write failed")
 
 
 def agree_on_run_id(mesh, device):

@@ -186,12 +186,12 @@ def _layouts_rank(rank, world, layouts, unsynced_last, out_dir):
     out = {}
     for name, flags in layouts.items():
         try:
-            out[name] = train.main(BASE + NO_PEAK + ["--out", out_dir] + flags)
+            out[name] = train.main(BASE + NO_PEAK + ["--out", f"{out_dir}/{name}"] + flags)
         except Exception as e:  # noqa: BLE001 - reported per layout by the test that reads it
             out[name] = f"{type(e).__name__}: {e}"
     if unsynced_last:
         ddp.DDP.finish_grad_sync = lambda self: None
-        out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", out_dir, "--cp", "2", "--steps", "3",
+        out["unsynced"] = train.main(BASE + NO_PEAK + ["--out", f"{out_dir}/unsynced", "--cp", "2", "--steps", "3",
                                                        "--no-overlap"])
     return out
 

@@ -1,7 +1,10 @@
 """Failures: a rank SIGKILLed mid-run under torchrun --max-restarts 1 (torchrun restarts both gloo workers,
 --resume auto continues from the newest complete save, the run ends with the losses of an uninterrupted one);
 a non-finite loss (exit 3, the last good save stays); the same step failing twice in a row (the next attempt
-refuses to start)."""
+refuses to start); a full disk during a save, sync or async, on 1 process or on 2 ranks (exit 3 on every rank,
+the temp folder removed, the previous save intact and named)."""
+import builtins
+import errno
 import json
 import os
 import signal
@@ -13,11 +16,15 @@ from pathlib import Path
 import pytest
 
 import model as M
+import saves.files
+import saves.load
 import saves.restarts
 import saves.write
 import train
+from parallel.launch import run_ranks
 from tests.layouts import BASE, train_losses
 from tests.test_checkpoint import ARGS, quiet
+from tests.test_save_integrity import exit_of, one_error_line
 
 CROSS_ENTROPY = M.cross_entropy_loss
 
@@ -129,3 +136,90 @@ def test_faults_module_marks_a_finished_attempt_done(tmp_path):
     attempts.progress(3)
     assert attempts.end("done") == ""
     assert json.loads((tmp_path / "attempts.json").read_text())[-1]["status"] == "done"
+
+
+# ---------------------------------------------------------------- a full disk during a save
+
+class FullFile:
+    """A file on a disk that fills up: the first write puts a few bytes down, then raises ENOSPC."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, data):
+        self.real.write(data[:16])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.real.close()
+
+
+def full_disk_open(step, name):
+    """An open() for saves.write (the rank files) or saves.files (index files, meta.json) that fails writes to files
+    named `name` in the temp folder of step's save."""
+    def full_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        hit = "w" in mode and f".tmp_step_{step:07d}_" in str(path) and name in Path(path).name
+        return FullFile(f) if hit else f
+    return full_open
+
+
+def assert_save_failed(run, err, step, intact, rank=None):
+    """One line naming the step and the intact save; no temp folder left; the intact save verifies and is the
+    newest."""
+    line = one_error_line(err)
+    where = f"rank {rank}: " if rank is not None else ""
+    assert line == f"error: the save of step {step} failed ({where}No space left on device) and was removed; the " \
+                   f"last good save, {run / intact}, is intact", line
+    assert not list(run.glob(".tmp_*")) and not list(run.glob(".del_*"))
+    assert [p.name for p in saves.write.complete_saves(run)] == [intact]
+    saves.load.Saved(run / intact).validate().verify()
+
+
+FULL = ["--micro-batch", "8", "--save-every", "2", "--keep", "1"]
+ONE_PROCESS = {"sync": ([], 4, 4), "async, found at the next save": (["--async-save"], 6, 4),
+               "async, found at the end": (["--async-save"], 4, 4)}  # flags, steps, the step whose save fails
+
+
+@pytest.mark.parametrize("case", list(ONE_PROCESS))
+def test_a_full_disk_during_a_save_is_exit_3_keeping_the_previous_save(tmp_path, monkeypatch, case):
+    flags, steps, failing = ONE_PROCESS[case]
+    monkeypatch.setattr(saves.write, "open", full_disk_open(failing, ".bin"), raising=False)
+    code, err = exit_of(train.main, ARGS + FULL + flags + ["--out", str(tmp_path), "--steps", str(steps)])
+    assert code == 3, err
+    assert_save_failed(tmp_path, err, failing, "step_0000002")
+    monkeypatch.delattr(saves.write, "open")
+    if case == "sync":  # the previous save resumes
+        assert len(quiet(train.main, ARGS + FULL + ["--out", str(tmp_path), "--steps", "4", "--resume"])) == 2
+
+
+def _full_disk_rank(rank, world, run, flags, failing_rank, module, name):
+    if rank == failing_rank:
+        getattr(saves, module).open = full_disk_open(4, name)
+    return exit_of(train.main, ARGS + ["--dp-mode", "fsdp", "--out", run, "--steps", "4", "--save-every", "2",
+                                       "--keep", "1"] + flags)
+
+
+TWO_RANKS = {  # flags, the rank whose write fails, the module whose open() it goes through, the file
+    "sync, rank 1's data": ([], 1, "write", ".bin"),
+    "async, rank 1's data": (["--async-save"], 1, "write", ".bin"),
+    "sync, rank 1's index": ([], 1, "files", "rank00001.json"),
+    "sync, rank 0's meta.json": ([], 0, "files", "meta.json"),
+    "async, rank 0's meta.json": (["--async-save"], 0, "files", "meta.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_a_full_disk_on_one_rank_stops_both_ranks_alike(tmp_path, case):
+    """fsdp on 2 ranks, each writing its own file: whichever write fails (a rank's data or index, rank 0's
+    meta.json in its finalize), no rank hangs, both exit 3, and rank 0 names the failing rank and the intact save."""
+    flags, failing_rank, module, name = TWO_RANKS[case]
+    results = run_ranks(_full_disk_rank, 2, args=(str(tmp_path), flags, failing_rank, module, name), timeout=200)
+    assert [code for code, _ in results] == [3, 3], results
+    assert_save_failed(tmp_path, results[0][1], 4, "step_0000002", rank=failing_rank)

@@ -27,8 +27,8 @@ def run(argv):
     return train.main(BASE + ["--micro-batch", "8"] + argv)
 
 
-def test_loss_falls():
-    losses = run(["--steps", "30", "--out", "/nonexistent-unused"])
+def test_loss_falls(tmp_path):
+    losses = run(["--steps", "30", "--out", str(tmp_path)])
     assert losses[-1] < losses[0] - 1.5, losses
 
 
@@ -183,3 +183,14 @@ def test_resume_knows_the_data_by_its_identity_not_its_path(tmp_path):
     shutil.rmtree(tmp_path / "step_0000003")
     relative = os.path.relpath(data, Path.cwd())
     assert len(run(["--steps", "3", "--out", str(tmp_path), "--data", relative, "--resume"])) == 1
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_saves(tmp_path, capsys):
+    run(["--steps", "2", "--out", str(tmp_path)])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--steps", "3", "--keep", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.count("\n") == 0 and "--resume" in err and str(tmp_path) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing pruned, nothing written

@@ -1,0 +1,252 @@
+"""Hostile input to saves: a corrupted save of the right size is refused by resume (on every rank alike), export
+and sampling, naming the file (exit 2); a stop names a last good save that verifies; sizes are reported truly;
+nothing outside the save folder is read; a meta.json without a key and a malformed attempts.json are one line,
+exit 2, and touch nothing; check_fresh_run_folder refuses a folder holding another run's saves, writing nothing."""
+import contextlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import model as M
+import sample
+import saves.export
+import saves.load
+import saves.write
+import train
+from parallel.launch import run_ranks
+from tests.test_checkpoint import ARGS, quiet, run1, snapshot
+
+CROSS_ENTROPY = M.cross_entropy_loss
+SAVE = "step_0000002"
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """One process, 2 steps, one save (step 2): each test damages a copy."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    run1(["--out", str(run), "--steps", "2"])
+    return run
+
+
+@pytest.fixture
+def run(base_run, tmp_path):
+    shutil.copytree(base_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def damage(path, offset, data):
+    """Overwrites bytes in place: the file keeps its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def edit_meta(run, change):
+    path = run / SAVE / "meta.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+def exit_of(fn, *args):
+    """(exit status, stderr) of a train.main-like call: 0 when it returns."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            fn(*args)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def one_error_line(err):
+    """The error line, asserting it is the only one (tqdm's bar may precede it, a traceback may not)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and sum("error" in line for line in lines) == 1, err
+    assert lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+def resume_fails(run, flags=()):
+    """Resuming exits 2 with one line and writes nothing; returns that line."""
+    before = snapshot(run)
+    code, err = exit_of(train.main, ARGS + ["--micro-batch", "8", "--steps", "2", "--out", str(run), "--resume",
+                                            *flags])
+    assert code == 2, err
+    assert snapshot(run) == before
+    return one_error_line(err)
+
+
+# ---------------------------------------------------------------- corrupted bytes of the right size
+
+CORRUPTIONS = {"random bytes": os.urandom(4096), "a block of 0xFF": b"\xff" * 4096, "one flipped bit": None}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_a_corrupted_save_of_the_right_size_is_refused_on_resume(run, kind):
+    data = run / SAVE / "rank00000.bin"
+    middle = data.stat().st_size // 2
+    if CORRUPTIONS[kind] is None:
+        with open(data, "rb") as f:
+            f.seek(middle)
+            byte = f.read(1)[0]
+        damage(data, middle, bytes([byte ^ 0x10]))
+    else:
+        damage(data, middle, CORRUPTIONS[kind])
+    line = resume_fails(run)
+    assert line == f"error: --resume: {data} is corrupt: its bytes do not match their CRC-32 in meta.json", line
+
+
+def test_export_and_sampling_refuse_a_corrupted_save_and_write_nothing(run, tmp_path, capsys):
+    data = run / SAVE / "rank00000.bin"
+    damage(data, 64, b"\xff" * 256)  # inside the first piece's param: export and sampling read it
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert saves.export.main([str(run / SAVE), str(out)]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {data} is corrupt: its bytes do not match their " \
+                                                      "CRC-32 in meta.json"
+    assert not out.exists()
+    assert sample.main(["--run", str(run), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 2
+    assert f"{data} is corrupt" in one_error_line(capsys.readouterr().err)
+
+
+def _corrupt_resume_rank(rank, world, run):
+    flags = ["--dp-mode", "fsdp", "--out", run, "--steps", "2"]
+    quiet(train.main, ARGS + flags)
+    dist.barrier()
+    if rank == 0:  # each fsdp rank reads only its own file back: only rank 1 reads this one
+        data = Path(run) / SAVE / "rank00001.bin"
+        damage(data, data.stat().st_size // 3, os.urandom(64))
+    dist.barrier()
+    return exit_of(train.main, ARGS + flags + ["--resume"])
+
+
+def test_a_file_only_one_rank_reads_stops_every_rank_alike(tmp_path):
+    """fsdp on 2 ranks: rank 1 finds its file corrupt; both exit 2, and rank 0 (the one that prints) names it."""
+    results = run_ranks(_corrupt_resume_rank, 2, args=(str(tmp_path / "run"),), timeout=200)
+    assert [code for code, _ in results] == [2, 2], results
+    line = one_error_line(results[0][1])
+    assert line == f"error: --resume: {tmp_path / 'run' / SAVE / 'rank00001.bin'} is corrupt: its bytes do not " \
+                   "match their CRC-32 in meta.json", line
+
+
+def test_a_stop_names_a_last_good_save_that_verifies(tmp_path, monkeypatch, capsys):
+    """Saves at steps 2 and 4; step 4's file is damaged on disk, then step 5's loss is nan: the stop names step 2."""
+    calls = []
+
+    def loss_fn(logits, targets):
+        calls.append(1)
+        loss = CROSS_ENTROPY(logits, targets)
+        if len(calls) == 5:
+            damage(tmp_path / "step_0000004" / "rank00000.bin", 100, os.urandom(16))
+            return loss * float("nan")
+        return loss
+    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)
+    code, err = exit_of(train.main, ARGS + ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "6",
+                                            "--save-every", "2", "--resume", "auto"])
+    assert code == 3, err
+    line = one_error_line(err)
+    assert line.startswith("error: step 5: non-finite loss nan") and \
+        line.endswith(f"the last good save is {tmp_path / SAVE}"), line
+
+
+# ---------------------------------------------------------------- sizes, paths, keys
+
+def test_a_file_longer_than_recorded_is_too_long_not_truncated(run):
+    data = run / SAVE / "rank00000.bin"
+    size = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(b"\0" * 10)
+    assert resume_fails(run) == f"error: --resume: {data} is too long: {size + 10} bytes, meta.json records {size}"
+
+
+@pytest.mark.parametrize("where", ["../../secret.bin", "absolute"])
+def test_a_file_name_outside_the_save_is_refused(run, tmp_path, where):
+    """meta.json naming ../../secret.bin (or an absolute path) would read a file outside the save."""
+    secret = tmp_path / "secret.bin"
+    shutil.move(run / SAVE / "rank00000.bin", secret)  # a file of the right size and content, outside the save
+    name = str(secret) if where == "absolute" else where
+
+    def point_outside(meta):
+        meta["files"] = {name: meta["files"]["rank00000.bin"]}
+        for t in meta["tensors"].values():
+            for p in t["pieces"]:
+                p["file"] = name
+    edit_meta(run, point_outside)
+    assert resume_fails(run) == f"error: --resume: {run / SAVE / 'meta.json'} names the file {name!r}: not a " \
+                                "plain file name inside the save"
+
+
+@pytest.mark.parametrize("key", ["format", "step", "config", "layout", "scaler", "optimizer", "rng", "files",
+                                 "tensors"])
+def test_a_meta_json_without_a_key_is_one_line_naming_key_and_file(run, key):
+    edit_meta(run, lambda meta: meta.pop(key))
+    assert resume_fails(run) == f"error: --resume: {run / SAVE / 'meta.json'} has no key {key!r}"
+
+
+def test_export_of_a_save_without_its_config_is_one_line(run, tmp_path, capsys):
+    edit_meta(run, lambda meta: meta["config"].pop("model"))
+    capsys.readouterr()
+    assert saves.export.main([str(run), str(tmp_path / "hf")]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {run / SAVE / 'meta.json'} has no key 'config.model'"
+
+
+def test_a_malformed_rng_state_is_one_line(run):
+    edit_meta(run, lambda meta: meta["rng"]["0"].pop("numpy"))
+    assert resume_fails(run).startswith(f"error: --resume: {run / SAVE / 'meta.json'}: rng.0 is not an RNG state")
+
+
+ATTEMPTS = {"an object": "{}", "records without their keys": '[{"attempt": 1}]', "numbers": "[1, 2]",
+            "a string": '"x"', "invalid JSON": "[{"}
+
+
+@pytest.mark.parametrize("case", list(ATTEMPTS))
+def test_a_malformed_attempts_json_is_refused_and_kept(run, case):
+    """Not started over: that would overwrite the history (and forget a repeated failure)."""
+    (run / "attempts.json").write_text(ATTEMPTS[case])
+    line = resume_fails(run)
+    assert line.startswith(f"error: {run / 'attempts.json'} is not a list of attempt records" if case !=
+                           "invalid JSON" else f"error: cannot read {run / 'attempts.json'}: JSONDecodeError"), line
+    assert line.endswith("fix or delete it") and (run / "attempts.json").read_text() == ATTEMPTS[case]
+
+
+# ---------------------------------------------------------------- a fresh run into another run's folder
+
+REFUSED = {"a complete save": None, "an incomplete step_ folder": "step_0000005", "an attempts.json": "attempts.json"}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_check_fresh_run_folder_refuses_another_runs_folder_and_writes_nothing(base_run, tmp_path, case):
+    run = tmp_path / "run"
+    if REFUSED[case] is None:
+        shutil.copytree(base_run, run)
+    elif REFUSED[case] == "attempts.json":
+        run.mkdir()
+        (run / "attempts.json").write_text("[]")
+    else:
+        (run / REFUSED[case]).mkdir(parents=True)
+    before = snapshot(run)
+    with pytest.raises(saves.SaveError) as error:
+        saves.write.check_fresh_run_folder(run)
+    assert str(error.value).startswith(f"{run} holds saves of another run (") and \
+        str(error.value).endswith("): pass --resume, or choose another --out"), error.value
+    assert "\n" not in str(error.value) and snapshot(run) == before
+
+
+def test_check_fresh_run_folder_accepts_a_new_empty_or_unrelated_folder(tmp_path):
+    assert saves.write.check_fresh_run_folder(tmp_path / "new") is None
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / ".tmp_step_0000001_abcdef").mkdir()  # a killed save's leftover: nothing loadable
+    before = snapshot(tmp_path)
+    assert saves.write.check_fresh_run_folder(tmp_path) is None
+    assert snapshot(tmp_path) == before
+    (tmp_path / "file").write_text("")
+    with pytest.raises(saves.SaveError, match="is not a folder: choose another --out"):
+        saves.write.check_fresh_run_folder(tmp_path / "file")
