@@ -284,6 +284,13 @@ def matmul_rate(shape_a, shape_b, dtype, trials=4, trial_s=0.05):
     return max(rates)
 
 
+def run_layout(args, mesh):
+    """Recorded in each save: a resume in the same layout also restores every rank's RNG states."""
+    return {"world": mesh.world, **mesh.sizes, "dp_mode": args.dp_mode, "dp_shard": mesh.dp_shard, "sp": args.sp,
+            "pp_schedule": args.pp_schedule, "pp_virtual": args.pp_virtual,
+            "pp_split": ",".join(map(str, args.pp_split)) if args.pp_split else None, "cp_mode": args.cp_mode}
+
+
 def run_config(args, cfg, meta, data_id):
     """What must match on --resume: the model, the data (by the identity of its meta.json) and the optimization,
     not the layout."""

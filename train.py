@@ -37,18 +37,18 @@ from config import (
     parse_args,
     peak_flops,
     run_config,
+    run_layout,
 )
 from data.loader import DataError, TokenLoader, read_meta
-from data.prepare import prepare
+from data.prepare import prepared_folder
 from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
 from saves import SaveError
-from saves.load import find_resume, load
+from saves.load import find_resume, resume
 from saves.restarts import Attempts, NonFiniteLoss, TrainingFailure, restart_store, stop_run
 from saves.write import SaveFailed, Saver, agree_on_run_id, check_fresh_run_folder, remove_incomplete
 
-REPO = Path(__file__).resolve().parent
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
 
@@ -168,7 +168,7 @@ def train(args):
     rank, world, device = init_distributed(args)
     device_defaults(args, device)
     mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
-    folder = data_folder(args, rank, world)
+    folder = prepared_folder(args.data, rank, world)
     meta = read_meta(folder)
     cfg = model_config(args, meta["vocab_size"])
     check_fits(cfg, args, dp, device)  # before anything is built
@@ -190,7 +190,7 @@ def train(args):
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext()
     opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
     run = Run(chunks, wrapper, mesh, opt, optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
-    start = resume(saved, run, layout, rank)
+    start = resume(saved, run.wrapper, opt, run.scaler, layout, rank)
     run_id = agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
     if rank == 0 and args.resume:
         remove_incomplete(args.out)
@@ -236,30 +236,6 @@ def init_distributed(args):
     return rank, world, torch.device(device)
 
 
-def data_folder(args, rank, world):
-    """--data, or the offline pystdlib corpus, which rank 0 prepares on first use."""
-    if args.data:
-        folder = Path(args.data)
-        if not (folder / "meta.json").exists():
-            raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
-                            "run python data/prepare.py NAME")
-        return folder
-    folder = REPO / "data" / "pystdlib"
-    if not (folder / "meta.json").exists():
-        if rank == 0:
-            prepare("pystdlib", folder)
-        if world > 1:
-            dist.barrier()
-    return folder
-
-
-def run_layout(args, mesh):
-    """Recorded in each save: a resume in the same layout also restores every rank's RNG states."""
-    return {"world": mesh.world, **mesh.sizes, "dp_mode": args.dp_mode, "dp_shard": mesh.dp_shard, "sp": args.sp,
-            "pp_schedule": args.pp_schedule, "pp_virtual": args.pp_virtual,
-            "pp_split": ",".join(map(str, args.pp_split)) if args.pp_split else None, "cp_mode": args.cp_mode}
-
-
 def save_header(config, layout, scaler):
     return {"config": config, "layout": layout, "scaler": scaler.state_dict()}
 
@@ -271,18 +247,6 @@ def save(saver, step, run, header, attempts, args):
         return saver.wait() if step is None else saver.save(step, run.wrapper, run.opt, header)
     except SaveFailed as e:
         raise stop_run(e, saver, attempts, args.out) from None
-
-
-def resume(saved, run, layout, rank):
-    """Loads a save made in any layout into this one; returns the step to continue from (0 without a save)."""
-    if saved is None:
-        return 0
-    same_layout = saved.meta["layout"] == layout  # else: resharding, and each rank's RNG has no counterpart
-    load(saved, run.wrapper, run.opt, rng_of_rank=rank if same_layout else None)
-    run.scaler.load_state_dict(saved.meta["scaler"])
-    if rank == 0:
-        print(f"resumed from {saved.path} (step {saved.step}{'' if same_layout else ', resharded'})", flush=True)
-    return saved.step
 
 
 def scheduled_lr(args, step):

@@ -60,12 +60,13 @@ def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
                 gathers=dict(getattr(wrapper, "all_gathers", {})), units=len(getattr(wrapper, "units", [])))
 
 
-def theory_bytes(mode, world, shard, P):
+def theory_bytes(mode, world, shard, P, E):
+    """E: the embedding and norm + head units' params, which backward does not gather again."""
     if mode == "ddp":
         return 2 * (world - 1) / world * 4 * P
     K = world if mode == "fsdp" else shard
     R = world // K
-    return 3 * (K - 1) / K * 4 * P + 2 * (R - 1) / R * 4 * P / K
+    return (K - 1) / K * 4 * (3 * P - E) + 2 * (R - 1) / R * 4 * P / K
 
 
 def main(argv=None):
@@ -81,12 +82,13 @@ def main(argv=None):
     if args.quick:
         fields = dict(fields, **common.QUICK_MODEL, seq_len=16)
         layouts = [("ddp", 2, None), ("fsdp", 1, None), ("fsdp", 2, None), ("hsdp", 4, 2)]
-    P = M.param_counts(M.ModelConfig(**fields))[0]
+    cfg = M.ModelConfig(**fields)
+    P, E = M.param_counts(cfg)[0], 2 * cfg.padded_vocab * cfg.d_model + cfg.d_model
     rows, fsdp8 = [], None
     for mode, world, shard in layouts:
         r = run_ranks(_one_step, world, args=(mode, shard, fields, args.micro_batch), timeout=300)[-1]  # last rank
         state = r["param"] + r["grad"] + r["adam"]
-        sent, want = sum(r["sent"].values()), theory_bytes(mode, world, shard, P)
+        sent, want = sum(r["sent"].values()), theory_bytes(mode, world, shard, P, E)
         label = dict(ddp=f"DDP, {world} ranks", fsdp=f"FSDP M={world}",
                      hsdp=f"HSDP K={shard} x R={world // (shard or 1)}")
         ag = f"{r['gathers'].get('forward', 0)} / {r['gathers'].get('backward', 0)}" if r["units"] else "-"
@@ -102,15 +104,16 @@ def main(argv=None):
          "reduce-scatters", "all-reduces", "sent MB", "theory MB", "sent / theory"], rows,
         notes=[f"P = {P:,} params, fp32 master weights, grads and Adam moments: 16P = {16 * P / 1e6:.3f} MB "
                "replicated; measured on the last rank after one step from tensor storage (views counted once)",
-               "FSDP units: one per block + one for embedding/norm/head; a unit is gathered once in forward and once "
-               "in backward per micro-batch, and reduce-scattered once per step",
-               "theory: FSDP 3(M-1)/M x 4P, HSDP (shard K, replicas R): 3(K-1)/K x 4P + 2(R-1)/R x 4P/K, "
-               "DDP 2(g-1)/g x 4P (padding makes FSDP send a hair more)"])
+               "FSDP units: the embedding, one per block, final norm + head; forward gathers each, backward the blocks "
+               "again, and every backward reduce-scatters each unit into the shard gradients",
+               "theory (one micro-batch): FSDP (M-1)/M x 4(3P - E), E = embedding + norm + head params; HSDP (shard K, "
+               "replicas R): (K-1)/K x 4(3P - E) + 2(R-1)/R x 4P/K; DDP 2(g-1)/g x 4P (padding makes FSDP send a hair "
+               "more)"])
     world, frac, gathers, units = fsdp8
     common.answer("L13", f"FSDP M={world} keeps {frac:.3f} of the replicated 16 B/param per rank")
     common.answer("L14", f"{gathers.get('forward')} all-gathers in forward and {gathers.get('backward')} in backward "
-                         f"per micro-batch ({units} units: one per block + embedding/norm/head), 1 reduce-scatter "
-                         "per unit per step")
+                         f"per micro-batch ({units} units: embedding, one per block, norm + head), 1 reduce-scatter "
+                         "per unit per micro-batch")
 
 
 if __name__ == "__main__":

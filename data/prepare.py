@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
@@ -52,6 +53,24 @@ def download(url, dest, check=None):
     except (OSError, http.client.HTTPException, ValueError, DataError) as e:  # URLError, HTTPError,
         # timeouts, cut connections, a bad url, a bad shard: one line naming the url
         raise DataError(f"download of {url} failed: {e}".replace("\n", " ")) from None
+
+
+def prepared_folder(data, rank=0, world=1):
+    """The folder a run reads: `data` (--data), which must be prepared, or the offline pystdlib corpus, which rank
+    0 prepares on first use while the others wait."""
+    if data:
+        folder = Path(data)
+        if not (folder / "meta.json").exists():
+            raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
+                            "run python data/prepare.py NAME")
+        return folder
+    folder = Path(__file__).resolve().parent / "pystdlib"
+    if not (folder / "meta.json").exists():
+        if rank == 0:
+            prepare("pystdlib", folder)
+        if world > 1:
+            dist.barrier()
+    return folder
 
 
 def python_files(src_dir):

@@ -2,13 +2,15 @@
 
 1. The data-parallel wrapper (ddp.DDP, fsdp.FSDP, hsdp.HSDP) built by each module's `wrap(...)`. It owns the
    materialized parameters of this rank's model chunks and is the only thing train.py asks about gradients:
-     sync_grads            attribute; False on all but the last micro-batch of a step: gradients just accumulate
+     sync_grads            attribute; True on the step's last backward (of a chunk): DDP all-reduces then, HSDP
+                           its replicas; FSDP reduce-scatters every backward into its shard gradients
      finish_grad_sync()    after the last backward: wait for every reduction, average over dp x cp
      optim_params()        the tensors the optimizer steps on (whole params, or fp32 shards)
      grads_for_norm()      [(gradient tensor, replicas)]: every element of the global gradient appears once after
                            dividing by `replicas`, the number of ranks holding an identical copy of it
      owned_pieces()        [Piece]: where each element this rank holds sits in the global tensors (for saves)
-     zero_grad()           after the optimizer step (DDP zeroes its buckets, whose views are the .grads)
+     zero_grad()           after the optimizer step: zeroes the buffers the .grads are views of (DDP's buckets,
+                           FSDP's shard gradients)
 
 2. Parameter tags, set by tp.py on meta parameters and read by model.local_init, the wrappers and the planner:
      p.tp_shard = (dim, rank, world)   p is block `rank` of `world` equal blocks of a global tensor along `dim`

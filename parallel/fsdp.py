@@ -1,21 +1,17 @@
 """FSDP: each of the M ranks of a group keeps 1/M of every parameter, gradient and Adam state.
 
-Split:    the batch (as DDP) and the model state. Units: one per transformer block, one per pipeline chunk for
-          embed_tokens + norm + lm_head. A unit's params are flattened, padded to a multiple of M and cut into M
-          equal shards; a rank keeps its shard in fp32 as the parameters the optimizer steps on.
-Sends:    per micro-batch, every unit is all-gathered in forward and again in backward, in the compute dtype;
-          per step its gradient is reduce-scattered (fp32, or --reduce-dtype bf16). Per rank, with P params:
-          (M-1)/M · P · (2·A·compute bytes + reduce bytes) for A micro-batches: 3·(M-1)/M·4P in fp32 (DDP: 2·).
-          Under pp (keep_gathered) a unit is gathered once per step and kept to its last backward: 2·A -> 1.
-Overlap:  forward prefetches the next unit's all-gather while the current unit computes, backward the previous
-          unit's; a unit's reduce-scatter is async, hidden under the next unit's backward and waited for when that
-          unit's starts, so one unsharded gradient is in flight, not the model's (--no-overlap: none of this).
-Memory:   16·P/M bytes of fp32 state per rank (+ padding) instead of 16·P, plus ~2 gathered units at a time (the
-          embedding/head unit stays gathered through its chunk's forward and backward). Weights that autograd
-          saves for backward are kept as (unit, offset) and gathered again (saved_tensors_hooks), so nothing
-          full-size lives between forward and backward. Gradient accumulation (sync_grads False) keeps each
-          unit's unsharded fp32 gradient until the last micro-batch: 4·P bytes, DDP's gradient size. Under pp
-          the stage's units stay gathered through the step: its P in the compute dtype.
+Split:    the batch (as DDP) and the model state in units, per pipeline chunk: the embedding, each block, final norm +
+          lm_head. A unit is flattened, padded to a multiple of M and cut into M shards; a rank keeps its shard in fp32.
+Sends:    per micro-batch an all-gather (compute dtype, c bytes) of every unit for forward and of each block for
+          backward (the embedding's backward needs no weights; norm + head stays gathered into its backward), and a
+          reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of every unit's gradient into the fp32 shard gradient.
+          Per rank and step, P params (E in embedding, norm, head), A micro-batches: (M-1)/M · A·((2P-E)·c + P·r).
+          Under pp (keep_gathered) units are gathered once per step, kept to their last backward: (M-1)/M · P(c + A·r).
+Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's (the embedding's when another
+          micro-batch follows); a reduce-scatter is waited for after the next unit's backward (--no-overlap: none).
+Memory:   16·P/M bytes of fp32 state (+ padding; the shard gradients persist, whatever A), ~2 gathered units, and one
+          flat gradient the size of the largest unit (reduce dtype) during backward. Saved weights are (unit, offset)
+          records gathered again in backward; under pp the stage's units stay gathered through the step.
 """
 from collections import Counter, namedtuple
 
@@ -41,7 +37,8 @@ class Unit:
         self.slots = sorted(slots, key=lambda s: s[3].dim() < 2)
         self.sizes = [s[3].numel() for s in self.slots]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self.shard_numel = -(-sum(self.sizes) // group.size)
+        self.numel = sum(self.sizes)
+        self.shard_numel = -(-self.numel // group.size)
         self.padded = self.shard_numel * group.size
         self.start = group.rank * self.shard_numel  # this rank's shard is flat[start:start + shard_numel]
         self.local = torch.zeros(self.shard_numel, device=device)  # fp32 master shard
@@ -50,10 +47,11 @@ class Unit:
         self.ranges = [r for r in ((0, k), (k, self.shard_numel)) if r[1] > r[0]]  # shard ranges of the params
         self.params = [nn.Parameter(self.local[a:b].view(1, -1) if a == 0 and k > 0 else self.local[a:b])
                        for a, b in self.ranges]
-        self.full = None  # the gathered (padded,) buffer in compute dtype, while in use
-        self.pending = None  # (buffer, handle, send buffer) of an all-gather in flight
-        self.reductions = []  # (output, handle, send buffer) of reduce-scatters in flight
-        self.accumulated = None  # unsharded fp32 gradient kept across micro-batches
+        self.full, self.pending = None, None  # the gathered (padded,) buffer in use; (it, handle, send) in flight
+        self.grad = None  # (shard_numel,) fp32: the gradient shard summed over the group and the step's backwards
+        self.fresh = True  # nothing summed into grad yet this step: the first reduce-scatter overwrites it
+        self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
+        self.replica = None  # HSDP: the all-reduce of grad over the replicas, once launched this step
 
     def flat_from(self, tensor_of):
         """The (padded,) fp32 flat buffer holding tensor_of(slot) for every slot."""
@@ -91,8 +89,7 @@ class Unit:
         if self.full is None:
             self.start_gather()
             full, handle, _ = self.pending
-            if handle is not None:
-                handle.wait()
+            handle.wait()
             self.full, self.pending = full, None
         return self.full
 
@@ -108,8 +105,7 @@ class Unit:
 
 
 class GatherUnit(torch.autograd.Function):
-    """Forward: the unit's full parameters, views of one gathered buffer. Backward: hands their gradients to
-    FSDP, which reduce-scatters them into the shards' .grad itself (possibly later, so it returns None)."""
+    """Forward: the unit's full parameters, views of one gathered buffer. Backward: FSDP reduces their gradients."""
 
     @staticmethod
     def forward(ctx, fsdp, unit, *shards):
@@ -128,35 +124,29 @@ class FSDP:
                  reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
         self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
-        self.weight_dtype = compute_dtype  # forward computes with the gathered weights
-        self.reduce_dtype = reduce_dtype
-        self.sync_grads = True  # False on all but the last micro-batch: keep the unsharded gradient
+        self.weight_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # forward computes with gathered weights
+        self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas; if not, more come
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
-        self.all_gathers = Counter()  # {"forward": n, "backward": n}, cumulative; tests and benches read it
-        self.reducing = None  # the unit whose reduce-scatter is in flight
+        self.all_gathers = Counter()  # {"forward": n, "backward": n} by the pass that uses them; tests read it
+        self.reducing = self.replicating = None  # the unit whose reduce-scatter (all-reduce, HSDP) is in flight
+        self.flat = None  # the flat gradient being reduced: one per step, sized for the largest unit
         self.units, self.next_unit, self.prev_unit, self.in_forward = [], {}, {}, {}
         names = {id(p): global_name(name) for name, p in module.named_parameters()}
         for chunk in module:
-            blocks = [(f"layers.{i}", [block], block) for i, block in chunk.layers.items()]
-            root = [m for m in (chunk.embed_tokens, chunk.norm, chunk.lm_head) if m is not None]
-            order = [("embed_norm_head", root, chunk)] * bool(root) + blocks  # forward order
-            units = [self._make_unit(name, tops, owner, names, init_param, device, compute_dtype)
-                     for name, tops, owner in order]
-            for (_, _, owner), unit in zip(order, units):
-                if owner is not chunk:
-                    self._wrap_forward(owner, unit)
-            self._wrap_chunk_forward(chunk, units[0] if root else None)
-            for a, b in zip(units, units[1:]):
-                self.next_unit[a] = b
-            # backward runs the head (root unit) first, then the blocks in reverse
-            backward = units[:1] + units[:0:-1] if root else units[::-1]
-            for a, b in zip(backward, backward[1:]):
-                self.prev_unit[a] = b
+            parts = [("embed_tokens", [chunk.embed_tokens])] * (chunk.embed_tokens is not None)
+            parts += [(f"layers.{i}", [block]) for i, block in chunk.layers.items()]
+            parts += [("norm_head", [chunk.norm, chunk.lm_head])] * (chunk.lm_head is not None)  # forward order
+            units = [self._make_unit(name, tops, tops[0] if len(tops) == 1 else chunk, names, init_param, device,
+                                     compute_dtype) for name, tops in parts]
+            for (_, tops), unit in zip(parts, units):
+                self._wrap_forward(unit, tops)
+            self._wrap_chunk_forward(chunk)
+            for a, b in zip(units, units[1:]):  # backward runs them in reverse
+                self.next_unit[a], self.prev_unit[b] = b, a
             self.units += units
         for unit in self.units:
             unit.norm_pieces = [(i, a, b, self.replicas(slot[3])) for i, a, b, slot in unit.segments()]
-            unit.tp_partial = [(i, a, b) for i, a, b, slot in unit.segments()
-                               if has_tp_partial_grad(slot[3])]
+            unit.tp_partial = [(i, a, b) for i, a, b, slot in unit.segments() if has_tp_partial_grad(slot[3])]
 
     def _make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
         """Materializes one unit from the meta device: only this unit's full tensors exist at once."""
@@ -178,34 +168,39 @@ class FSDP:
         return 1 if tp_shard_of(meta_param) else self.mesh.tp_group.size
 
     # ---------------------------------------------------------------- forward
-    def _wrap_forward(self, block, unit):
-        forward = block.forward
-        block.forward = lambda *args, **kwargs: self._run_gathered(unit, forward, args, kwargs)
-
-    def _wrap_chunk_forward(self, chunk, root_unit):
+    def _wrap_chunk_forward(self, chunk):
         """In a chunk's forward, weights of gathered units that autograd saves become SavedWeight records."""
         forward = chunk.forward
 
         def run_chunk(*args, **kwargs):
             self.phase = "forward"
             with saved_tensors_hooks(self._pack, self._unpack):
-                if root_unit is None:
-                    return forward(*args, **kwargs)
-                return self._run_gathered(root_unit, forward, args, kwargs)
+                return forward(*args, **kwargs)
         chunk.forward = run_chunk
 
-    def _run_gathered(self, unit, forward, args, kwargs):
-        self.all_gathers[self.phase] += unit.start_gather()
-        views = GatherUnit.apply(self, unit, *unit.params)  # waits for the (prefetched) all-gather
-        if self.overlap and self.phase == "forward" and unit in self.next_unit:
-            self.all_gathers["forward"] += self.next_unit[unit].start_gather()  # prefetch under this compute
-        unit.attach(views)
-        self.in_forward[unit.full.untyped_storage().data_ptr()] = unit
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            del self.in_forward[unit.full.untyped_storage().data_ptr()]
-            unit.release(self.keep_gathered)
+    def _wrap_forward(self, unit, modules):
+        """The unit is gathered as its first module's forward starts and released as its last module's ends."""
+        run_last = modules[-1].forward
+
+        def run_then_release(*args, **kwargs):
+            try:
+                return run_last(*args, **kwargs)
+            finally:
+                del self.in_forward[unit.full.untyped_storage().data_ptr()]
+                last = unit not in self.next_unit and self.phase == "forward" and torch.is_grad_enabled()
+                unit.release(self.keep_gathered or last)  # the last unit's backward comes next: keep it
+        modules[-1].forward = run_then_release
+        run_first = modules[0].forward
+
+        def gather_then_run(*args, **kwargs):
+            self.all_gathers[self.phase] += unit.start_gather()
+            views = GatherUnit.apply(self, unit, *unit.params)  # waits for the (prefetched) all-gather
+            if self.overlap and self.phase == "forward" and unit in self.next_unit:
+                self.all_gathers["forward"] += self.next_unit[unit].start_gather()  # prefetch under this compute
+            unit.attach(views)
+            self.in_forward[unit.full.untyped_storage().data_ptr()] = unit
+            return run_first(*args, **kwargs)
+        modules[0].forward = gather_then_run
 
     def _pack(self, t):
         unit = self.in_forward.get(t.untyped_storage().data_ptr()) if t.numel() else None
@@ -219,58 +214,80 @@ class FSDP:
         unit = saved.unit
         self.all_gathers["backward"] += unit.start_gather()
         full = unit.wait_gathered()
-        if self.overlap and unit in self.prev_unit:
-            self.all_gathers["backward"] += self.prev_unit[unit].start_gather()
+        prev = self.prev_unit.get(unit)
+        if self.overlap and prev is not None and prev.name != "embed_tokens":
+            self.all_gathers["backward"] += prev.start_gather()
+        elif self.overlap and prev is not None and not self.sync_grads:  # the next micro-batch's forward needs it
+            self.all_gathers["forward"] += prev.start_gather()
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     # ---------------------------------------------------------------- backward
     def reduce_grads(self, unit, grads):
-        """All of the unit's gradients are ready: free its gathered weights, then reduce-scatter (or keep)."""
+        """A backward of the unit is done: free its gathered weights, reduce-scatter its gradient (async)."""
         self.phase = "backward"
         if not self.keep_gathered:
             unit.full = None
-        flat = torch.zeros(unit.padded, device=unit.local.device)
-        for g, a, n in zip(grads, unit.offsets, unit.sizes):
-            if g is not None:
-                flat[a:a + n] = g.reshape(-1)
-        if unit.accumulated is not None:
-            flat += unit.accumulated
-        if not self.sync_grads:
-            unit.accumulated = flat  # (padded,) fp32: the memory price of skipping this reduce-scatter
-            return
-        unit.accumulated = None
-        send = flat.to(self.reduce_dtype)
-        out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=flat.device)
-        handle = self.group.reduce_scatter(out, send, async_op=True)
-        unit.reductions.append((out, handle, send))
-        if not self.overlap:
-            self._finish_reductions(unit)
-            return
-        if self.reducing not in (None, unit):  # launched one unit ago, done under this unit's backward: free it
-            self._finish_reductions(self.reducing)
+        if self.reducing is not None:  # launched one unit ago, done under this unit's backward: free its buffer
+            self._finish_reduction(self.reducing)
+        if unit.replica is not None:
+            raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
+        if self.flat is None:  # one at a time: the reduce-scatter that read it is done (freed by finish_grad_sync)
+            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
+        flat = self.flat[:unit.padded]
+        flat[unit.numel:].zero_()  # the padding (under M elements)
+        views = unit.views(flat)  # a param this backward did not reach (grad None): its view zeroed, copied onto itself
+        torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
+        out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block of the sum
+        unit.reduction = (out, self.group.reduce_scatter(out, flat, async_op=True), self.sync_grads)
         self.reducing = unit
+        if not self.overlap:
+            self._finish_reduction(unit)
+            self._wait_replicas()
 
-    def _finish_reductions(self, unit):
-        for out, handle, _ in unit.reductions:
-            if handle is not None:
-                handle.wait()
-            shard_grad = self.average(out.float())
-            for p, (a, b) in zip(unit.params, unit.ranges):
-                p.grad = shard_grad[a:b].view_as(p) if p.grad is None else p.grad + shard_grad[a:b].view_as(p)
-        unit.reductions = []
+    def _finish_reduction(self, unit):
+        """Waits for the unit's reduce-scatter, sums it into the shard gradient and, after the step's last backward
+        of the unit, launches the sum over the replicas (HSDP; waited for one unit later)."""
+        out, handle, last = unit.reduction
+        unit.reduction, self.reducing = None, None
+        handle.wait()
+        if unit.grad is None:  # allocated once, kept across steps
+            unit.grad = torch.empty(unit.shard_numel, device=out.device)
+        (unit.grad.copy_ if unit.fresh else unit.grad.add_)(out)
+        unit.fresh = False
+        if last:
+            self._wait_replicas()
+            unit.replica = self.sum_replicas(unit.grad)
+            self.replicating = unit if unit.replica is not None else None
 
-    def average(self, shard_grad):
-        """The summed gradient shard -> the mean over the group (HSDP also all-reduces across replicas here)."""
-        return shard_grad / self.group.size
+    def _wait_replicas(self):  # the all-reduce launched one unit ago
+        if self.replicating is not None:
+            self.replicating.replica.wait()
+            self.replicating = None
+
+    def sum_replicas(self, shard_grad):  # HSDP launches the sum of a unit's step gradient shard over its replicas
+        return None
+
+    def averaged_over(self):  # ranks whose gradients the step averages
+        return self.group.size
 
     def finish_grad_sync(self):
-        """Waits for the reduce-scatters, averages, all-reduces sequence-parallel norm grads over tp."""
+        """Waits for the reductions in flight, averages, all-reduces sequence-parallel norm grads over tp."""
         for unit in self.units:
             if unit.pending is not None:  # an unused prefetch must not outlive the optimizer step
                 unit.wait_gathered()
             unit.full = None  # (kept gathered: the step's micro-batches are done with it)
-            self._finish_reductions(unit)
-        self.reducing = None
+        if self.reducing is not None:
+            self._finish_reduction(self.reducing)
+        self._wait_replicas()
+        for unit in (u for u in self.units if not u.fresh):  # reduced this step
+            replica = unit.replica or self.sum_replicas(unit.grad)  # none launched: no backward said sync_grads
+            if replica is not None:
+                replica.wait()
+            unit.grad.div_(self.averaged_over())
+            unit.replica, unit.fresh = None, True
+            for p, (a, b) in zip(unit.params, unit.ranges):
+                p.grad = unit.grad[a:b].view_as(p)
+        self.flat = None
         if self.mesh.tp > 1:
             for unit in self.units:
                 pieces = [unit.params[i].grad.view(-1)[a:b] for i, a, b in unit.tp_partial
@@ -283,8 +300,10 @@ class FSDP:
 
     # ---------------------------------------------------------------- optimizer, norm, state
     def zero_grad(self):
-        for p in self.optim_params():
-            p.grad = None
+        """The shard gradients, whose views are the params' .grad, stay allocated across steps."""
+        for unit in self.units:
+            if unit.grad is not None:
+                unit.grad.zero_()
 
     def optim_params(self):
         return [p for unit in self.units for p in unit.params]
@@ -308,22 +327,24 @@ class FSDP:
                                     first and (tp is not None or self.mesh.coord["tp"] == 0)))
         return pieces
 
+
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
          cls=FSDP, group=None):
-    """module: nn.ModuleList of GPT chunks on the meta device, materialized here one unit at a time with
-    init_param(global name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp. Under pp a
-    stage runs many micro-batches between a unit's first forward and last backward: it stays gathered."""
+    """module: nn.ModuleList of GPT chunks on the meta device, materialized one unit at a time with init_param(global
+    name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp; under pp units stay gathered."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
                overlap=overlap, keep_gathered=mesh.pp > 1)
 
 
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
 
-def gathers_per_step(micro_batches, keep_gathered):
-    """All-gathers of each unit per step: 1 when kept gathered (under pp), else 2 · micro_batches (fwd, bwd)."""
-    return 1 if keep_gathered else 2 * micro_batches
+def gathers_per_step(micro_batches, keep_gathered, backward=True):
+    """All-gathers of a unit per step: 1 when kept gathered (under pp), else one per micro-batch for forward, and
+    for a block (backward=True) one more for backward; the embedding and norm + head units: backward=False."""
+    return 1 if keep_gathered else (1 + backward) * micro_batches
 
 
-def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes):
-    """Bytes one rank sends per step for n_params: (gathers · compute_bytes + reduce_bytes)(S-1)/S · n_params."""
-    return (gathers * compute_bytes + reduce_bytes) * (shard_size - 1) / shard_size * n_params
+def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes, reduces=1):
+    """Bytes one rank sends per step for n_params: (gathers · compute_bytes + reduces · reduce_bytes)(S-1)/S · n_params.
+    reduces: the backwards per step (micro-batches), each reduce-scatters its unit."""
+    return (gathers * compute_bytes + reduces * reduce_bytes) * (shard_size - 1) / shard_size * n_params

@@ -1,12 +1,13 @@
-"""HSDP: FSDP inside a shard group of K ranks (one server's fast links), DDP across the dp/K replicas.
+"""HSDP: FSDP inside a shard group of K ranks (one server's fast links), DDP across the R = dp/K replicas.
 
-Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), replicated R = dp/K times
+Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), replicated R times
           (mesh.replicate_group); the batch over all dp x cp ranks.
-Sends:    FSDP's traffic inside the shard group, (K-1)/K · P · (2·A·compute bytes + reduce bytes), plus one
-          all-reduce of the fp32 gradient shard across replicas: 2·(R-1)/R · 4P/K bytes per rank.
-          Only the all-reduce, 1/K of DDP's volume, crosses servers.
-Overlap:  as FSDP; a unit's replica all-reduce runs as its reduce-scatter is finished (in backward, one unit
-          behind; the last unit's in finish_grad_sync).
+Sends:    FSDP's traffic inside the shard group, (K-1)/K · A·((2P-E)·c + P·r) per step (fsdp.py), plus, once per
+          step, one all-reduce of each unit's fp32 gradient shard, summed over the step's micro-batches, across the
+          replicas: 2·(R-1)/R · 4P/K bytes per rank, whatever A. Only that all-reduce, 1/K of DDP's, crosses servers.
+Overlap:  a unit's replica all-reduce is launched as soon as the reduce-scatter of its last backward of the step
+          (sync_grads) is in, at the end of the next unit's backward, and waited for at the end of the one after
+          (the last units' in finish_grad_sync): it runs under backward compute.
 Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
 """
 import torch
@@ -16,9 +17,11 @@ from parallel.fsdp import FSDP
 
 
 class HSDP(FSDP):
-    def average(self, shard_grad):
-        self.mesh.replicate_group.all_reduce(shard_grad)  # sum over the replicas of this shard
-        return shard_grad / (self.group.size * self.mesh.replicate_group.size)  # mean over every dp x cp rank
+    def sum_replicas(self, shard_grad):
+        return self.mesh.replicate_group.all_reduce(shard_grad, async_op=True)  # a Pending: FSDP waits for it
+
+    def averaged_over(self):
+        return self.group.size * self.mesh.replicate_group.size  # the mean over every dp x cp rank
 
     def replicas(self, meta_param):
         return super().replicas(meta_param) * self.mesh.replicate_group.size
@@ -32,5 +35,6 @@ def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_d
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
 
 def replica_bytes(n_params, shard_size, replicas, grad_bytes=4):
-    """Bytes one rank sends all-reducing its gradient shard over the replicas: 2(R-1)/R · grad_bytes · n_params/K."""
+    """Bytes one rank sends all-reducing its gradient shard over the replicas, once per step whatever the number of
+    micro-batches: 2(R-1)/R · grad_bytes · n_params/K (grad_bytes: the fp32 shard gradient, 4)."""
     return 2 * (replicas - 1) / replicas * grad_bytes * n_params / shard_size

@@ -175,6 +175,18 @@ def _load(saved, pieces, opt, rng_of_rank):
             raise SaveError(f"{where}: rng.{rng_of_rank} is not an RNG state ({type(e).__name__}: {e})") from None
 
 
+def resume(saved, wrapper, opt, scaler, layout, rank):
+    """Loads a save made in any layout into this one; returns the step to continue from (0 without a save)."""
+    if saved is None:
+        return 0
+    same_layout = saved.meta["layout"] == layout  # else: resharding, and each rank's RNG has no counterpart
+    load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
+    scaler.load_state_dict(saved.meta["scaler"])
+    if rank == 0:
+        print(f"resumed from {saved.path} (step {saved.step}{'' if same_layout else ', resharded'})", flush=True)
+    return saved.step
+
+
 def check_config(saved, current, where=""):
     """Refuses to resume under a different model, data or optimization config; names the first difference."""
     def first_difference(a, b, prefix=""):

@@ -17,6 +17,7 @@ import optim
 import train
 from config import accumulation_steps
 from data.loader import TokenLoader
+from data.prepare import prepared_folder
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from tests.layouts import BASE, assert_same_losses
@@ -28,7 +29,7 @@ def _first_step_and_losses(rank, world, flags, out_dir):
     args = train.parse_args(argv)
     mesh = Mesh(rank, world, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
     dp = mesh.dp
-    folder = train.data_folder(args, rank, world)
+    folder = prepared_folder(args.data, rank, world)
     cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp,
                          prefetch=False)
@@ -49,7 +50,8 @@ def _first_step_and_losses(rank, world, flags, out_dir):
         rows=(loader.rows.start, loader.rows.stop), micro_batches=n_micro,
         calls=calls, bytes=sent, all_gathers=all_gathers,
         launched_in_backward=launched_in_backward, n_buckets=len(getattr(wrapper, "buckets", [])),
-        params=M.param_counts(cfg)[0], dp=dp, shard=mesh.shard_group.size, n_layer=cfg.n_layer)
+        params=M.param_counts(cfg)[0], dp=dp, shard=mesh.shard_group.size, n_layer=cfg.n_layer,
+        edge_params=2 * cfg.padded_vocab * cfg.d_model + cfg.d_model)  # fsdp: embedding, norm + head
     result["losses"] = train.main(argv)
     return result
 
@@ -74,7 +76,8 @@ def expected_bytes(mode, r, flags):
     if mode == "ddp":
         return {"all_reduce": 2 * (g - 1) / g * P4}
     K, R = r["shard"] if mode == "hsdp" else g, g // r["shard"] if mode == "hsdp" else 1
-    out = {"all_gather": 2 * A * (K - 1) / K * P4, "reduce_scatter": (K - 1) / K * P4}
+    # forward gathers every unit, backward the blocks (not the embedding, nor norm + head); every backward reduces
+    out = {"all_gather": A * (K - 1) / K * (2 * P4 - 4 * r["edge_params"]), "reduce_scatter": A * (K - 1) / K * P4}
     if R > 1:
         out["all_reduce"] = 2 * (R - 1) / R * P4 / K
     return out
@@ -111,12 +114,13 @@ def test_dp_layout_matches_one_process(name, reference, tmp_path):
         assert r0["calls"]["all_reduce"] == r0["n_buckets"]
         assert r0["launched_in_backward"] == (0 if "--no-overlap" in flags else r0["n_buckets"])
     else:
-        units, A = r0["n_layer"] + 1, r0["micro_batches"]
+        units, A = r0["n_layer"] + 2, r0["micro_batches"]
         print(f"\n{name}: all-gathers forward {r0['all_gathers']['forward']}, backward "
               f"{r0['all_gathers']['backward']}, reduce-scatters {r0['calls']['reduce_scatter']} ({units} units, "
               f"{A} micro-batches)")
-        assert r0["all_gathers"] == {"forward": A * units, "backward": A * units}
-        assert r0["calls"]["reduce_scatter"] == units and r0["calls"]["all_gather"] == 2 * A * units
+        assert r0["all_gathers"] == {"forward": A * units, "backward": A * r0["n_layer"]}
+        assert r0["calls"]["reduce_scatter"] == A * units
+        assert r0["calls"]["all_gather"] == A * (units + r0["n_layer"])
     first_row = json.loads((Path(tmp_path) / "metrics.jsonl").read_text().splitlines()[0])
     assert first_row["comm_gb"] * 1e9 == pytest.approx(sum(want.values()), rel=0.01)
 

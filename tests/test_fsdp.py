@@ -1,4 +1,5 @@
 """FSDP/HSDP internals on 4 gloo ranks: sharded memory (L13), prefetch and reduce-scatter ordering (L14, L16),
+the embedding and head units' prefetch and HSDP's replica all-reduce under backward (the collective timeline),
 shard-by-shard init equal to one process (no rank builds the whole model), state round trip, bf16 traffic,
 grad-norm replica counts.
 One set of ranks runs every check (module fixture); each test asserts one property."""
@@ -86,10 +87,30 @@ def order_check(rank, world, mesh, overlap):
         block.register_full_backward_hook(lambda m, gi, go, n=name: stats.log.append((f"backward done {n}", "", 0)))
     mesh.stats.reset()
     gpt(*batch(rank)).backward()
-    in_flight = sum(len(u.reductions) for u in fsdp.units)
+    in_flight = len(stats.in_flight())
     fsdp.finish_grad_sync()
     return dict(log=[kind for kind, _, _ in mesh.stats.log], in_flight_after_backward=in_flight,
                 all_gathers=dict(fsdp.all_gathers))
+
+
+def overlap_check(rank, world, cls, mesh, micro_batches=2):
+    """Two micro-batches stepped as train.py does; the timeline gets a ("mark", "<micro-batch> fwd|bwd <block>")
+    event as each block's forward and backward is done. Returns the timeline, the log it indexes, what was in flight
+    as backward ended, and each unit's padded size by the names of its params."""
+    wrapper = cls(tiny_gpt(), mesh, mesh.shard_group, init_param, "cpu")
+    gpt, stats = wrapper.module[0], mesh.stats
+    mb = [0]
+    for name, block in gpt.layers.items():
+        block.register_forward_hook(lambda m, i, o, n=name: stats.timeline.append(("mark", f"{mb[0]} fwd {n}")))
+        block.register_full_backward_hook(lambda m, gi, go, n=name: stats.timeline.append(("mark", f"{mb[0]} bwd {n}")))
+    stats.reset()
+    for mb[0] in range(micro_batches):
+        wrapper.sync_grads = mb[0] == micro_batches - 1
+        (gpt(*batch(rank * micro_batches + mb[0])) / micro_batches).backward()
+    in_flight = [stats.log[i][:2] for i in stats.in_flight()]
+    wrapper.finish_grad_sync()
+    return dict(timeline=list(stats.timeline), log=list(stats.log), in_flight=in_flight, calls=dict(stats.calls),
+                padded={s[2]: u.padded for u in wrapper.units for s in u.slots}, shard=wrapper.group.size)
 
 
 def init_and_state_check(rank, world, mesh):
@@ -124,6 +145,7 @@ def bf16_check(rank, world, mesh, reduce_dtype):
     loss.backward()
     fsdp.finish_grad_sync()
     return dict(bytes=dict(mesh.stats.bytes), padded=sum(u.padded for u in fsdp.units), weight_dtype=str(seen[0]),
+                edges=sum(u.padded for u in fsdp.units if not u.name.startswith("layers.")),
                 grad_dtypes={str(p.grad.dtype) for p in fsdp.optim_params()})
 
 
@@ -159,6 +181,8 @@ def _all_checks(rank, world):
     mesh = Mesh(rank, world)
     return dict(memory=memory_check(rank, world, mesh),
                 order={overlap: order_check(rank, world, mesh, overlap) for overlap in (True, False)},
+                overlap={"fsdp": overlap_check(rank, world, FSDP, mesh),
+                         "hsdp": overlap_check(rank, world, HSDP, Mesh(rank, world, dp=4, dp_shard=2))},
                 init=init_and_state_check(rank, world, mesh),
                 bf16={d: bf16_check(rank, world, mesh, d) for d in (torch.float32, torch.bfloat16)},
                 norm=norm_check(rank, world))
@@ -175,7 +199,7 @@ def test_fsdp_persistent_state_is_one_mth_per_rank(ranks):
         m = r["memory"]
         padding_per_rank = (m["padded"] - P) / 4
         assert m["gathered_left"] == []  # no full unit survives the step
-        assert m["gathered_peak"] <= 3  # while a block runs: the root, the block, the prefetched neighbour
+        assert m["gathered_peak"] <= 2  # while a block runs: the block and the prefetched neighbour
         assert m["param"] == m["grad"] == 4 * m["padded"] / 4
         assert m["optim"] == 8 * m["padded"] / 4  # Adam's two moments
         assert m["param"] + m["grad"] + m["optim"] <= 16 * P / 4 + 16 * padding_per_rank
@@ -192,18 +216,20 @@ def test_fsdp_prefetches_next_unit_and_reduce_scatters_during_backward(ranks):
         short = [k.replace("all_gather", "AG").replace("reduce_scatter", "RS") for k in log]
         print(f"\noverlap={overlap}: {', '.join(short)}")
         done0 = log.index("forward done 0")
-        # forward: root + layers.0, and with prefetch layers.1 too, gathered before layers.0 finished
+        # forward: the embedding + layers.0, and with prefetch layers.1 too, gathered before layers.0 finished
         assert log[:done0].count("all_gather") == (3 if overlap else 2)
         backward = log[log.index(f"forward done {CFG.n_layer - 1}") + 1:]
         last = CFG.n_layer - 1
-        # backward: with prefetch, the next-to-last block's gather starts before the last block's backward is done
-        assert backward[:backward.index(f"backward done {last}")].count("all_gather") == (3 if overlap else 2)
+        # backward: the head stays gathered from its forward; with prefetch, the next-to-last block's gather starts
+        # before the last block's backward is done (without, the head's forward gather comes after layers.3's)
+        assert backward[:backward.index(f"backward done {last}")].count("all_gather") == 2
         # reduce-scatters of the later blocks launch while backward is still running
         assert backward[:backward.index("backward done 0")].count("reduce_scatter") >= last
-        units = CFG.n_layer + 1
-        # one unit's reduce-scatter (and its unsharded gradient) is in flight at a time, not the model's
+        units = CFG.n_layer + 2  # the embedding, the blocks, norm + head
+        # one unit's reduce-scatter (and its flat gradient) is in flight at a time, not the model's
         assert r["in_flight_after_backward"] == (1 if overlap else 0)
-        assert r["all_gathers"] == {"forward": units, "backward": units}
+        # backward gathers the blocks only: the embedding's needs no weights, the head is still gathered
+        assert r["all_gathers"] == {"forward": units, "backward": CFG.n_layer}
         assert log.count("reduce_scatter") == units
 
 
@@ -226,7 +252,8 @@ def test_fsdp_bf16_gathers_half_the_bytes(ranks):
     for reduce_dtype, r in ranks[0]["bf16"].items():
         g, padded = 4, r["padded"]
         assert r["weight_dtype"] == "torch.bfloat16" and r["grad_dtypes"] == {"torch.float32"}
-        assert r["bytes"]["all_gather"] == pytest.approx(2 * (g - 1) / g * 2 * padded)  # fwd + bwd, 2 B each
+        # fwd + bwd, 2 B each; backward gathers no embedding or norm + head
+        assert r["bytes"]["all_gather"] == pytest.approx((g - 1) / g * 2 * (2 * padded - r["edges"]))
         assert r["bytes"]["reduce_scatter"] == pytest.approx((g - 1) / g * padded * reduce_dtype.itemsize)
 
 
@@ -235,3 +262,61 @@ def test_fsdp_grad_norm_counts_each_element_once(ranks):
         n = r["norm"]
         assert n["tp"] == pytest.approx(n["tp_expected"], rel=1e-6)
         assert n["hsdp"] == pytest.approx(n["hsdp_expected"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- the collective timeline of two micro-batches
+
+def lifetimes(r):
+    """{log index: [launch position, wait position]} of the timeline's collectives, and {marker: position}."""
+    life, marks = {}, {}
+    for pos, (event, x) in enumerate(r["timeline"]):
+        if event == "mark":
+            marks[x] = pos
+        else:
+            life.setdefault(x, [None, None])[event == "wait"] = pos
+    return life, marks
+
+
+def gathers_of(r, param):
+    """[launch, wait] of the all-gathers of the unit holding `param` (told apart by their bytes)."""
+    life, _ = lifetimes(r)
+    K = r["shard"]
+    nbytes = (K - 1) / K * 4 * r["padded"][param]
+    return [life[i] for i, (kind, _, b) in enumerate(r["log"]) if kind == "all_gather" and b == pytest.approx(nbytes)]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_embedding_and_head_gathers_are_prefetched(ranks, mode):
+    """norm + head: launched under the last block's forward, waited for as the head's forward starts, kept for its
+    backward. The embedding: the second micro-batch's launched under the first one's layers.0 backward."""
+    last = CFG.n_layer - 1
+    for r in (rank["overlap"][mode] for rank in ranks):
+        _, marks = lifetimes(r)
+        head, embed = gathers_of(r, "lm_head.weight"), gathers_of(r, "embed_tokens.weight")
+        assert len(head) == 2 and len(embed) == 2, "one all-gather per micro-batch, none for their backward"
+        for mb, (launch, wait) in enumerate(head):
+            assert launch < marks[f"{mb} fwd {last}"] < wait
+        launch, wait = embed[1]
+        assert launch < marks["0 bwd 0"] < wait
+
+
+def test_hsdp_replica_all_reduce_runs_under_backward_once_per_step(ranks):
+    """Launched once per unit and step (not per micro-batch), as the unit's last reduce-scatter is in and before
+    the next reduce-scatter, waited for after another block's backward; one in flight as backward ends."""
+    for r in (rank["overlap"]["hsdp"] for rank in ranks):
+        life, marks = lifetimes(r)
+        units = CFG.n_layer + 2
+        log = r["log"]
+        replica = [i for i, (_, group, _) in enumerate(log) if group == "replicate"]
+        assert r["calls"]["all_reduce"] == len(replica) == units
+        rs_launches = [life[i][0] for i, (kind, _, _) in enumerate(log) if kind == "reduce_scatter"]
+        bwd_marks = [pos for name, pos in marks.items() if " bwd " in name]
+        in_backward = [i for i in replica if life[i][0] < marks["1 bwd 0"]]
+        assert len(in_backward) == CFG.n_layer  # the head's and layers n-1..1: launched while backward runs
+        for i in replica:
+            launch, wait = life[i]
+            assert launch > marks[f"1 fwd {CFG.n_layer - 1}"]  # in the last micro-batch's backward or after
+            if i in in_backward:
+                assert any(launch < p < wait for p in rs_launches), "waited for after the next reduce-scatter"
+                assert any(launch < p < wait for p in bwd_marks), "in flight under a block's backward"
+        assert sorted(r["in_flight"]) == [("all_reduce", "replicate"), ("reduce_scatter", "shard")]
