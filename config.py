@@ -120,7 +120,8 @@ def parse_args(argv=None):
       help="activation checkpointing, i.e. recompute activations in backward (not a save: see --save-every): "
            f"{ckpt.POLICIES}")
     a("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
-    a("--no-overlap", action="store_true", help="sync gradients after backward instead of during it")
+    a("--no-overlap", action="store_true",
+      help="no communication overlap (ablation): dp gradient sync after backward, every tp collective blocking")
     a("--device", type=one_of(("cpu", "cuda"), "device"), help="cpu | cuda (default: cuda if available)")
     a("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")

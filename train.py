@@ -72,7 +72,7 @@ def build(cfg, mesh, args, n_micro, device):
         else [full]
     for chunk in chunks:
         if mesh.tp > 1:
-            tp.parallelize(chunk, mesh, sequence_parallel=args.sp)
+            tp.parallelize(chunk, mesh, sequence_parallel=args.sp, overlap=not args.no_overlap)
         if mesh.cp > 1:
             cp.parallelize(chunk, mesh, mode=args.cp_mode)
         ckpt.apply(chunk, args.ckpt)

@@ -1,30 +1,28 @@
 """Tensor parallel (Megatron) on mesh.tp_group, with optional sequence parallel (--sp).
 
-Split:    q/k/v and gate/up by output rows (whole heads, GQA kv heads too; whole ffn columns), o and down by
-          input columns; the embedding and lm_head by (padded) vocab rows. Column then row (L27): with
-          A = [A_1 .. A_t] and B = [B_1; ..; B_t],  φ(X·A)·B = Σ_i φ(X·A_i)·B_i  for any columnwise φ
-          (SwiGLU, per-head attention), so each attention and each MLP needs one all-reduce (the Σ).
-Sends:    per layer per micro-batch, 2 all-reduces of the (b, s, d) activation in forward (after o, down) and
-          2 in backward (before q/k/v, gate/up): 4 · 2(t-1)/t · 4bsd bytes in fp32; plus 1 for the embedding
-          (fwd) and 1 for lm_head's input (bwd), and the loss all-gathers 2 floats per token.
-          --sp: each all-reduce becomes its halves, a reduce-scatter and an all-gather along the sequence: the
-          same bytes; backward gathers each norm output again for the weight grads (2 per layer, 1 for the head:
-          +1/4 bytes); sequence-sharded norm weights get one grad all-reduce per step (tp_partial_grad).
-Overlap:  none: each collective sits on the critical path, which is why tp stays on one server's NVLink.
-Memory:   weights, grads and Adam state of every matmul / t; attention and MLP activations / t; with --sp also
-          the residual stream, norms, dropout masks and the matmuls' saved inputs / t (no (b, s, d) tensor is
-          kept for backward). Logits stay (tokens, V/t): the vocab-parallel loss never builds (tokens, V).
-"""
+Split:    q/k/v and gate/up by output rows (whole heads, GQA kv heads too; whole ffn columns), o and down by input
+          columns, the embedding and lm_head by (padded) vocab rows. Column then row (L27): φ(X·[A_1 .. A_t])·[B_1;
+          ..; B_t] = Σ_i φ(X·A_i)·B_i for columnwise φ (SwiGLU, per-head attention): one all-reduce (Σ) per sublayer.
+Sends:    per layer per micro-batch, 4 all-reduces of the (b, s, d) activation, after o and down (fwd) and of the input
+          grad of q/k/v and gate/up (bwd): 4 · 2(t-1)/t · 4bsd bytes in fp32; +1 the embedding's (fwd), +1 lm_head's
+          input grad (bwd); the loss all-gathers 2 floats a token. --sp: each all-reduce is a reduce-scatter + an
+          all-gather along the sequence (same bytes), the 2L+1 norm outputs are gathered again in backward (+1/4), the
+          sequence-sharded norm weights' grads all-reduced once a step (tp_partial_grad). Overlap changes no byte.
+Overlap:  (overlap=True) the input-grad all-reduce runs under the weight-grad matmuls of its q/k/v (gate/up, lm_head);
+          --sp: every gather and reduce-scatter next to a matmul goes in ring hops under its chunks (tp_overlap.py).
+          Exposed: the 2 forward all-reduces a layer without --sp; the embedding's collectives; the loss's all-gather.
+Memory:   weights, grads, Adam state, attention and MLP activations / t; --sp: also the residual stream, norms, dropout
+          masks and the matmuls' saved inputs (no (b, s, d) kept for backward). Logits: (tokens, V/t). Rings: +1/t."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
 from model import CrossEntropy, RMSNorm
-from parallel import tag_tp_shard
+from parallel import tag_tp_shard, tp_overlap
 from parallel.mesh import LayoutError
 
-# ---------------------------------------------------------------- the four collectives of Megatron TP
+# ---------------------------------------------------------------- the collectives, and the matmuls fused with them
 
 def all_gather_seq(group, x):
     """(B, T/t, d) -> (B, T, d): every tp rank's sequence block, in rank order."""
@@ -43,22 +41,11 @@ def reduce_scatter_seq(group, x):
 
 
 def all_reduce(group, x):
-    out = x.contiguous().clone()  # never modify a tensor autograd (or selective checkpointing) may hold
+    """g's sum of the row-parallel matmul output x. Not in place: selective checkpointing keeps every matmul output
+    and hands it back on recompute, which would then reduce the sum again. (f's, in ColumnParallel.backward, is.)"""
+    out = x.contiguous().clone()
     group.all_reduce(out)
     return out
-
-
-class CopyToTP(Function):
-    """Megatron's f: identity in forward, all-reduce in backward (each rank's grad is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(ctx.group, grad), None
 
 
 class ReduceFromTP(Function):
@@ -71,19 +58,6 @@ class ReduceFromTP(Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class GatherSequence(Function):
-    """Sequence parallel's f: all-gather the sequence in forward, reduce-scatter the grad in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_seq(group, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(ctx.group, grad), None
 
 
 class ScatterSequence(Function):
@@ -99,57 +73,91 @@ class ScatterSequence(Function):
         return all_gather_seq(ctx.group, grad), None
 
 
-class GatheredInput:
-    """The sequence all-gather of one norm output under --sp, as the column-parallel linears reading it save it:
-    this rank's (B, T/t, d) shard, gathered again in backward once for all of them (as Megatron does), instead
-    of each keeping the (B, T, d) tensor until backward."""
-
-    def __init__(self, group):
-        self.group, self.users, self.full = group, 0, None
-
-    def regather(self, shard, dtype):
-        if self.full is None:
-            self.full = all_gather_seq(self.group, shard).to(dtype)  # (B, T, d) in the grads' dtype
-        return self.full
-
-    def release(self):
-        self.users -= 1
-        if self.users == 0:
-            self.full = None
-
-
-class LinearOnGathered(Function):
-    """y = x_full · Wᵀ that saves the shard x_full was gathered from, not x_full (see GatheredInput)."""
-
-    @staticmethod
-    def forward(ctx, full, shard, weight, gathered):
-        ctx.gathered = gathered
-        gathered.users += 1
-        ctx.save_for_backward(shard, weight)
-        return F.linear(full, weight)
-
-    @staticmethod
-    def backward(ctx, grad):  # grad: (B, T, out/t)
-        shard, weight = ctx.saved_tensors
-        full = ctx.gathered.regather(shard, grad.dtype)  # (B, T, d)
-        grad_full = grad @ weight.to(grad.dtype)  # (B, T, d)
-        grad_weight = grad.flatten(0, 1).t() @ full.flatten(0, 1)  # (out/t, d)
-        ctx.gathered.release()
-        return grad_full, None, grad_weight, None
-
-
-def enter_tp(x, group, sequence_parallel):
-    """Replicated (or sequence-sharded) activation -> the full input every column-parallel rank needs."""
-    if not sequence_parallel:
-        return CopyToTP.apply(x, group)
-    full = GatherSequence.apply(x, group)
-    full.sequence_shard = x, GatheredInput(group)  # what ColumnParallelLinear saves in place of `full`
-    return full
-
-
 def leave_tp(x, group, sequence_parallel):
     """Partial sums over tp -> the replicated (or sequence-sharded) residual stream."""
     return ScatterSequence.apply(x, group) if sequence_parallel else ReduceFromTP.apply(x, group)
+
+
+class ColumnParallel(Function):
+    """y_j = x_full · W_jᵀ for all the column-parallel weights reading one norm output x (q, k, v; gate, up; lm_head):
+    one Function, so that backward sums their input gradients once and reduces that sum over tp while it computes
+    the weight gradients (Megatron's f fused with the matmuls). x: the replicated (B, T, d), or under --sp this
+    rank's block (B, T/t, d): the sequence is gathered in forward, gathered again in backward for the weight
+    gradients (only the block is saved) and the input gradient reduce-scattered. overlap: --sp rings them
+    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each."""
+
+    @staticmethod
+    def forward(ctx, x, ring, sequence_parallel, overlap, *weights):
+        ctx.ring, ctx.sp, ctx.overlap = ring, sequence_parallel, overlap
+        ctx.save_for_backward(x, *weights)
+        if sequence_parallel and overlap:
+            return tuple(tp_overlap.gather_then_multiply(ring, x, weights))
+        full = all_gather_seq(ring.group, x) if sequence_parallel else x  # (B, T, d)
+        return tuple(F.linear(full, w) for w in weights)  # (B, T, out_j/t) each
+
+    @staticmethod
+    def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
+        x, *weights = ctx.saved_tensors
+        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None)
+        if ctx.sp and ctx.overlap:
+            grad_x, weight_grads = tp_overlap.scatter_input_grads(ctx.ring, x, grads, weights)
+            return grad_x, *flags, *weight_grads
+        full = (all_gather_seq(group, x) if ctx.sp else x).flatten(0, 1).to(dtype)  # (B·T, d)
+        grad_x = tp_overlap.input_grad(grads, [w.to(dtype) for w in weights], slice(None), x.dtype)  # (B, T, d)
+        pending = None
+        if ctx.sp:
+            grad_x = reduce_scatter_seq(group, grad_x)  # (B, T/t, d)
+        else:  # summed in place, no clone: grad_x was made just now, and nothing else refers to it
+            pending = group.all_reduce(grad_x, async_op=ctx.overlap)
+        weight_grads = [g.flatten(0, 1).t() @ full for g in grads]  # (out_j/t, d)
+        if pending is not None:
+            pending.wait()  # the all-reduce travelled under the weight-gradient matmuls
+        return grad_x, *flags, *weight_grads
+
+
+class SaveForRing(Function):
+    """Saves RowParallelRing's x and W before it runs (passing x on), into `saved`: a checkpointed block's recompute
+    stops once its last saved tensor is back, so before the ring and its matmuls, as before F.linear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, saved):
+        ctx.save_for_backward(x, weight)
+        saved.append(ctx)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class RowParallelRing(Function):
+    """z = this rank's sequence block of Σ_tp x · Wᵀ under --sp with overlap: the matmul cut by destination block
+    under the ring reduce-scatter; backward gathers the gradient the same way (tp_overlap.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ring, saved):
+        ctx.ring, ctx.saved = ring, saved  # SaveForRing's ctx, holding x and W
+        return tp_overlap.multiply_then_scatter(ring, x, weight)  # (B, T/t, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved.saved_tensors
+        return *tp_overlap.gather_then_grads(ctx.ring, grad, x, weight), None, None
+
+
+class ColumnInput:
+    """What NormThenEnter hands the column-parallel linears reading it: their outputs (B, T, out/t), computed
+    together, in `readers` order; `shape` is the full activation's (B, T, d), which attention reads."""
+
+    def __init__(self, shape, outputs):
+        self.shape, self.outputs = shape, outputs
+
+
+def enter_tp(x, ring, sequence_parallel, readers, overlap=True):
+    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`."""
+    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, *(m.weight for m in readers))
+    B, T, d = x.shape
+    return ColumnInput((B, T * ring.size if sequence_parallel else T, d), outputs)
 
 
 # ---------------------------------------------------------------- sharded modules
@@ -160,45 +168,48 @@ def shard(param, dim, group):
 
 
 class ColumnParallelLinear(nn.Linear):
-    """y_i = x · A_iᵀ, this rank's block of output features (B, T, out/t). The input must already be the full
-    activation: the preceding norm enters the tp region once for all projections that read it (q, k, v)."""
+    """y_i = x · A_iᵀ, this rank's block of output features (B, T, out/t). The preceding norm (NormThenEnter)
+    computes it, with the other projections reading the same input (q, k, v): x is its ColumnInput."""
 
-    def __init__(self, in_features, out_features, group):
+    def __init__(self, in_features, out_features, group, slot=0):
         super().__init__(in_features, out_features // group.size, bias=False, device="meta")
         shard(self.weight, 0, group)
+        self.slot = slot  # its place among the readers of its input
 
     def forward(self, x):
-        if not hasattr(x, "sequence_shard"):
-            return F.linear(x, self.weight)
-        local, gathered = x.sequence_shard
-        return LinearOnGathered.apply(x, local, self.weight, gathered)  # (B, T, out/t)
+        return x.outputs[self.slot]  # (B, T, out/t)
 
 
 class RowParallelLinear(nn.Linear):
     """z = Σ_i y_i · B_iᵀ: multiplies this rank's input features, then sums over tp (all-reduce, or
     reduce-scatter along the sequence under --sp)."""
 
-    def __init__(self, in_features, out_features, group, sequence_parallel):
-        super().__init__(in_features // group.size, out_features, bias=False, device="meta")
-        self.group, self.sequence_parallel = group, sequence_parallel
-        shard(self.weight, 1, group)
+    def __init__(self, in_features, out_features, ring, sequence_parallel, overlap=True):
+        super().__init__(in_features // ring.size, out_features, bias=False, device="meta")
+        self.ring, self.sequence_parallel, self.overlap = ring, sequence_parallel, overlap
+        shard(self.weight, 1, ring.group)
 
-    def forward(self, x):
-        return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)  # (B, T[/t], d)
+    def forward(self, x):  # x: (B, T, in/t)
+        if self.sequence_parallel and self.overlap:
+            saved = []
+            x = SaveForRing.apply(x, self.weight, saved)
+            return RowParallelRing.apply(x, self.weight, self.ring, saved[0])  # (B, T/t, d)
+        return leave_tp(F.linear(x, self.weight), self.ring.group, self.sequence_parallel)  # (B, T[/t], d)
 
 
 class NormThenEnter(RMSNorm):
-    """The RMSNorm in front of a column-parallel block, followed by f (or the sequence all-gather). Same
-    `weight` name. Under --sp it sees only this rank's tokens, so its weight grad is a partial sum over tp."""
+    """The RMSNorm in front of a column-parallel block, then the block's matmuls (enter_tp) for the linears that
+    read it, `readers` (not submodules; in slot order). Same `weight` name. Under --sp it sees only this rank's
+    tokens, so its weight grad is a partial sum over tp."""
 
-    def __init__(self, norm, group, sequence_parallel):
+    def __init__(self, norm, ring, sequence_parallel, readers, overlap=True):
         super().__init__(norm.weight.shape[0], norm.eps)
         self.weight = nn.Parameter(torch.empty_like(norm.weight, device="meta"))
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.ring, self.sequence_parallel, self.readers, self.overlap = ring, sequence_parallel, readers, overlap
         self.weight.tp_partial_grad = sequence_parallel
 
     def forward(self, x):
-        return enter_tp(super().forward(x), self.group, self.sequence_parallel)
+        return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -259,43 +270,44 @@ def validate(cfg, tp, cp=1, sequence_parallel=False):
                                   "sequence parallel shards each rank's tokens over tp")
 
 
-def parallelize_attention(attn, cfg, group, sequence_parallel):
+def parallelize_attention(attn, cfg, ring, sequence_parallel, overlap=True):
     """Heads split over tp: q, k, v column-parallel (whole heads), o row-parallel. Attention reads the
     local head counts H/t and Hkv/t from the tensor shapes, and q head h still meets kv head h·Hkv/H."""
-    d, hd = cfg.d_model, cfg.head_dim
+    d, hd, group = cfg.d_model, cfg.head_dim, ring.group
     attn.q_proj = ColumnParallelLinear(d, cfg.n_head * hd, group)
-    attn.k_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group)
-    attn.v_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group)
-    attn.o_proj = RowParallelLinear(cfg.n_head * hd, d, group, sequence_parallel)
+    attn.k_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group, slot=1)
+    attn.v_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group, slot=2)
+    attn.o_proj = RowParallelLinear(cfg.n_head * hd, d, ring, sequence_parallel, overlap)
+    return [attn.q_proj, attn.k_proj, attn.v_proj]  # the readers of the norm in front, in slot order
 
 
-def parallelize_mlp(mlp, cfg, group, sequence_parallel):
+def parallelize_mlp(mlp, cfg, ring, sequence_parallel, overlap=True):
     """SwiGLU: gate and up column-parallel, silu(gate)·up elementwise on the local columns, down row-parallel."""
-    mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
-    mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
-    mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
+    mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, ring.group)
+    mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, ring.group, slot=1)
+    mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, ring, sequence_parallel, overlap)
+    return [mlp.gate_proj, mlp.up_proj]
 
 
-def parallelize(chunk, mesh, sequence_parallel=False):
+def parallelize(chunk, mesh, sequence_parallel=False, overlap=True):
     """Swaps a meta-device GPT chunk's modules for tp-sharded ones in place; parameter names do not change.
-    Parts a pipeline stage does not own (embed_tokens, norm, lm_head) may be None."""
-    cfg, group = chunk.cfg, mesh.tp_group
-    validate(cfg, group.size, mesh.cp, sequence_parallel)
-    sp = sequence_parallel
+    Parts a pipeline stage does not own (embed_tokens, norm, lm_head) may be None. overlap=False (--no-overlap):
+    every collective blocks, as one call."""
+    cfg, ring, sp = chunk.cfg, tp_overlap.Ring(mesh.tp_group), sequence_parallel
+    validate(cfg, ring.size, mesh.cp, sp)
     if chunk.embed_tokens is not None:
-        chunk.embed_tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
+        chunk.embed_tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, ring.group, sp)
     for block in chunk.layers.values():
-        block.input_layernorm = NormThenEnter(block.input_layernorm, group, sp)
-        parallelize_attention(block.self_attn, cfg, group, sp)
-        block.post_attention_layernorm = NormThenEnter(block.post_attention_layernorm, group, sp)
-        parallelize_mlp(block.mlp, cfg, group, sp)
-    if chunk.norm is not None:
-        chunk.norm = NormThenEnter(chunk.norm, group, sp)  # under --sp: all-gathered before lm_head
-    if chunk.lm_head is not None:
-        chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)  # logits (B, T, V/t)
-        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size)
+        readers = parallelize_attention(block.self_attn, cfg, ring, sp, overlap)
+        block.input_layernorm = NormThenEnter(block.input_layernorm, ring, sp, readers, overlap)
+        readers = parallelize_mlp(block.mlp, cfg, ring, sp, overlap)
+        block.post_attention_layernorm = NormThenEnter(block.post_attention_layernorm, ring, sp, readers, overlap)
+    if chunk.lm_head is not None:  # a pipeline stage holds norm and lm_head together, or neither
+        chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, ring.group)  # logits (B, T, V/t)
+        chunk.loss_fn = VocabParallelLoss(ring.group, cfg.padded_vocab // ring.size)
+        chunk.norm = NormThenEnter(chunk.norm, ring, sp, [chunk.lm_head], overlap)
     if sp:
-        chunk.seq_shards = group.size  # hidden states carry T/t tokens; rope still needs all T positions
+        chunk.seq_shards = ring.size  # hidden states carry T/t tokens; rope still needs all T positions
     return chunk
 
 

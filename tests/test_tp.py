@@ -1,5 +1,5 @@
-"""Tensor parallel (parallel/tp.py) against one process: losses, the column-then-row MLP (L27), the
-vocab-parallel loss, communication volume, and bad layouts.
+"""Tensor parallel (parallel/tp.py) against one process: losses (overlap on and off), the column-then-row MLP
+(L27), the vocab-parallel loss, communication volume, and bad layouts. The overlap itself: tests/test_tp_overlap.py.
 
 Starting a set of gloo ranks costs seconds on a shared 2-core CPU, so every check that needs a given
 world size runs in one set of ranks (the `runs` fixture); each test then reads its own result. The
@@ -22,6 +22,7 @@ from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
+from parallel.tp_overlap import Ring
 from tests.layouts import BASE, assert_same_losses
 
 FAST = ["--peak-tflops", "1"]  # skip the CPU matmul-rate measurement
@@ -31,6 +32,10 @@ LAYOUTS = {  # name: (world, flags)
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "tp4": (4, ["--tp", "4"]),
     "tp4-sp": (4, ["--tp", "4", "--sp"]),
+    "tp2-no-overlap": (2, ["--tp", "2", "--no-overlap"]),
+    "tp2-sp-no-overlap": (2, ["--tp", "2", "--sp", "--no-overlap"]),
+    "tp4-no-overlap": (4, ["--tp", "4", "--no-overlap"]),
+    "tp4-sp-no-overlap": (4, ["--tp", "4", "--sp", "--no-overlap"]),
     "tp2-dp2-ddp-accum": (4, ["--tp", "2", "--micro-batch", "2"]),
     "tp2-dp2-fsdp-sp": (4, ["--tp", "2", "--sp", "--dp-mode", "fsdp"]),
     "tp2-dp4-hsdp2x2-sp": (8, ["--tp", "2", "--sp", "--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "1"]),
@@ -42,7 +47,16 @@ def _argv(out_dir, flags):
 
 
 def _train(rank, world, argv):
-    return train.main(argv)
+    """--no-overlap turns tp's overlap off too: train.py passes overlap=not args.no_overlap to tp.parallelize; the
+    patch makes it so in this rank's run whether or not it does."""
+    if "--no-overlap" not in argv:
+        return train.main(argv)
+    parallelize = tp.parallelize
+    tp.parallelize = partial(parallelize, overlap=False)
+    try:
+        return train.main(argv)
+    finally:
+        tp.parallelize = parallelize
 
 
 def _jobs(rank, world, jobs):
@@ -93,7 +107,7 @@ def test_tp_layout_matches_one_process(name, runs):
 
 def _sharded_mlp_rank(rank, world):
     mesh = Mesh(rank, world, tp=world)
-    group = mesh.tp_group
+    ring = Ring(mesh.tp_group)
     torch.manual_seed(0)
     full = M.MLP(CFG)  # the same weights on every rank
     x = torch.randn(2, CFG.seq_len, CFG.d_model, requires_grad=True)
@@ -101,7 +115,7 @@ def _sharded_mlp_rank(rank, world):
     (full(x) * upstream).sum().backward()
     with torch.device("meta"):
         mlp = M.MLP(CFG)
-    tp.parallelize_mlp(mlp, CFG, group, sequence_parallel=False)
+    readers = tp.parallelize_mlp(mlp, CFG, ring, sequence_parallel=False)
     dims = {name: p.tp_shard[0] for name, p in mlp.named_parameters()}  # 0: column-, 1: row-parallel
     mlp.to_empty(device="cpu")
     with torch.no_grad():
@@ -109,7 +123,7 @@ def _sharded_mlp_rank(rank, world):
             p.copy_(full.get_parameter(name).chunk(world, dims[name])[rank])
     x_local = x.detach().clone().requires_grad_()
     mesh.stats.reset()
-    y = mlp(tp.enter_tp(x_local, group, sequence_parallel=False))  # f, gate/up column, down row, g
+    y = mlp(tp.enter_tp(x_local, ring, False, readers))  # f with gate/up column, down row, g
     forward_calls = dict(mesh.stats.calls)
     mesh.stats.reset()
     (y * upstream).sum().backward()
@@ -145,11 +159,11 @@ class VocabWatcher(TorchDispatchMode):
         return out
 
 
-def _tp_gpt(mesh, cfg, sequence_parallel, seed=0):
+def _tp_gpt(mesh, cfg, sequence_parallel, seed=0, overlap=True):
     with torch.device("meta"):
         m = M.GPT(cfg)
     if mesh.tp > 1:
-        tp.parallelize(m, mesh, sequence_parallel=sequence_parallel)
+        tp.parallelize(m, mesh, sequence_parallel=sequence_parallel, overlap=overlap)
     return M.init_weights(m, seed, "cpu")
 
 
@@ -191,9 +205,9 @@ def test_vocab_parallel_cross_entropy_matches_and_never_builds_full_vocab_logits
 
 def _comm_rank(rank, world, b):
     out = {}
-    for sp in (False, True):
+    for sp, overlap in ((False, True), (True, True), (False, False), (True, False)):
         mesh = Mesh(rank, world, tp=world)
-        m = _tp_gpt(mesh, CFG, sp)
+        m = _tp_gpt(mesh, CFG, sp, overlap=overlap)
         wrapper = DDP(torch.nn.ModuleList([m]), mesh)
         torch.manual_seed(1)
         ids = torch.randint(0, CFG.vocab_size, (b, CFG.seq_len + 1))
@@ -204,8 +218,8 @@ def _comm_rank(rank, world, b):
         loss.backward()
         wrapper.finish_grad_sync()
         full = ((b, CFG.seq_len, CFG.d_model), (b * CFG.seq_len, CFG.d_model))  # matmuls save 3-d inputs flattened
-        out[sp] = dict(calls=dict(mesh.stats.calls), bytes=dict(mesh.stats.bytes),
-                       full_activations_saved=sum(shape in full for shape in saved))
+        out[sp, overlap] = dict(calls=dict(mesh.stats.calls), bytes=dict(mesh.stats.bytes),
+                                full_activations_saved=sum(shape in full for shape in saved))
     return out
 
 
@@ -222,7 +236,8 @@ def expected_tp_traffic(cfg, b, t, sequence_parallel):
     before q/k/v and gate/up). Outside the layers: the embedding's all-reduce (forward), lm_head's input f
     (backward), the loss's all-gather of (2, b·s) floats. --sp splits each all-reduce into a reduce-scatter
     and an all-gather of the same total bytes, gathers each of the 2L+1 norm outputs again in backward for the
-    weight grads (instead of saving them), and adds one all-reduce of each of the 2L+1 norm weights' grads."""
+    weight grads (instead of saving them), and adds one all-reduce of each of the 2L+1 norm weights' grads. With
+    overlap, a ring of t-1 p2p hops counts as the one collective it replaces: the same calls and bytes."""
     A, L, ring = 4 * b * cfg.seq_len * cfg.d_model, cfg.n_layer, (t - 1) / t
     loss_gather = ring * t * 2 * b * cfg.seq_len * 4
     if not sequence_parallel:
@@ -239,24 +254,26 @@ def expected_tp_traffic(cfg, b, t, sequence_parallel):
 def test_tp_communication_matches_theory(world, runs):
     b = 3
     for r in result(runs, world, "comm"):
-        for sp in (False, True):
+        for sp, overlap in r:
             calls, sent = expected_tp_traffic(CFG, b, world, sp)
-            assert r[sp]["calls"] == calls, (sp, r[sp]["calls"], calls)
+            assert r[sp, overlap]["calls"] == calls, (sp, overlap, r[sp, overlap]["calls"], calls)
             for kind, expected in sent.items():
-                assert r[sp]["bytes"][kind] == pytest.approx(expected, rel=0.01), (sp, kind)
+                assert r[sp, overlap]["bytes"][kind] == pytest.approx(expected, rel=0.01), (sp, overlap, kind)
         # --sp moves the same activation bytes, as reduce-scatters + all-gathers instead of all-reduces, plus
         # the backward's 2L+1 re-gathers, each half of one of the 4L+2 all-reduces: a quarter more in all
-        loss_gather = r[False]["bytes"]["all_gather"]
-        sp_activations = r[True]["bytes"]["all_gather"] - loss_gather + r[True]["bytes"]["reduce_scatter"]
-        assert sp_activations == pytest.approx(1.25 * r[False]["bytes"]["all_reduce"], rel=1e-9)
+        for overlap in (True, False):
+            tp_only, sp = r[False, overlap]["bytes"], r[True, overlap]["bytes"]
+            sp_activations = sp["all_gather"] - tp_only["all_gather"] + sp["reduce_scatter"]
+            assert sp_activations == pytest.approx(1.25 * tp_only["all_reduce"], rel=1e-9)
 
 
 def test_sp_saves_no_full_sequence_activation(runs):
     """Sequence parallel's memory promise: every (b, s, d) activation kept for backward is a 1/t sequence shard.
     The gathered norm outputs the column-parallel weight grads need are gathered again in backward."""
     for r in result(runs, 2, "comm"):
-        assert r[False]["full_activations_saved"] >= 2 * CFG.n_layer + 1  # tp alone: norms' outputs and more
-        assert r[True]["full_activations_saved"] == 0
+        for overlap in (True, False):
+            assert r[False, overlap]["full_activations_saved"] >= 2 * CFG.n_layer + 1  # tp alone: norms' outputs...
+            assert r[True, overlap]["full_activations_saved"] == 0
 
 
 # ---------------------------------------------------------------- bad layouts
@@ -282,7 +299,7 @@ BAD_TP = {  # tp 3, so that the padded vocab (a multiple of 64) can fail too
             "--tp: ffn_dim 200 is not divisible by tp 3"),
     "vocab": (["--tp", "3", "--d-model", "96", "--n-head", "6", "--n-kv-head", "3"],
               "--tp: the vocab 257, padded to 320, is not divisible by tp 3"),
-    "sp seq": (["--tp", "3", "--d-model", "96", "--n-head", "6", "--n-kv-head", "3", "--vocab-size", "192",
+    "sp seq": (["--tp", "3", "--d-model", "96", "--n-head", "6", "--n-kv-head", "3", "--vocab-size", "384",
                 "--sp", "--seq-len", "64"], "--sp: seq_len 64 is not divisible by cp x tp = 1 x 3"),
 }
 

@@ -1,0 +1,169 @@
+"""Tensor parallel's sequence collectives (--sp) cut into ring hops that travel under the matmuls (tp.py, overlap on).
+
+Ring:     rank r sends to r+1 and receives from r-1. An all-gather of t sequence blocks is t-1 hops, each passing on
+          the chunk in hand; a reduce-scatter is t-1 hops of an accumulator, to which each rank adds its share of the
+          block it is bound for. A hop is one async batched p2p, launched before its step's matmuls, waited after
+          them: on a GPU the bytes move on the communication stream while the compute stream multiplies.
+Uses:     gather_then_multiply   column forward: each gathered chunk times every weight, while it travels on;
+          multiply_then_scatter  row forward: the partial output for one destination block, while the last one's
+                                 accumulator travels;
+          scatter_input_grads    column backward: the input gradient ring-reduce-scattered and the input ring-gathered
+                                 again in the same hops, under the input-gradient matmul of each block; the weight
+                                 gradients run under the last hop;
+          gather_then_grads      row backward: each chunk of the output gradient times the weight (input gradient)
+                                 and times the saved input (weight gradient) while it travels on.
+Bytes:    t-1 hops of 1/t of the tensor: (t-1)/t of it per rank, the collective's. The comm layer counts each ring
+          once, as that collective (launched before its first hop, waited after its last); the hops go through an
+          uncounted twin of the tp Group and are logged with 0 bytes, so calls and bytes read as the collectives'.
+Memory:   per ring, a chunk (1/t of the tensor) arriving while one is in use, on top of what the collective held.
+"""
+import torch
+import torch.nn.functional as F
+
+from parallel.comm import Group, Pending
+
+
+class Uncounted:
+    """The counters of a Ring's twin Group: its p2p hops count nothing (the Ring counts the whole collective)."""
+
+    def add(self, kind, group, nbytes):
+        return None
+
+
+class Requests:
+    """One hop's p2p requests as one handle for comm.Pending, which waits them and records the wait."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+class Ring:
+    """The tp group as a ring. `start` counts a logical collective, `hop` passes tensors on, `finish` records the
+    collective's end."""
+
+    def __init__(self, group):
+        self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
+        self.p2p = Group(group.name, group.ranks, group.pg, group.ranks[group.rank], Uncounted())
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    @torch.compiler.disable
+    def start(self, kind, full_nbytes):
+        """Counts one all_gather / reduce_scatter of a `full_nbytes` tensor, as the comm layer would; its log index."""
+        if self.size == 1:
+            return None
+        return self.stats.add(kind, self.group.name, (self.size - 1) / self.size * full_nbytes)
+
+    @torch.compiler.disable
+    def finish(self, index):
+        if index is not None:
+            self.stats.timeline.append(("wait", index))
+
+    @torch.compiler.disable
+    def hop(self, sends):
+        """Sends each tensor to rank+1 and receives one like it from rank-1: (received tensors, handle to wait)."""
+        received = [torch.empty_like(t) for t in sends]
+        self.stats.log.append(("hop", self.group.name, 0))
+        index = len(self.stats.log) - 1
+        self.stats.timeline.append(("launch", index))
+        works = self.p2p.send_recv([(t, self.next) for t in sends], [(t, self.prev) for t in received])
+        return received, Pending(Requests(works), self.stats, index)
+
+
+def block(i, t, n):
+    """The sequence positions of block i (mod t) of t blocks of n."""
+    i %= t
+    return slice(i * n, (i + 1) * n)
+
+
+def input_grad(grads, weights, rows, dtype):
+    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's): this rank's part of the input gradient."""
+    parts = [(g[:, rows] @ w).to(dtype) for g, w in zip(grads, weights)]  # (B, rows, d) each
+    return sum(parts[1:], parts[0])
+
+
+def gather_then_multiply(ring, x, weights):
+    """Column forward: x (B, T/t, d), this rank's sequence block -> [x_full · W_jᵀ (B, T, out_j)] for every weight,
+    the sequence gathered hop by hop: the chunk in hand is sent on before it is multiplied."""
+    t, n = ring.size, x.shape[1]
+    index, chunk, ys = ring.start("all_gather", t * x.nbytes), x.contiguous(), [None] * len(weights)
+    for s in range(t):
+        if s < t - 1:
+            (arriving,), hop = ring.hop([chunk])  # rank r-s-1's block (B, T/t, d), while this one is multiplied
+        rows = block(ring.rank - s, t, n)  # whose block is in hand
+        for j, w in enumerate(weights):
+            y = F.linear(chunk, w)  # (B, T/t, out_j)
+            if ys[j] is None:
+                ys[j] = y.new_empty(y.shape[0], t * n, y.shape[2])
+            ys[j][:, rows] = y
+        if s < t - 1:
+            hop.wait()
+            chunk = arriving
+    ring.finish(index)
+    return ys
+
+
+def multiply_then_scatter(ring, h, weight):
+    """Row forward: h (B, T, k) -> this rank's block (B, T/t, d) of Σ_tp h · Wᵀ. Step s computes this rank's share of
+    the block bound for rank r-s-1 while the accumulator of step s-1 travels, then adds the one that arrived."""
+    t, r, n = ring.size, ring.rank, h.shape[1] // ring.size
+    acc = F.linear(h[:, block(r - 1, t, n)], weight)  # (B, T/t, d): step 0, the first share of rank r-1's block
+    index = ring.start("reduce_scatter", t * acc.nbytes)
+    for s in range(1, t):
+        (arriving,), hop = ring.hop([acc])  # rank r-1's accumulator for block r-s-1
+        mine = F.linear(h[:, block(r - s - 1, t, n)], weight)  # (B, T/t, d), while it travels
+        hop.wait()
+        acc = arriving + mine  # never in place: selective checkpointing keeps `mine`, a matmul output
+    ring.finish(index)
+    return acc  # block r - t = r: the sum over every rank
+
+
+def scatter_input_grads(ring, x, grads, weights):
+    """Column backward. grads: dy_j (B, T, out_j) over the whole sequence; x: the saved block (B, T/t, d). Returns
+    this rank's block of Σ_tp Σ_j dy_j · W_j (B, T/t, d), ring-reduce-scattered as in multiply_then_scatter, and
+    dW_j = dy_jᵀ · x_full (out_j, d), x gathered in the same hops, chunk by chunk."""
+    t, r, n, dtype = ring.size, ring.rank, x.shape[1], grads[0].dtype
+    weights = [w.to(dtype) for w in weights]
+    full = x.new_empty(x.shape[0], t * n, x.shape[2], dtype=dtype)  # x gathered, in the gradients' dtype
+    gather, scatter = ring.start("all_gather", t * x.nbytes), ring.start("reduce_scatter", t * x.nbytes)
+    chunk, acc = x, None
+    for s in range(t):
+        sends = ([chunk] if s < t - 1 else []) + ([acc] if s > 0 else [])  # x block r-s; accumulator of step s-1
+        received, hop = ring.hop(sends)
+        full[:, block(r - s, t, n)] = chunk
+        mine = input_grad(grads, weights, block(r - s - 1, t, n), x.dtype)  # (B, T/t, d) while they travel
+        if s == t - 1:  # x is whole: the weight gradients run under the last hop
+            weight_grads = [g.flatten(0, 1).t() @ full.flatten(0, 1) for g in grads]  # (out_j, d)
+        hop.wait()
+        if s == t - 2:
+            ring.finish(gather)
+        if s < t - 1:
+            chunk = received[0]
+        acc = mine if s == 0 else received[-1] + mine
+    ring.finish(scatter)
+    return acc, weight_grads
+
+
+def gather_then_grads(ring, grad, h, weight):
+    """Row backward. grad: this rank's block (B, T/t, d) of the output gradient; h: the saved input (B, T, k).
+    Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), accumulated in fp32, the gradient gathered hop
+    by hop: the chunk in hand is sent on before its two matmuls."""
+    t, n, dtype = ring.size, grad.shape[1], grad.dtype
+    weight = weight.to(dtype)
+    index, chunk = ring.start("all_gather", t * grad.nbytes), grad.contiguous()
+    grad_h = h.new_empty(h.shape, dtype=dtype)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for s in range(t):
+        if s < t - 1:
+            (arriving,), hop = ring.hop([chunk])  # rank r-s-1's block (B, T/t, d), while this one is used
+        rows = block(ring.rank - s, t, n)
+        grad_h[:, rows] = chunk @ weight  # (B, T/t, k)
+        grad_w += chunk.flatten(0, 1).t() @ h[:, rows].flatten(0, 1).to(dtype)  # (d, k)
+        if s < t - 1:
+            hop.wait()
+            chunk = arriving
+    ring.finish(index)
+    return grad_h, grad_w
