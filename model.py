@@ -269,70 +269,63 @@ def init_tile(name, tile_rows, tile_cols, shape, cfg, seed):
     """One tile of a weight's initial value: a function of (seed, name, tile index) only, on CPU in fp32."""
     key = hashlib.blake2b(f"{seed}/{name}/{tile_rows.start}/{tile_cols.start}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-    return torch.randn(shape, generator=gen) * init_std(name, cfg)
-
-
-def init_block(name, global_shape, rows, cols, cfg, seed):
-    """Rows x cols (ranges) of the initial value of global tensor `name`, seen as a matrix (shape[0], rest), made
-    from only the tiles that overlap the block: a rank builds its own share and at most one tile more at a time."""
-    out = torch.empty(len(rows), len(cols))
-    if name.endswith("norm.weight"):
-        return out.fill_(1.0)
-    n_rows, n_cols = global_shape[0], math.prod(global_shape[1:])
-    for r0 in range(rows.start - rows.start % INIT_TILE, rows.stop, INIT_TILE):
-        for c0 in range(cols.start - cols.start % INIT_TILE, cols.stop, INIT_TILE):
-            tile_rows, tile_cols = range(r0, min(r0 + INIT_TILE, n_rows)), range(c0, min(c0 + INIT_TILE, n_cols))
-            tile = init_tile(name, tile_rows, tile_cols, (len(tile_rows), len(tile_cols)), cfg, seed)
-            r_lo, r_hi = max(rows.start, r0), min(rows.stop, tile_rows.stop)
-            c_lo, c_hi = max(cols.start, c0), min(cols.stop, tile_cols.stop)
-            out[r_lo - rows.start:r_hi - rows.start, c_lo - cols.start:c_hi - cols.start] = \
-                tile[r_lo - r0:r_hi - r0, c_lo - c0:c_hi - c0]
-    return out
+    return torch.randn(shape, generator=gen).mul_(init_std(name, cfg))
 
 
 def full_init(name, shape, cfg, seed):
     """The full initial tensor of one parameter (tests, and one process)."""
-    shape = list(shape)
-    return init_block(name, shape, range(shape[0]), range(math.prod(shape[1:])), cfg, seed).view(shape)
+    return local_init(name, torch.empty(shape, device="meta"), cfg, seed)
 
 
-def local_init(name, param, cfg, seed, flat=None):
-    """This rank's part of one parameter's initial value, generating no more than that part (plus a tile): its tp
-    block when the param carries `tp_shard = (dim, rank, world)` (parallel/__init__.py), and of that block only the
-    flattened elements [flat.start, flat.stop) when `flat` is given (an FSDP shard), returned 1-D."""
+def local_init(name, param, cfg, seed, flat=None, out=None):
+    """This rank's part of one parameter's initial value: its tp block when the meta param carries
+    `tp_shard = (dim, rank, world)` (parallel/__init__.py), and of that block only the flattened elements in range
+    `flat` when given (an FSDP shard; then 1-D). Written into `out` if given. Built from the grid tiles that overlap
+    the part, one tile at a time, so a rank allocates its part and one tile, never a whole parameter."""
     dim, rank, world = getattr(param, "tp_shard", (0, 0, 1))
-    local_shape = list(param.shape) if param.dim() else [1]
-    global_shape = list(local_shape)
-    global_shape[dim] *= world
-    local_cols = math.prod(local_shape[1:])
+    rows, cols = param.shape[0] if param.dim() else 1, math.prod(param.shape[1:])  # the tp block as a matrix
     whole = flat is None
-    flat = range(math.prod(local_shape)) if whole else flat
-    row_lo, row_hi = flat.start // local_cols, -(-flat.stop // local_cols)  # the local rows the range touches
-    rows, cols = range(row_lo, row_hi), range(local_cols)
-    if dim == 0:
-        rows = range(rank * local_shape[0] + row_lo, rank * local_shape[0] + row_hi)
-    else:  # a column block (dim 1 of a matrix)
-        cols = range(rank * local_cols, (rank + 1) * local_cols)
-    block = init_block(name, global_shape, rows, cols, cfg, seed).reshape(-1)
-    part = block[flat.start - row_lo * local_cols:flat.stop - row_lo * local_cols]
-    return part.view(param.shape) if whole else part
+    flat = range(rows * cols) if whole else flat
+    out = torch.empty(len(flat)) if out is None else out
+    if name.endswith("norm.weight"):
+        return out.fill_(1.0).view(param.shape) if whole else out.fill_(1.0)
+    n_rows, n_cols = (rows * world, cols) if dim == 0 else (rows, cols * world)  # the global matrix
+    row0, col0 = (rank * rows, 0) if dim == 0 else (0, rank * cols)  # where the block sits in it
+    first, last = flat.start // cols, -(-flat.stop // cols)  # block rows the range touches
+    full_lo, full_hi = -(-flat.start // cols), flat.stop // cols  # block rows it covers whole
+    for r in range((row0 + first) // INIT_TILE * INIT_TILE, row0 + last, INIT_TILE):
+        for c in range(col0 // INIT_TILE * INIT_TILE, col0 + cols, INIT_TILE):
+            tr, tc = range(r, min(r + INIT_TILE, n_rows)), range(c, min(c + INIT_TILE, n_cols))
+            tile = init_tile(name, tr, tc, (len(tr), len(tc)), cfg, seed)
+            lr0, lr1 = tr.start - row0, tr.stop - row0  # the tile's rows and columns in block coordinates
+            lc0, lc1 = max(tc.start - col0, 0), min(tc.stop - col0, cols)
+            tile = tile[:, lc0 + col0 - tc.start:lc1 + col0 - tc.start]  # (tile rows, lc1 - lc0)
+            a, b = max(lr0, full_lo), min(lr1, full_hi)
+            if b > a:  # whole rows of the range: one 2-D copy
+                out[a * cols - flat.start:b * cols - flat.start].view(b - a, cols)[:, lc0:lc1] = tile[a - lr0:b - lr0]
+            for row in {first, last - 1} - set(range(full_lo, full_hi)):  # at most two partial rows
+                lo, hi = max(flat.start, row * cols + lc0), min(flat.stop, row * cols + lc1)
+                if lr0 <= row < lr1 and hi > lo:
+                    out[lo - flat.start:hi - flat.start] = tile[row - lr0, lo - row * cols - lc0:hi - row * cols - lc0]
+            del tile  # before the next one is drawn: one tile alive at a time
+    return out.view(param.shape) if whole else out
 
 
 @torch.no_grad()
 def materialize(module, device, init_param):
-    """Meta parameters -> real ones on `device`, each filled with init_param(name, meta param). Tags set on the meta
-    parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects."""
+    """Meta parameters -> real ones on `device`, each filled in place by init_param(name, param, out=its flat view).
+    Tags set on the meta parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects."""
     tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     module.to_empty(device=device)
     for name, p in module.named_parameters():
         p.__dict__.update(tags[name])
-        p.copy_(init_param(name, p))
+        init_param(name, p, out=p.view(-1))
     return module
 
 
 def init_weights(model, seed, device):
     """Materializes a meta-device GPT on `device` with the layout-independent initial weights."""
-    return materialize(model, device, lambda name, p: local_init(name, p, model.cfg, seed))
+    return materialize(model, device, lambda name, p, out: local_init(name, p, model.cfg, seed, out=out))
 
 
 # ---------------------------------------------------------------- FLOP accounting

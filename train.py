@@ -79,8 +79,8 @@ def build(cfg, mesh, args, n_micro, device):
         if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
                 block.forward = torch.compile(block.forward)
-    def init_param(name, meta, flat=None):  # this rank's part of a weight's initial value, and nothing more
-        return M.local_init(name, meta, cfg, args.seed, flat)
+    def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
+        return M.local_init(name, meta, cfg, args.seed, flat, out)
 
     dp_options = dict(bucket_mb=args.bucket_mb) if args.dp_mode == "ddp" else dict(
         compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype])

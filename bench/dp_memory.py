@@ -39,7 +39,7 @@ def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     module = nn.ModuleList([gpt])
-    init = lambda name, p: M.local_init(name, p, cfg, seed)
+    init = lambda name, p, flat=None, out=None: M.local_init(name, p, cfg, seed, flat, out)
     if mode == "ddp":
         M.init_weights(gpt, seed, "cpu")
         wrapper = DDP(module, mesh)

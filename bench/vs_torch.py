@@ -41,7 +41,7 @@ def build(impl, cfg, mesh, seed):
         gpt = M.GPT(cfg)
     if impl == "ours-fsdp":
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
-                       lambda name, p: M.local_init(name, p, cfg, seed), "cpu")
+                       lambda name, p, flat=None, out=None: M.local_init(name, p, cfg, seed, flat, out), "cpu")
         return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
     M.init_weights(gpt, seed, "cpu")
     if impl == "ours-ddp":

@@ -137,7 +137,7 @@ class DDP:
 
 def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
     """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
-    M.materialize(module, device, lambda name, p: init_param(global_name(name), p))
+    M.materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
     return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
 
 

@@ -53,13 +53,6 @@ class Unit:
         self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
         self.replica = None  # HSDP: the all-reduce of grad over the replicas, once launched this step
 
-    def flat_from(self, tensor_of):
-        """The (padded,) fp32 flat buffer holding tensor_of(slot) for every slot."""
-        flat = torch.zeros(self.padded, device=self.local.device)
-        for slot, a, n in zip(self.slots, self.offsets, self.sizes):
-            flat[a:a + n] = tensor_of(slot).reshape(-1)
-        return flat
-
     def views(self, flat):
         """The unit's parameters as views of a flat buffer."""
         return [flat[a:a + n].view(s[3].shape) for s, a, n in zip(self.slots, self.offsets, self.sizes)]
@@ -149,13 +142,16 @@ class FSDP:
             unit.tp_partial = [(i, a, b) for i, a, b, slot in unit.segments() if has_tp_partial_grad(slot[3])]
 
     def _make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
-        """Materializes one unit from the meta device: only this unit's full tensors exist at once."""
+        """Materializes one unit from the meta device: this rank generates only its shard of each initial value
+        (init_param(name, meta, flat=range): the one-process values, nothing more), never a full parameter."""
         slots = [(m, attr, names[id(p)], p) for top in tops for m in top.modules()
                  for attr, p in m._parameters.items() if p is not None]
         unit = Unit(name, slots, self.group, device, compute_dtype)
         with torch.no_grad():
-            flat = unit.flat_from(lambda s: init_param(s[2], s[3]))  # same values as the one-process init
-            unit.local.copy_(flat[unit.start:unit.start + unit.shard_numel])
+            for (_, _, global_name, meta), a, n in zip(unit.slots, unit.offsets, unit.sizes):
+                lo, hi = max(a, unit.start) - a, min(a + n, unit.start + unit.shard_numel) - a  # within the slot
+                if hi > lo:  # written in place: the shard and one tile of the grid are all this rank allocates
+                    init_param(global_name, meta, range(lo, hi), unit.local[a + lo - unit.start:a + hi - unit.start])
         for module, attr, _, _ in unit.slots:
             del module._parameters[attr]  # becomes a plain attribute: a view while in use, else None
             setattr(module, attr, None)

@@ -78,7 +78,7 @@ def _peaks(rank, world):
     with torch.device("meta"):
         gpt = M.GPT(CFG)
     fsdp = FSDP(nn.ModuleList([gpt]), Mesh(rank, world), Mesh(rank, world).dp_cp_group,
-                lambda name, p: M.local_init(name, p, CFG, 0), "cpu")
+                lambda name, p, flat=None, out=None: M.local_init(name, p, CFG, 0, flat, out), "cpu")
     step_peak(fsdp, rank, 1)  # warm-up: caches (RoPE) made once
     return {a: step_peak(fsdp, rank, a) for a in (1, 4)}
 

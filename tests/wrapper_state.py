@@ -37,7 +37,9 @@ def load_full_state(wrapper, state):
     """Loads a full state dict (global names) into this rank's parameters or shards; no communication."""
     if isinstance(wrapper, FSDP):
         for unit in wrapper.units:
-            flat = unit.flat_from(lambda slot: state[slot[2]])
+            flat = torch.zeros(unit.padded)
+            for slot, a, n in zip(unit.slots, unit.offsets, unit.sizes):
+                flat[a:a + n] = state[slot[2]].reshape(-1)
             unit.local.copy_(flat[unit.start:unit.start + unit.shard_numel])
         return
     for name, p in wrapper.module.named_parameters():

@@ -1,0 +1,87 @@
+"""Start-up allocates only what a rank owns: a llama3-8b-shaped block built on fsdp4 or tp4 CPU ranks allocates at
+most its share of the parameters plus one (1024, 1024) tile of the initial-value grid, and the weights are the same
+as one process's (the tiles are a function of (seed, name, tile), not of the layout)."""
+import weakref
+
+import pytest
+import torch
+from torch.nn import ModuleList
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import model as M
+from parallel import ddp, fsdp, tp
+from parallel.launch import run_ranks
+from parallel.mesh import Mesh
+
+BLOCK_8B = M.ModelConfig(n_layer=1, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=512, seq_len=64)
+TILE_BYTES = M.INIT_TILE ** 2 * 4
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those created while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if storage.nbytes() and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def _build(rank, world, mode):
+    mesh = Mesh(rank, world, tp=world if mode == "tp4" else 1)
+    with torch.device("meta"):
+        gpt = M.GPT(BLOCK_8B)
+    if mode == "tp4":
+        tp.parallelize(gpt, mesh)
+
+    def init_param(name, meta, flat=None, out=None):
+        return M.local_init(name, meta, BLOCK_8B, 0, flat, out)
+    module = ModuleList([gpt])
+    with PeakBytes() as peak:  # the weights' materialization (DDP allocates its gradient buckets after it)
+        if mode == "fsdp4":
+            wrapper = fsdp.wrap(module, mesh, "cpu", init_param)
+        else:
+            M.materialize(module, "cpu", lambda name, p, out: init_param(name.split(".", 1)[1], p, out=out))
+    wrapper = wrapper if mode == "fsdp4" else ddp.DDP(module, mesh)
+    share = sum(p.numel() * 4 for p in wrapper.optim_params())
+    probe = {}  # a few elements of every tensor, to compare with one process
+    for piece in wrapper.owned_pieces():
+        values = piece.param.detach().reshape(-1)[piece.start:piece.end]
+        probe[(piece.name, piece.offset, piece.tp_shard)] = values[:64].clone().numpy()
+    return peak.peak, share, probe
+
+
+@pytest.mark.parametrize("mode", ["fsdp4", "tp4"])
+def test_a_rank_allocates_its_share_and_one_tile(mode):
+    for rank, (peak, share, probe) in enumerate(run_ranks(_build, 4, args=(mode,), timeout=300)):
+        assert peak <= share + TILE_BYTES, f"rank {rank}: {peak / 1e6:.1f} MB > share {share / 1e6:.1f} MB + a tile"
+        assert share < 0.3 * 4 * M.param_counts(BLOCK_8B)[0]  # a quarter of the block's fp32 weights, not all
+        for (name, offset, tp_shard), values in list(probe.items())[:6]:
+            meta = torch.empty(_local_shape(name, tp_shard), device="meta")
+            if tp_shard is not None:
+                meta.tp_shard = tuple(tp_shard)
+            expected = M.local_init(name, meta, BLOCK_8B, 0, range(offset, offset + len(values)))
+            assert torch.equal(torch.from_numpy(values), expected), (rank, name)
+
+
+def _local_shape(name, tp_shard):
+    with torch.device("meta"):
+        shape = list(dict(M.GPT(BLOCK_8B).named_parameters())[name].shape)
+    if tp_shard is not None:
+        shape[tp_shard[0]] //= tp_shard[2]
+    return shape
