@@ -22,6 +22,7 @@ import saves.load
 import saves.write
 import train
 from data.loader import TokenLoader
+from data.prepare import prepared_folder
 from parallel.launch import run_ranks
 from tests.layouts import BASE
 
@@ -184,7 +185,7 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
     config = saves.load.Saved(save).meta["config"]
     gpt = M.GPT(M.config_from_dict(config["model"]))
     gpt.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
-    loader = TokenLoader(train.REPO / "data" / "pystdlib", "train", 64, 8, 1337, prefetch=False)
+    loader = TokenLoader(prepared_folder(None), "train", 64, 8, 1337, prefetch=False)
     with torch.no_grad():
         loss = gpt(*loader.get(3)).item()
     assert loss == pytest.approx(reshard_runs[1]["straight"][3], rel=1e-5)
