@@ -211,7 +211,7 @@ class _RingAttentionFn(torch.autograd.Function):
         c = q.shape[2] // len(mine)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_in_flight = None  # (requests, buffer): the accumulator of the block arriving next
+        dkv_in_flight = None  # (requests, arriving accumulator, the one sent): held here until the hop is waited
         for step in range(cp):
             src = (rank - step) % cp
             if step < cp - 1:
@@ -226,7 +226,7 @@ class _RingAttentionFn(torch.autograd.Function):
                 dkv += dkv_in_flight[1]
             if cp > 1:
                 buffer = torch.empty_like(dkv)
-                dkv_in_flight = (group.send_recv([(dkv, (rank + 1) % cp)], [(buffer, (rank - 1) % cp)]), buffer)
+                dkv_in_flight = (group.send_recv([(dkv, (rank + 1) % cp)], [(buffer, (rank - 1) % cp)]), buffer, dkv)
             if step < cp - 1:
                 for r in reqs:
                     r.wait()

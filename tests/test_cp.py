@@ -2,6 +2,7 @@
 the ring sends what the theory says, zigzag balances the causal work, bad layouts exit 2."""
 import contextlib
 import io
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +243,41 @@ def test_bad_cp_layout_exits_2_with_one_line(world, argv, needle):
     assert all(code == 2 for code, _ in results)
     lines = results[0][1].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(needle), lines
+
+
+class _SentHeldCheck:
+    """Wraps a group's send_recv so that c10d holds only a copy of each sent tensor: the original must then be kept
+    alive by the caller until the hop is waited (else a GPU could reuse its memory while the send reads it)."""
+
+    def __init__(self, group):
+        self.group, self.send_recv, self.dropped = group, group.send_recv, 0
+
+    def __call__(self, sends, recvs):
+        originals = [weakref.ref(t) for t, _ in sends]
+        works = self.send_recv([(t.clone(), peer) for t, peer in sends], recvs)
+        checker = self
+
+        class Held:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self):
+                checker.dropped += sum(ref() is None for ref in originals)
+                return self.work.wait()
+        return [Held(w) for w in works]
+
+
+def _ring_backward_holds_what_it_sends(rank, world):
+    mesh = Mesh(rank, world, cp=world)
+    ring = RingAttention(mesh.cp_group)
+    check = _SentHeldCheck(mesh.cp_group)
+    mesh.cp_group.send_recv = check
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 4, 16, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 8, generator=gen, requires_grad=True) for _ in range(2))
+    ring(q, k, v).sum().backward()
+    return check.dropped
+
+
+def test_ring_attention_keeps_every_sent_block_alive_until_its_hop_is_waited():
+    assert run_ranks(_ring_backward_holds_what_it_sends, 2, timeout=60) == [0, 0]
