@@ -8,47 +8,18 @@ freed: the step's gradients, activations, gathered units and flat buffers. The w
 whatever the step allocates for more is counted."""
 import gc
 import warnings
-import weakref
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import model as M
 from parallel.fsdp import FSDP
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.memory import LiveBytes
 
 # the gradients dominate: a wide model on few tokens (2 rows of 8)
 CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=256, vocab_size=256, seq_len=8)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops create while active, from creation until freed; `peak` is the maximum.
-    A storage's Python object outlives every tensor using it (PyTorch keeps it), so a finalizer marks the free."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, n = storage.data_ptr(), storage.nbytes()
-            if n and key not in inputs and key not in self.live:  # views and in-place results are not new
-                self.live[key] = n
-                self.now += n
-                weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 def live_tensor_bytes():

@@ -49,6 +49,30 @@ def test_tp_cp_pp_bytes():
     assert pp == pytest.approx(8 * 2 * t * d * 4)  # M = 8: an activation out and a gradient back
 
 
+
+def test_ours_fsdp_gathers_blocks_again_and_reduces_every_microbatch():
+    """parallel/fsdp.py: per microbatch forward gathers every unit, backward the blocks again (not the embedding,
+    norm and head), and every backward reduce-scatters its unit; under pp a unit is gathered once per step."""
+    total, _ = param_counts(TINY)
+    ends = 2 * TINY.padded_vocab * TINY.d_model + TINY.d_model
+    got = P.comm_bytes(TINY, P.Layout(dp=2, dp_mode="fsdp", micro=1), 256, 8, code="ours", **FP32)["dp"]  # M = 4
+    assert got == pytest.approx(1 / 2 * 4 * ((2 * total - ends) * 4 + total * 4))
+    lay = P.Layout(dp=2, pp=2, dp_mode="fsdp", micro=1)
+    got = P.comm_bytes(TINY, lay, 256, 8, code="ours", **FP32)["dp"]
+    assert got == pytest.approx(1 / 2 * P.Shape(TINY, lay, 256, 8, "ours").p_last * (4 + 4 * 4))
+
+
+def test_ours_tp_overlap_hides_the_backward_and_the_rings():
+    """parallel/tp.py: without sp the forward all-reduces still block (4 of a layer's 8 collectives); with sp
+    every collective next to a matmul runs under it; overlap=0 (train.py --no-overlap) blocks on all of them."""
+    cl, cfg = P.Cluster(8), PRESETS["llama3-8b"]
+
+    def tp(**kw):
+        return P.step_time(cfg, cl, P.Layout(tp=8, micro=1, **kw), 8192, 8, code="ours")["tp"]
+    assert 0.5 * tp(sp=False, overlap=False) < tp(sp=False) < tp(sp=False, overlap=False)
+    assert tp(sp=True) < 0.5 * tp(sp=True, overlap=False)
+
+
 # ---------------------------------------------------------------- memory
 
 def test_memory_shards_model_state_and_checkpointing_shrinks_activations():

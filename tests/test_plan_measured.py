@@ -78,7 +78,7 @@ def parse(world, flags, micro, accum):
     args.global_batch = micro * dp * accum
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
-                   V=args.pp_virtual, cp_mode=args.cp_mode, sp=args.sp)
+                   V=args.pp_virtual, cp_mode=args.cp_mode, sp=args.sp, overlap=not args.no_overlap)
     return args, cfg, lay, args.global_batch
 
 

@@ -1,45 +1,19 @@
 """Start-up allocates only what a rank owns: a llama3-8b-shaped block built on fsdp4 or tp4 CPU ranks allocates at
 most its share of the parameters plus one (1024, 1024) tile of the initial-value grid, and the weights are the same
 as one process's (the tiles are a function of (seed, name, tile), not of the layout)."""
-import weakref
 
 import pytest
 import torch
 from torch.nn import ModuleList
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import model as M
 from parallel import ddp, fsdp, tp
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.memory import LiveBytes
 
 BLOCK_8B = M.ModelConfig(n_layer=1, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=512, seq_len=64)
 TILE_BYTES = M.INIT_TILE ** 2 * 4
-
-
-class PeakBytes(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once among those created while the mode is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if storage.nbytes() and key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 def _build(rank, world, mode):
@@ -52,7 +26,7 @@ def _build(rank, world, mode):
     def init_param(name, meta, flat=None, out=None):
         return M.local_init(name, meta, BLOCK_8B, 0, flat, out)
     module = ModuleList([gpt])
-    with PeakBytes() as peak:  # the weights' materialization (DDP allocates its gradient buckets after it)
+    with LiveBytes() as peak:  # the weights' materialization (DDP allocates its gradient buckets after it)
         if mode == "fsdp4":
             wrapper = fsdp.wrap(module, mesh, "cpu", init_param)
         else:

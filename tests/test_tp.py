@@ -7,7 +7,6 @@ single-process reference runs in this process.
 """
 import contextlib
 import io
-import traceback
 from functools import partial
 
 import pytest
@@ -23,6 +22,7 @@ from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
 from parallel.tp_overlap import Ring
+from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
 
 FAST = ["--peak-tflops", "1"]  # skip the CPU matmul-rate measurement
@@ -59,21 +59,6 @@ def _train(rank, world, argv):
         tp.parallelize = parallelize
 
 
-def _jobs(rank, world, jobs):
-    """Runs (key, fn, args) jobs in turn; a failing job returns its traceback instead of ending the rank."""
-    results = {}
-    for key, fn, args in jobs:
-        try:
-            results[key] = fn(rank, world, *args)
-        except Exception:
-            results[key] = Failed(traceback.format_exc())
-    return results
-
-
-class Failed(str):
-    pass
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{world: [rank 0's results, rank 1's, ...]}; world 1 is the in-process reference run."""
@@ -85,7 +70,7 @@ def runs(tmp_path_factory):
         jobs[world].append((name, _train, (_argv(out / name, flags),)))
     results = {1: [{"ref": train.main(_argv(out / "ref", []))}]}
     for world, world_jobs in jobs.items():
-        results[world] = run_ranks(_jobs, world, args=(world_jobs,), timeout=600)
+        results[world] = run_ranks(run_jobs, world, args=(world_jobs,), timeout=600)
     return results
 
 

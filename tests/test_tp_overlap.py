@@ -4,7 +4,6 @@ A TorchDispatchMode records every matmul and every p2p send of one forward and b
 entries the comm layer's timeline (launches and waits) had then, so a collective's window (launch to wait) holds
 the matmuls that ran while it was in flight. Checked on 2 and 4 gloo ranks against overlap=False and one process.
 """
-import traceback
 from collections import namedtuple
 
 import pytest
@@ -15,6 +14,7 @@ import model as M
 from parallel import ckpt, has_tp_partial_grad, tp, tp_shard_of
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.jobs import Failed, run_jobs
 
 CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
 B = 2
@@ -119,25 +119,11 @@ def _grads_rank(rank, world):
     return out
 
 
-def _jobs(rank, world, jobs):
-    results = {}
-    for key, fn, args in jobs:
-        try:
-            results[key] = fn(rank, world, *args)
-        except Exception:
-            results[key] = Failed(traceback.format_exc())
-    return results
-
-
-class Failed(str):
-    pass
-
-
 @pytest.fixture(scope="module")
 def runs():
     jobs = [(("timeline", sp, on), _timeline_rank, (sp, on)) for sp in (False, True) for on in (True, False)]
     jobs += [("grads", _grads_rank, ()), ("recompute", _recompute_rank, ())]
-    return {world: run_ranks(_jobs, world, args=(jobs,), timeout=600) for world in (2, 4)}
+    return {world: run_ranks(run_jobs, world, args=(jobs,), timeout=600) for world in (2, 4)}
 
 
 def result(runs, world, key):
