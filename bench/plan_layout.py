@@ -46,6 +46,7 @@ class Layout:
     V: int = 1              # virtual stages per rank (interleaved)
     cp_mode: str = "ring"   # ring | ulysses | allgather
     sp: bool = True         # sequence parallel with tp (train.py --sp)
+    overlap: bool = True    # collectives overlap compute (train.py --no-overlap: overlap=0, every one blocks)
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
@@ -53,14 +54,15 @@ class Layout:
         s += f",micro={self.micro},ckpt={self.ckpt}"
         s += f",schedule={self.schedule},V={self.V}" if self.pp > 1 else ""
         s += ",sp=0" if self.tp > 1 and not self.sp else ""
+        s += ",overlap=0" if not self.overlap else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
 def parse_layout(text):
     """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, and V > 1
-    implies schedule=interleaved. Booleans: sp=0 or sp=1."""
+    implies schedule=interleaved. Booleans (sp, overlap): 0 or 1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
-    kinds["sp"] = lambda v: v.lower() in ("1", "true", "yes", "on")
+    kinds["sp"] = kinds["overlap"] = lambda v: v.lower() in ("1", "true", "yes", "on")
     kv = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
     if set(kv) - set(kinds):
         raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")

@@ -2,22 +2,25 @@
 (plan_comm.py, plan_memory.py) describe the implementation Llama 3 and Megatron-LM report, the one the
 planner's calibration is for. Notation: plan_layout.py; e the compute dtype's bytes, r the residual stream's: the
 dtype of the weights forward sees, 4 under ddp (fp32 masters, autocast casts per matmul), e under fsdp and hsdp
-(units gathered in the compute dtype).
+(units gathered in the compute dtype); w the gathered units' bytes (e; 4 in an fp32 run).
 
 tests/test_plan_measured.py holds these to fp32 CPU runs of train.train_step: bytes equal to the comm counters per
 group, memory within 15% of the bytes allocated. The bytes come from the parallel modules' own traffic formulas (the
 end of parallel/tp.py, cp.py, ring_attention.py, pp.py, ddp.py, fsdp.py, hsdp.py). They differ from the reference:
 TP sends 8 (t, d) collectives per layer (sp: 10, as the reference; a recomputed block repeats 2, under sp 3), 2 each
 for the embedding and the head (sp: 3), all counted in e, the loss all-gathers 2 fp32 per token, and sp norms
-all-reduce their grads once per step; every TP collective blocks. Ring CP's backward adds cp hops of the fp32 dK,dV
-accumulators; recomputation repeats the forward's CP traffic. PP sends each (t, d) activation and its grad in r, and
-nothing else (shapes come from the config). FSDP under pp gathers each unit once per step and keeps it to the last
-backward (as the reference), reduces once per step, and holds the unsharded fp32 grads while accumulating, then one
-unit's flat gradient and the previous unit's send in flight; DDP's grads are views into its buckets (no copies).
+all-reduce their grads once per step (which of them overlap compute: plan_time.py). Ring CP's backward adds cp hops
+of the fp32 dK,dV accumulators; recomputation repeats the forward's CP traffic. PP sends each (t, d) activation and
+its grad in r, and nothing else (shapes come from the config). FSDP units: the embedding, one per block, the final
+norm + head; per microbatch forward gathers every unit, backward the blocks again, and every backward reduce-scatters
+its unit (fp32) into the persistent shard gradient: with E the embedding, norm and head params of a stage,
+(S-1)/S * M*((2P - E)*w + 4P); under pp a unit is gathered once per step and kept: (S-1)/S * P*(w + 4M). HSDP adds
+one all-reduce of the fp32 shard gradients over the replicas per step, 2(R-1)/R * 4P/S. DDP: one of the buckets.
 
 Activations per layer per token (sh = tp under sp, else 1). A norm: F.rms_norm's fp32 input and rstd and the
-normalized x, 4d + 4 + r*d, plus its output as the matmuls reading it save it: e*d, once per reader when autocast
-casts it (r != e: q, k, v read the first norm, gate and up the second), else once; under sp (4d + 4 + 2r*d)/tp.
+normalized x, 4d + 4 + r*d, plus its output as the matmuls reading it save it: under tp (ColumnParallel) once in its
+own dtype, r*d (sp: its (t/tp, d) block, so (4d + 4 + 2r*d)/tp); without tp as model.py's linears save it, e*d, once
+per reader when autocast casts it (r != e: q, k, v read the first norm, gate and up the second), else once.
 Attention (SDPA with enable_gqa: K,V with their own kv heads, never repeated per query head): q, K, V, the output
 and the fp32 lse, e*(2d/tp + 2*hd*kv_local) + 4a/tp; under cp the output laid out again for o_proj, + e*d/tp, and
 allgather keeps the whole sequence's K,V (cp*kv_local heads), ulysses the whole sequence for lcm(kv_local, cp)/cp
@@ -25,16 +28,22 @@ heads. The MLP: gate, silu(gate), up and their product, 4e*f/tp. selective: r*d/
 + 2f/tp) + 4a/tp (the matmuls' outputs, o and down unreduced, and the attention's); full: r*d/sh. The head's rank
 keeps the final norm (one reader) and model.CrossEntropy's logits in e plus 13 bytes per token (fp32 lse, int64
 shifted target, bool mask): no (t, V/tp) fp32 tensor, only one chunk of model.loss_chunks at a time.
-Peak = model state + the fullest moment of the step: all of them hold the activations in flight and the grads
-(ddp: its buckets, always; fsdp: while accumulating), plus the loss's backward (the logits' grad and three fp32
-(rows, V/tp) chunk buffers), or the head's backward (the logits' and the input's grads; ddp: the head weight's grad
-before it is added into its bucket; fsdp gathers its unit again), or the final norm's backward (its input and
-RMS_BWD_TEMPS fp32 (t, d/sh) temporaries), or a block's backward (two more (t, f/tp) MLP grads, the residual's grad,
-the recompute; sp: the input gathered again; fsdp: the gathered units and their grads before the reduce-scatter),
-or instead the end of backward (fsdp: the shards and the units being reduced). At 405B this puts Llama 3's
-published layouts at 28-34% MFU with our code (full checkpointing to fit: at V=8 none and selective keep 133-158 GB;
-under sp selective saves the row-parallel matmuls' unreduced (t, d) outputs, about what none keeps; every TP
-collective blocks).
+Peak = model state + the fullest moment of the step. Model state: 12 B/param of fp32 master and Adam (/S sharded);
+ddp's fp32 buckets (the .grads are their views), fsdp's fp32 shard gradients, 4P/S, whatever M. All moments hold the
+activations in flight; fsdp also one flat gradient of its largest unit (fp32) from the step's first reduction to its
+end, and gathered units (in w: under pp the stage's, all step; else the moment's, below). On top: the loss's backward
+(the logits' grad and three fp32 (rows, V/tp) chunk buffers; fsdp: the head unit), the head's backward (the logits'
+and the input's grads, the head weight's grad: ddp until added into its bucket, fsdp in w; fsdp: the head unit and
+the prefetched last block), the final norm's backward (its input and RMS_BWD_TEMPS fp32 (t, d/sh) temporaries; fsdp:
+as the head's, then its reduction), a block's backward (two more (t, f/tp) MLP grads, the residual's grad, the
+recompute; sp: the input gathered again, tp: the input cast to e; fsdp: the block's grads in w, it and the prefetched
+previous one; for the first block, the next microbatch's embedding instead, and no later block's activations) or the
+embedding's (its dense grad in w, the next microbatch's embedding prefetched).
+At 405B this puts Llama 3's published layouts at 30.7, 28.9 and 27.4% MFU with our code (plan_time.py), all three
+needing full checkpointing to fit in 80 GB: ckpt none and selective keep 100-165 GB of activations at V=1..8 (under
+sp selective saves the row-parallel matmuls' unreduced (t, d) outputs, about what none keeps), and under pp the
+reduce-scatter of every microbatch's fp32 gradients over dp (M times one per step) leaves 1.4-3.7 s a step
+exposed at full checkpointing.
 """
 import math
 
@@ -52,11 +61,29 @@ RMS_BWD_TEMPS = 5  # (t, d) fp32 temporaries at once in F.rms_norm's backward as
 # runs tests/test_plan_measured.py measures); CUDA's fused kernel makes fewer
 
 
+def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
+    """One stage's FSDP/HSDP traffic per step, {"gather", "reduce", "replica": (bytes per rank, ring steps)}, and its
+    unit count: parallel/fsdp.py's gathers_per_step and gather_reduce_bytes for the blocks and for the end units
+    (embedding, norm + head; never gathered for backward), parallel/hsdp.py's replica_bytes."""
+    lay, M, S, d = s.lay, s.M, shard_size(s.lay), s.cfg.d_model
+    kept, ends = lay.pp > 1, s.p_embed * embed + (s.p_embed + d) * head
+    blocks, once = gathers_per_step(M, kept), gathers_per_step(M, kept, backward=False)
+    units = layers + embed + head
+    parts = {"gather": (gather_reduce_bytes(params - ends, S, blocks, w_bytes, 0, reduces=0)
+                        + gather_reduce_bytes(ends, S, once, w_bytes, 0, reduces=0),
+                        (layers * blocks + (embed + head) * once) * (S - 1)),
+             "reduce": (gather_reduce_bytes(params, S, 0, 0, g_bytes, reduces=M), units * M * (S - 1))}
+    if lay.dp_mode == "hsdp":
+        R = lay.dp * lay.cp // S
+        parts["replica"] = (replica_bytes(params, S, R, g_bytes), units * 2 * math.ceil(math.log2(R)))
+    return parts, units
+
+
 def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     """collectives() of this repository's parallel/*.py: for each group the most any rank of s.stages() sends,
     term by term what the comm counters of tests/test_plan_measured.py read."""
     cfg, lay, d, M, t = s.cfg, s.lay, s.cfg.d_model, s.M, s.t
-    tp, cp, S, g = lay.tp, lay.cp, shard_size(lay), lay.dp * lay.cp
+    tp, cp, g = lay.tp, lay.cp, lay.dp * lay.cp
     redo = lay.ckpt != "none"  # a recomputed block repeats its forward collectives (but tp's last one)
     out = {}
     for layers, params, embed, head, sends in s.stages():
@@ -77,17 +104,15 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
             mine["cp"] = (M * layers * ((1 + redo) * fwd + bwd), M * layers * (cp - 1) * (3 + redo))
         if lay.pp > 1:  # activations forward, gradients back ((b, T/tp, d) under sp), in the residual's dtype
             mine["pp"] = (p2p_bytes(M * sends, t, d, residual_bytes(s, a_bytes), tp if lay.sp else 1), M * sends)
-        units = layers + (embed or head)  # fsdp units: one per block, one for the embedding/norm/head
         if g > 1 and lay.dp_mode == "ddp":
             buckets = math.ceil(g_bytes * params / (BUCKET_MB * 1e6))
             mine["dp"] = (all_reduce_bytes(params, g, g_bytes), buckets * 2 * math.ceil(math.log2(g)))
-        elif g > 1:  # each microbatch gathers every unit for forward and again for backward (under pp: once per
-            gathers = gathers_per_step(M, keep_gathered=lay.pp > 1)  # step, kept until the last backward); one RS
-            mine["dp" if lay.dp_mode == "fsdp" else "shard"] = (
-                gather_reduce_bytes(params, S, gathers, w_bytes, g_bytes), (gathers + 1) * units * (S - 1))
-            if lay.dp_mode == "hsdp":
-                R = g // S
-                mine["replica"] = (replica_bytes(params, S, R, g_bytes), units * 2 * math.ceil(math.log2(R)))
+        elif g > 1:
+            parts, _ = fsdp_parts(s, layers, params, embed, head, w_bytes, g_bytes)
+            (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
+            mine["dp" if lay.dp_mode == "fsdp" else "shard"] = (gb + rb, gs + rs)
+            if "replica" in parts:
+                mine["replica"] = parts["replica"]
         for group, v in mine.items():
             out[group] = max(out.get(group, v), v)
     return out
@@ -103,11 +128,12 @@ def residual_bytes(s, a_bytes):
 def norm_per_token(s, users, a_bytes):
     """Bytes per token one RMSNorm keeps: F.rms_norm's fp32 input (the residual, or its fp32 copy) and rstd, the
     normalized x in the residual's dtype r (for the weight's grad), and its output as the `users` matmuls reading it
-    save it: under sp the shard they gather again in backward (r); else in the compute dtype e, one copy per matmul
-    when autocast casts it (r != e), one shared when it is in that dtype already."""
-    d, e, r = s.cfg.d_model, a_bytes, residual_bytes(s, a_bytes)
-    if s.lay.sp and s.lay.tp > 1:
-        return (4 * d + 4 + 2 * r * d) / s.lay.tp
+    save it: under tp once, in its own dtype r (parallel/tp.py's ColumnParallel; sp: its shard, gathered again in
+    backward); else in the compute dtype e, one copy per matmul when autocast casts it (r != e), one when it is in
+    that dtype already."""
+    d, e, r, tp = s.cfg.d_model, a_bytes, residual_bytes(s, a_bytes), s.lay.tp
+    if tp > 1:
+        return (4 * d + 4 + 2 * r * d) / (tp if s.lay.sp else 1)
     return 4 * d + 4 + r * d + e * d * (users if r != e else 1)
 
 
@@ -132,22 +158,18 @@ def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
     return norm_per_token(s, 3, e) + norm_per_token(s, 2, e) + attention + e * 4 * f / tp
 
 
-def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
-    """Model state plus the fullest moment of a step, on the fullest rank of s.stages(). Every moment holds the
-    activations in flight and the grads held (ddp's buckets; fsdp's while accumulating); on top: the loss's backward,
-    the head's backward, the final norm's backward, or a block's backward; or instead the end of backward (the module
-    docstring lists what each holds)."""
-    cfg, lay, P, M, t, d = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model
-    sharded = lay.dp_mode != "ddp"
-    kept = sharded and P > 1  # under pp fsdp keeps its units gathered from the first forward to the last backward
-    S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
-    r, e = residual_bytes(s, a_bytes), a_bytes
-    w_unit = w_bytes or MASTER_B  # fsdp gathers in the compute dtype (fp32 without autocast)
+
+def transients(s, a_bytes):
+    """(the activations a layer keeps per token, a block's backward on top of them, the loss's backward on top of
+    the logits): the tensors each backward makes."""
+    cfg, lay, t, d, e = s.cfg, s.lay, s.t, s.cfg.d_model, a_bytes
+    r, sh, vocab = residual_bytes(s, a_bytes), lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     keep = ours_act_per_token(s, lay.ckpt, a_bytes)
     redo = (ours_act_per_token(s, "none", a_bytes) - keep) * t  # a block recomputed in backward
     # sp: the (t, d) tensors a column-parallel backward holds: the output grad all-gathered from the next block,
-    # the norm output gathered again (in r, and cast to e) and its grad
+    # the norm output gathered again (in r, and cast to e) and its grad; tp without sp: the norm output cast to e
     regather = (lay.sp and lay.tp > 1) * t * d * (r + (e if e != r else 0) + 2 * e)
+    regather += (lay.tp > 1 and not lay.sp) * t * d * (e if e != r else 0)
     # the MLP's backward: three (t, f/tp) activation grads at once, after down_proj's backward freed its input, and
     # the residual stream's grad
     block_bwd = 2 * t * cfg.ffn_dim / lay.tp * e + t * r * d / sh + redo + regather
@@ -155,47 +177,71 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     # to this rank's vocabulary shard (int64) and whether it lives there; its backward adds the logits' grad and
     # three fp32 (rows, V/tp) buffers of one chunk (model.loss_chunks)
     chunk = loss_chunks(max(1, int(t)), max(1, int(vocab)))[0]
-    loss_bwd = t * e * vocab + 3 * 4 * (chunk.stop - chunk.start) * vocab
+    return keep, block_bwd, t * e * vocab + 3 * 4 * (chunk.stop - chunk.start) * vocab
+
+
+def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
+    """Model state plus the fullest moment of a step, on the fullest rank of s.stages() (the module docstring lists
+    what each moment holds)."""
+    cfg, lay, P, M, t, d, e = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model, a_bytes
+    sharded = lay.dp_mode != "ddp"
+    S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
+    r, (keep, block_bwd, loss_bwd) = residual_bytes(s, a_bytes), transients(s, a_bytes)
     inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
     best = None
     for layers, params, embed, head, _ in s.stages():
         flight = 1 if P == 1 else (M if lay.schedule == "gpipe" else 1) if head else inflight
         acts = layers * t * keep + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ the output sent)
         norm, logp = (t * norm_per_token(s, 1, e), t * (e * vocab + 4 + 8 + 1)) if head else (0.0, 0.0)
-        root = s.p_embed * embed + (s.p_embed + d) * head  # the fsdp unit of the embedding, final norm and head
-        grads = G_B * params  # unsharded fp32: ddp's buckets; fsdp's flat buffers (accumulation, reduce-scatter)
-        held, n = 0.0, flight  # earlier microbatches' grads, and microbatches in flight (gpipe: a backward done)
-        if not sharded:  # ddp's .grads are views into its buckets, kept from step to step
-            held = grads
-        elif M > 1:
-            held, n = max((0.0, flight), (grads, flight - 1), key=lambda h: h[0] + h[1] * (acts + norm + logp)) \
-                if lay.schedule == "gpipe" else (grads, flight)
-        unit = sharded * (root * head + s.p_layer) * w_unit  # a block's unit, and the head rank's root unit
-        weights = w_bytes * params if not sharded else w_unit * params if kept else 0.0  # ddp: autocast's bf16
-        gathering = 0.0 if kept else sharded * w_unit  # copies; fsdp under pp: the stage, gathered all step
-        base = {"weights": weights, "grads": held, "activations": n * acts + (n - 1) * norm, "logits": (n - 1) * logp}
-        moments = [{"activations": norm, "logits": logp + loss_bwd * head},  # the loss's backward
-                   # the head's backward: the logits' grad, the input's (ddp: the weight's, until added into its
-                   # bucket; fsdp gathers the root unit again)
-                   {"activations": norm + t * d * e * head, "logits": t * e * vocab,
-                    "grads": (not sharded) * G_B * s.p_embed * head, "weights": gathering * head * (root + s.p_layer)},
-                   # the final norm's backward: its fp32 input and the temporaries of F.rms_norm's backward
-                   {"activations": head * t * (1 + RMS_BWD_TEMPS) * 4 * d / sh},
-                   # a block's backward; fsdp, as its unit reduces: its grads, their flat copy (in the room of the
-                   # freed weights, unless kept), the previous unit's send in flight (in held when accumulating)
-                   {"activations": block_bwd, "weights": unit * (not kept),
-                    "grads": unit + sharded * G_B * s.p_layer * (kept + (not held))}]
-        moment = max(moments, key=lambda m: sum(m.values()))
-        m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
-        # the end of backward. ddp: the buckets, all in flight (no copies). fsdp, as each unit reduces (blocks, then
-        # the root): the shards, the unit's grads and their flat copy, the previous unit's send in flight
-        unit_sizes = [s.p_layer] * layers + [root] * (root > 0)  # in the order backward reduces them
-        reduce_peak = max(2 * size + before for before, size in zip([0] + unit_sizes, unit_sizes))
-        end = {"weights": weights + gathering * (root + s.p_layer),  # the root and a prefetched block
-               "grads": grads / S + G_B * reduce_peak if sharded else grads,
-               "activations": 0.0, "logits": 0.0}
-        m = max(m, end, key=lambda x: sum(x.values()))
-        m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)
-        m["overhead"] = overhead_gb * GB + frag * sum(m.values())
-        best = m if best is None or sum(m.values()) > sum(best.values()) else best
+        stage = (layers, params, embed, head, acts, norm, logp)
+        if not sharded:  # ddp: autocast's bf16 weight copies; the .grads are views into its buckets, kept all along
+            cases = [({"weights": w_bytes * params, "grads": G_B * params}, flight, [
+                {"activations": norm, "logits": logp + loss_bwd * head},  # the loss's backward
+                # the head's backward: the logits' grad, the input's, the weight's until added into its bucket
+                {"activations": norm + t * d * e * head, "logits": t * e * vocab * head,
+                 "grads": G_B * s.p_embed * head},
+                {"activations": head * t * (1 + RMS_BWD_TEMPS) * 4 * d / sh},  # the final norm's backward
+                {"activations": block_bwd}])]  # a block's backward
+        elif lay.schedule == "gpipe" and M > 1:  # the first backward without the flat gradient, later ones with it
+            cases = [fsdp_moments(s, stage, w_bytes, a_bytes, flight, False),
+                     fsdp_moments(s, stage, w_bytes, a_bytes, flight - 1, True)]
+        else:
+            cases = [fsdp_moments(s, stage, w_bytes, a_bytes, flight, M > 1)]
+        for held, n, moments in cases:
+            base = dict(held, activations=n * acts + (n - 1) * norm, logits=(n - 1) * logp)
+            moment = max(moments, key=lambda m: sum(m.values()))
+            m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
+            m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)
+            m["overhead"] = overhead_gb * GB + frag * sum(m.values())
+            best = m if best is None or sum(m.values()) > sum(best.values()) else best
     return best
+
+
+def fsdp_moments(s, stage, w_bytes, a_bytes, n, early):
+    """(what fsdp/hsdp hold all step, microbatches in flight, the moments on top) of one stage (parallel/fsdp.py):
+    the fp32 shard gradients; under pp the stage's units, gathered from their first forward to the end of the step,
+    else the units a moment gathers; the flat gradient of the largest unit from the step's first reduction (`early`:
+    already there at the loss, as in any microbatch after the first); the gathered units' grads, in their dtype."""
+    layers, params, embed, head, acts, norm, logp = stage
+    d, t, M, e, r = s.cfg.d_model, s.t, s.M, a_bytes, residual_bytes(s, a_bytes)
+    S, sh, vocab = shard_size(s.lay), s.lay.tp if s.lay.sp else 1, s.cfg.padded_vocab / s.lay.tp
+    kept, w, (keep, block_bwd, loss_bwd) = s.lay.pp > 1, w_bytes or MASTER_B, transients(s, a_bytes)
+    g, block, p_head = (not kept) * w, s.p_layer * (layers > 0), s.p_embed + d
+    flat = G_B * max([block, s.p_embed * embed, p_head * head])
+    fl, after = flat * early, s.p_embed * embed * (M > 1)  # the next microbatch's embedding, prefetched
+    moments = [{"grads": flat}]
+    if layers:  # a block's backward (it and the one before, prefetched); the first block's (the embedding instead)
+        moments += [{"activations": block_bwd, "weights": g * (block + (block if layers > 1 else after)),
+                     "grads": flat + w * block},
+                    {"activations": block_bwd - (layers - 1) * t * keep, "weights": g * (block + after),
+                     "grads": flat + w * block}]
+    if embed:  # the embedding's backward: its dense grad; the rest of the microbatch's activations are freed
+        moments += [{"activations": t * r * d / sh - acts, "weights": g * after, "grads": flat + w * s.p_embed}]
+    if head:  # the loss's backward, the head's, the final norm's, the head unit's reduction
+        moments += [{"activations": norm, "logits": logp + loss_bwd, "weights": g * p_head, "grads": fl},
+                    {"activations": norm + t * d * e, "logits": t * e * vocab, "weights": g * (p_head + block),
+                     "grads": w * s.p_embed + fl},
+                    {"activations": t * (1 + RMS_BWD_TEMPS) * 4 * d / sh, "weights": g * (p_head + block),
+                     "grads": w * s.p_embed + fl},
+                    {"activations": t * r * d / sh, "weights": g * block, "grads": w * s.p_embed + flat}]
+    return {"weights": kept * w * params, "grads": G_B * params / S}, n, moments

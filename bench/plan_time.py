@@ -14,11 +14,19 @@ N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the n
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
   step = M*t_stage + bubble + PP exposed + DP exposed,  bubble = (P-1) * ceil(L/(P*V))/layers * t_stage.
-Exposed communication. TP: TP_EXPOSED of the collectives block (--code ours: every one). CP: ring is hidden
-under the layer's attention (and full checkpointing's recompute of it); allgather and ulysses block. PP: the
-sends are asynchronous, hidden under compute except 2(P-1) hops of fill and drain. DP: ddp's all-reduce runs
-under the last microbatch's backward, one BUCKET_MB bucket left over; fsdp / hsdp per round (a microbatch with
-P = 1 or --code ours; the step with P > 1), under that round except one layer's share.
+Exposed communication. TP: TP_EXPOSED of the collectives block; --code ours follows parallel/tp.py: without sp
+the 2 forward all-reduces of a layer block, the 2 backward ones hide under the weight-grad matmuls of q,k,v and of
+gate,up (2*d*outputs/tp FLOPs per token each), lm_head's under its own; with sp every (t, d) collective of a layer
+or the head is a ring of tp-1 hops under the neighbouring matmul, hide(layer's tp, (tp-1)/tp * its matmul time);
+the embedding's and the loss's collectives and sp's norm-grad all-reduce block. CP: ring is hidden under the
+layer's attention (and full checkpointing's recompute of it); allgather and ulysses block. PP: the sends are
+asynchronous, hidden under compute except 2(P-1) hops of fill and drain. DP: ddp's all-reduce runs under the last
+microbatch's backward, one BUCKET_MB bucket left over; fsdp / hsdp per round (a microbatch with P = 1, the step
+with P > 1), under that round except one layer's share; --code ours follows parallel/fsdp.py: each microbatch's
+gathers and reduce-scatters under its compute (under pp: the step's one gather of a unit under the first forward,
+the reduce-scatters under each backward), the first gather and the last reduce-scatter of one unit exposed, hsdp's
+replica all-reduce under the last backward but its last unit. overlap=0 (train.py --no-overlap): every TP and DP
+collective blocks.
 Hidden communication still costs OVERLAP_TAX of its duration (NCCL kernels take SMs and HBM bandwidth).
 MFU = model.flops_per_token (PaLM: 6N + 12*L*d*T) * B*T / (gpus * peak * step); HFU adds the recompute.
 Calibration: Llama 3 405B (Table 4) on 8k/16k H100s; the constants below are set from hardware facts, not
@@ -28,8 +36,11 @@ import math
 from functools import lru_cache
 
 from bench.plan_comm import collectives
-from bench.plan_layout import BUCKET_MB, GB, Shape, shard_size
+from bench.plan_layout import ACT_B, BUCKET_MB, G_B, GB, Shape, shard_size
+from bench.plan_ours import fsdp_parts
 from model import flops_per_token
+from parallel.ddp import all_reduce_bytes
+from parallel.tp import activation_collectives, loss_bytes, seq_collective_bytes
 
 MM_EFF = 0.65        # sustained GEMM fraction of peak in training (an 8k GEMM alone ~0.8; clocks drop under load)
 MM_ROWS0 = 128       # GEMMs over t token rows lose about one 128-row tile wave: * t/(t + 128)
@@ -75,6 +86,48 @@ def hide(t_comm, window):
     return max(t_comm - window, 0.0) + OVERLAP_TAX * min(t_comm, window)
 
 
+def ours_tp(s, cl, flop):
+    """Exposed TP seconds per microbatch on the busiest stage, --code ours (parallel/tp.py, tp_overlap.py); flop:
+    seconds per matmul FLOP of t rows on one GPU."""
+    cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
+    unit = seconds(cl, lay, "tp", seq_collective_bytes(t, d, tp, ACT_B), tp - 1)  # one (t, d) all-gather or RS
+    n = activation_collectives(1, False, False, lay.sp, lay.ckpt != "none")  # per layer; an all-reduce is 2
+    head_units, mm = 2 + lay.sp, 6 * (s.p_layer - 2 * d) * (1 + (lay.ckpt == "full") / 3) * t * flop
+    if not lay.overlap:
+        layer, head = n * unit, head_units * unit
+    elif lay.sp:  # rings: each hop under a 1/tp chunk of the matmul next to it
+        hidden = (tp - 1) / tp
+        layer, head = hide(n * unit, hidden * mm), hide(head_units * unit, hidden * 6 * s.p_embed * t * flop)
+    else:  # forward (and recompute) all-reduces block, backward ones run under the weight-grad matmuls
+        qkv = 2 * d * (cfg.n_head * cfg.head_dim / tp + 2 * cfg.head_dim * s.kv_local) * t * flop
+        layer = (n - 4) * unit + hide(2 * unit, qkv) + hide(2 * unit, 2 * d * 2 * cfg.ffn_dim / tp * t * flop)
+        head = hide(2 * unit, 2 * s.p_embed * t * flop)
+    loss = seconds(cl, lay, "tp", loss_bytes(t, tp), tp - 1)
+    worst = 0.0
+    for layers, _, embed, has_head, _ in s.stages():
+        norms = seconds(cl, lay, "tp", all_reduce_bytes(d * (2 * layers + has_head), tp, G_B),
+                        2 * math.ceil(math.log2(tp))) * lay.sp / s.M  # once per step
+        worst = max(worst, layers * layer + embed * 2 * unit + has_head * (head + loss) + norms)
+    return worst
+
+
+def ours_dp(s, cl, t_stage):
+    """Exposed FSDP/HSDP seconds per step on the busiest stage, --code ours with overlap (parallel/fsdp.py, hsdp.py)."""
+    lay, M, worst = s.lay, s.M, 0.0
+    for layers, params, embed, head, _ in s.stages():
+        parts, units = fsdp_parts(s, layers, params, embed, head)
+        gather, reduce = (seconds(cl, lay, "dp" if lay.dp_mode == "fsdp" else "shard", *parts[k])
+                          for k in ("gather", "reduce"))
+        replica = seconds(cl, lay, "replica", *parts["replica"]) if "replica" in parts else 0.0
+        if lay.pp > 1:  # each unit gathered once, under the first forward; reduce-scattered under each backward
+            exp = hide(gather, t_stage / 3) + M * hide(reduce / M, t_stage * 2 / 3) + (gather + reduce / M) / units
+        else:  # every microbatch gathers and reduce-scatters under its own forward and backward
+            exp = M * hide((gather + reduce) / M, t_stage) + (gather + reduce) / M / units
+        # hsdp: once per step, under the last backward, but the last unit's
+        worst = max(worst, exp + hide(replica, t_stage * 2 / 3) + replica / units)
+    return worst
+
+
 def step_time(cfg, cl, lay, seq, batch, code="reference"):
     """Predicted seconds per step by component (compute, recompute, imbalance, bubble, tp, cp, pp, dp),
     plus "total", "mfu" and "hfu"."""
@@ -86,7 +139,8 @@ def shape_step_time(s, cl):
     cfg, lay, d, tp, most = s.cfg, s.lay, s.cfg.d_model, s.lay.tp, s.most
     peak, hbm = cl.peak_tflops * 1e12, cl.hbm_tbs * 1e12
     keys = s.seq / lay.cp if lay.cp_mode == "ring" else s.seq
-    mm = 6 * (s.p_layer - 2 * d) / (peak * MM_EFF * s.t / (s.t + MM_ROWS0))
+    flop = 1 / (peak * MM_EFF * s.t / (s.t + MM_ROWS0))  # seconds per matmul FLOP over t rows
+    mm = 6 * (s.p_layer - 2 * d) * flop
     attn = 12 * d * s.seq / tp / (peak * ATTN_EFF * keys / (keys + ATTN_KEYS0))
     elem = ELEM_BYTES * (d + cfg.ffn_dim) / tp / hbm
     t_layer = mm + attn + elem  # seconds per token per layer on one GPU
@@ -98,26 +152,32 @@ def shape_step_time(s, cl):
     ideal = (cfg.n_layer + h) / lay.pp
     sent = collectives(s)
     comm = {k: seconds(cl, lay, k, *v) for k, v in sent.items()}
-    exposed = TP_EXPOSED if s.code == "reference" else 1.0  # parallel/tp.py overlaps none of its collectives
-    tp_exp = exposed * comm.get("tp", 0.0) / (s.M * most)  # per layer per microbatch
+    if s.code == "ours" and tp > 1:  # per microbatch, the busiest stage
+        tp_mb = ours_tp(s, cl, flop)
+    else:
+        tp_mb = (TP_EXPOSED if lay.overlap else 1.0) * comm.get("tp", 0.0) / s.M
     cp_exp = comm.get("cp", 0.0) / (s.M * most)
     if lay.cp_mode == "ring":
         cp_exp = hide(cp_exp, s.t * (attn + redo * (lay.ckpt == "full")))
     t_mb = s.t * (t_layer + redo)  # one layer, one microbatch
-    t_stage = load * t_mb + most * (tp_exp + cp_exp)
+    t_stage = load * t_mb + most * cp_exp + tp_mb
     chunk = max(1, math.ceil(cfg.n_layer / (lay.pp * lay.V)))  # layers per virtual stage
     out = {"compute": s.M * ideal * s.t * t_layer, "recompute": s.M * ideal * s.t * redo,
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": (lay.pp - 1) * chunk / most * t_stage,
-           "tp": s.M * most * tp_exp, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
+           "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
     if lay.pp > 1:
         hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage)
     g = lay.dp * lay.cp
-    if g > 1 and lay.dp_mode == "ddp":  # under the last backward; the last bucket after it
+    if g > 1 and not lay.overlap:
+        out["dp"] = sum(comm.get(k, 0.0) for k in ("dp", "shard", "replica"))
+    elif g > 1 and lay.dp_mode == "ddp":  # under the last backward; the last bucket after it
         bucket = seconds(cl, lay, "dp", 2 * (g - 1) / g * BUCKET_MB * 1e6, 2 * math.ceil(math.log2(g)))
         out["dp"] = hide(comm["dp"], t_stage * 2 / 3) + bucket
+    elif g > 1 and s.code == "ours":
+        out["dp"] = ours_dp(s, cl, t_stage)
     elif g > 1:  # per round (a microbatch, or the step when P > 1): under it, except one layer's share
-        rounds = s.M if lay.pp == 1 or s.code == "ours" else 1  # ours gathers every microbatch under pp too
+        rounds = s.M if lay.pp == 1 else 1
         t_round = sum(comm.get(k, 0.0) for k in ("dp", "shard", "replica")) / rounds
         out["dp"] = rounds * (hide(t_round, t_stage) + t_round / (most + 1))
     out["total"] = sum(out.values())
