@@ -19,7 +19,6 @@ holds it to fp32 CPU runs. The output: the top layouts by predicted MFU, the bes
 and where the winner's step time and memory go; --layout prices one layout instead; --compare-fsdp-scope adds
 the winner's mesh with its FSDP group across nodes (fsdp) and inside one node (hsdp).
 """
-import argparse
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ from bench.plan_layout import CODES, GB, Cluster, Layout, Shape, invalid, parse_
 from bench.plan_memory import memory  # noqa: E402
 from bench.plan_search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan  # noqa: E402
 from bench.plan_time import members_per_node, step_time  # noqa: E402
+from config import OneLineParser, UsageError, one_of, positive_float, positive_int  # noqa: E402
 from model import PRESETS, param_counts  # noqa: E402
 
 __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
@@ -47,28 +47,37 @@ def bill(p, cl):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):
-        ap.add_argument(f"--{name}", type=int, help="override the preset (vocab: 50257 if the preset has none)")
-    ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--hbm-gb", type=float, default=80.0, help="memory per GPU (H100: 80)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
-    ap.add_argument("--intra-gbs", type=float, default=450.0, help="NVLink GB/s per direction per GPU")
-    ap.add_argument("--inter-gbs", type=float, default=50.0, help="network GB/s per GPU (400 Gb/s)")
-    ap.add_argument("--seq-len", type=int, help="default: the preset's")
-    ap.add_argument("--global-batch-tokens", type=int, help="default: 0.5M-16M tokens by model size")
-    ap.add_argument("--top", type=int, default=10)
+        ap.add_argument(f"--{name}", type=positive_int, help="override the preset (vocab: 50257 if it has none)")
+    ap.add_argument("--gpus", type=positive_int, default=8, help="a whole number of nodes (or fewer than one node)")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8)
+    ap.add_argument("--hbm-gb", type=positive_float, default=80.0, help="memory per GPU (H100: 80)")
+    ap.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--intra-gbs", type=positive_float, default=450.0, help="NVLink GB/s per direction per GPU")
+    ap.add_argument("--inter-gbs", type=positive_float, default=50.0, help="network GB/s per GPU (400 Gb/s)")
+    ap.add_argument("--seq-len", type=positive_int, help="default: the preset's")
+    ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
+    ap.add_argument("--top", type=positive_int, default=10)
     ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
     ap.add_argument("--code", default="reference", choices=CODES,
                     help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
     ap.add_argument("--compare-fsdp-scope", action="store_true",
                     help="L15: the winner's mesh with its FSDP group inside one node (hsdp) vs across nodes")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     over = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size")}
     cfg = replace(PRESETS[args.model], **{k: v for k, v in over.items() if v})
     cfg = cfg if cfg.vocab_size else replace(cfg, vocab_size=50257)  # the GPT-2 tokenizer of our data
+    problem = cfg.validate() or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node and (
+        "--gpus", f"{args.gpus} GPUs are not a whole number of {args.gpus_per_node}-GPU nodes"))
+    if problem:
+        print(f"error: {problem[0]}: {problem[1]}", file=sys.stderr)
+        return 2
     seq = args.seq_len or cfg.seq_len
     cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs)
     batch = max(1, (args.global_batch_tokens or default_batch_tokens(cfg)) // seq)
@@ -84,7 +93,7 @@ def main(argv=None):
         t0 = time.time()
         plans = plan(cfg, cl, seq, batch, args.top, args.code)
     except (ValueError, TypeError) as e:
-        print(f"plan.py: error: {e}", file=sys.stderr)
+        print(f"error: --layout: {e}", file=sys.stderr)
         return 2
     if not plans:
         print("no layout fits in memory")

@@ -63,7 +63,10 @@ def parse_layout(text):
     implies schedule=interleaved. Booleans (sp, overlap): 0 or 1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
     kinds["sp"] = kinds["overlap"] = lambda v: v.lower() in ("1", "true", "yes", "on")
-    kv = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+    items = [item for item in text.replace(" ", "").split(",") if item]
+    if not items or any("=" not in item for item in items):
+        raise ValueError(f"expected key=value pairs like dp=64,tp=8,pp=16, got {text!r}")
+    kv = dict(item.split("=", 1) for item in items)
     if set(kv) - set(kinds):
         raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")
     if int(kv.get("V", 1)) > 1:

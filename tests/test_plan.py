@@ -219,3 +219,15 @@ def test_cli_compares_fsdp_inside_and_across_nodes(capsys):
     assert P.main(["--model", "llama3-8b", "--gpus", "64", "--top", "3", "--compare-fsdp-scope"]) == 0
     l15 = capsys.readouterr().out.split("L15")[1]
     assert "dp_mode=fsdp" in l15 and "dp_mode=hsdp,shard=8" in l15 and l15.count("MFU") == 2, l15
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--gpus", "0"], "--gpus"), (["--gpus", "-3"], "--gpus"), (["--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--peak-tflops", "0"], "--peak-tflops"), (["--inter-gbs", "0"], "--inter-gbs"),
+    (["--layout", "foo"], "--layout"), (["--gpus", "12"], "--gpus"), (["--n-head", "7", "--d-model", "2048"], "--d-model"),
+    (["--seq-len", "0"], "--seq-len"),
+])
+def test_cli_refuses_bad_input_with_one_line_and_exit_2(flags, named, capsys):
+    assert P.main(["--model", "llama3-8b"] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {named}") and "\n" not in err, err
