@@ -224,8 +224,8 @@ def test_cli_compares_fsdp_inside_and_across_nodes(capsys):
 @pytest.mark.parametrize("flags,named", [
     (["--gpus", "0"], "--gpus"), (["--gpus", "-3"], "--gpus"), (["--gpus-per-node", "0"], "--gpus-per-node"),
     (["--peak-tflops", "0"], "--peak-tflops"), (["--inter-gbs", "0"], "--inter-gbs"),
-    (["--layout", "foo"], "--layout"), (["--gpus", "12"], "--gpus"), (["--n-head", "7", "--d-model", "2048"], "--d-model"),
-    (["--seq-len", "0"], "--seq-len"),
+    (["--layout", "foo"], "--layout"), (["--gpus", "12"], "--gpus"),
+    (["--n-head", "7", "--d-model", "2048"], "--d-model"), (["--seq-len", "0"], "--seq-len"),
 ])
 def test_cli_refuses_bad_input_with_one_line_and_exit_2(flags, named, capsys):
     assert P.main(["--model", "llama3-8b"] + flags) == 2
