@@ -3,10 +3,12 @@ and sampling, naming the file (exit 2); a stop names a last good save that verif
 nothing outside the save folder is read; a meta.json without a key and a malformed attempts.json are one line,
 exit 2, and touch nothing; check_fresh_run_folder refuses a folder holding another run's saves, writing nothing."""
 import contextlib
+import errno
 import io
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -250,3 +252,38 @@ def test_check_fresh_run_folder_accepts_a_new_empty_or_unrelated_folder(tmp_path
     (tmp_path / "file").write_text("")
     with pytest.raises(saves.SaveError, match="is not a folder: choose another --out"):
         saves.write.check_fresh_run_folder(tmp_path / "file")
+
+
+def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, monkeypatch):
+    """The safetensors file is written to a temporary name and renamed when whole: a write that fails midway
+    (no space left) leaves neither a truncated model.safetensors nor a config.json, and says so in one line."""
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    atomic_write = saves.export.atomic_write
+
+    def filling(path, mode="wb"):
+        @contextmanager
+        def wrapped():
+            with atomic_write(path, mode) as f:
+                yield FullDisk(f)
+        return wrapped()
+    monkeypatch.setattr(saves.export, "atomic_write", filling)
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert saves.export.main([str(run / SAVE), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "No space left" in err and "\n" not in err, err
+    left = [p.name for p in out.iterdir()] if out.exists() else []
+    assert left == [], left  # no truncated model.safetensors, no config.json, no temporary file
