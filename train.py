@@ -357,12 +357,16 @@ def start_profiler(enabled, out, rank):
 
 
 def main(argv=None):
+    joined = dist.is_initialized()  # a caller's process group (tests) outlives this run; our own does not
     try:
         return train(parse_args(argv))
     except (UsageError, LayoutError, DataError, SaveError) as e:
         code, error = 2, e
     except TrainingFailure as e:
         code, error = 3, e
+    finally:
+        if not joined and dist.is_initialized():
+            dist.destroy_process_group()  # a clean exit: no collective thread is left to the interpreter's end
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
         print(f"error: {error}", file=sys.stderr)
     elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
