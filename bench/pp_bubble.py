@@ -46,9 +46,7 @@ def _measure(rank, world, cfg_fields, schedule, micro_counts, steps, min_micro_b
     mesh = Mesh(rank, world, pp=world)
     with torch.device("meta"):
         full = M.GPT(cfg)
-    args = argparse.Namespace(pp_split=",".join(["1"] * world), pp_schedule=schedule, pp_virtual=1,
-                              global_batch=1, micro_batch=1)
-    chunks = pp.split(full, mesh, args)
+    chunks = pp.split(full, mesh, n_micro=1, schedule=schedule, layer_split=(1,) * world)
     for chunk in chunks:
         M.init_weights(chunk, 1337, "cpu")
     wrapper = DDP(torch.nn.ModuleList(chunks), mesh)

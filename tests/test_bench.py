@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import model as M
-from bench import collectives, common, loader_stall, mfu_sweep, precision, run_all
+from bench import collectives, common, loader_stall, mfu_sweep, precision, run_all, vs_torch
 
 
 def table_rows(path):
@@ -179,3 +179,14 @@ def test_sweep_reports_the_line_that_says_what_failed():
     torchrun_tail = "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n" + "=" * 40 + "\n"
     assert mfu_sweep.error_line(torchrun_tail) == "ValueError: boom"
     assert mfu_sweep.error_line("noise\nerror: --tp: 3 does not divide 8\n") == "error: --tp: 3 does not divide 8"
+
+
+def test_vs_torch_tp_and_pp_peers_match_losses(tmp_path, capsys):
+    peers = ["tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved"]
+    vs_torch.main(["--quick", "--out", str(tmp_path), "--pairs", ",".join(peers)])
+    rows = {r[0]: r for r in table_rows(tmp_path / "vs_torch.md")}
+    assert list(rows) == peers
+    assert all(rows[p][1:3] == ["ours-tp", "torch-tp"] for p in peers[:2])
+    assert all(rows[p][1:3] == ["ours-pp", "torch-pp"] for p in peers[2:])
+    assert all(rows[p][10] in ("bit-identical", "rtol 1e-5") for p in peers)  # the same training, step by step
+    assert "ANSWER L8" in capsys.readouterr().out
