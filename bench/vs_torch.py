@@ -18,7 +18,6 @@ and loss_parallel), with and without sequence parallel; parallel.pp.split + exec
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
-import optim  # noqa: E402
 from bench import common  # noqa: E402
 from bench import vs_torch_peers as peers  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
@@ -68,22 +66,8 @@ def _run(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed):
     mesh = Mesh(rank, world)
     torch.manual_seed(seed)
     net, params, finish = build(impl, cfg, mesh, seed)
-    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    losses, times, cpu = [], [], []
-    for _ in range(warmup + steps):
-        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
-        torch.distributed.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = net(x[:, :-1], x[:, 1:])
-        loss.backward()
-        finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)  # this process's CPU seconds, all threads: robust to a busy host
-        losses.append(loss.item())
-    return dict(losses=losses, times=times[warmup:], cpu=cpu[warmup:])
+    return peers.timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen)
 
 
 PAIRS = {"ddp": ("ours-ddp", "torch-ddp"), "fsdp": ("ours-fsdp", "torch-fsdp2"), "tp": ("ours-tp", "torch-tp"),

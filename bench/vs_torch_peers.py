@@ -94,8 +94,14 @@ def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp):
     cfg = M.ModelConfig(**cfg_fields)
     torch.manual_seed(seed)
     net, params, finish, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp)
-    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     gen = torch.Generator().manual_seed(seed * 1000)  # tp ranks read the same batch
+    return timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen, loss_ctx)
+
+
+def timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen, loss_ctx=nullcontext):
+    """Trains `net` for warmup + steps steps on random batches from `gen`; per step the wall and CPU seconds (after
+    the warmup) and the loss. finish: the wrapper's gradient sync; loss_ctx: around forward and backward."""
+    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     losses, times, cpu = [], [], []
     for _ in range(warmup + steps):
         x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
@@ -108,7 +114,7 @@ def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp):
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        cpu.append(time.process_time() - c0)  # this process's CPU seconds, all threads: robust to a busy host
         losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
     return dict(losses=losses, times=times[warmup:], cpu=cpu[warmup:])
 

@@ -16,13 +16,10 @@ One set of gloo ranks per world size runs its layouts back to back. Measured pea
 threads free a few buffers a little later or sooner); the predictions land within 8% of them.
 """
 import traceback
-import weakref
 from contextlib import nullcontext
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import config
 import optim
@@ -30,6 +27,7 @@ import train
 from bench import plan as P
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh, infer_dp
+from tests.memory import LiveBytes
 
 MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128",
          "--vocab-size", "256", "--seq-len", "64"]
@@ -80,33 +78,6 @@ def parse(world, flags, micro, accum):
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
                    V=args.pp_virtual, cp_mode=args.cp_mode, sp=args.sp, overlap=not args.no_overlap)
     return args, cfg, lay, args.global_batch
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops create while active, from creation until freed; `peak` is the maximum.
-    A storage's Python object outlives every tensor using it (PyTorch keeps it), so a finalizer marks the free."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, n = storage.data_ptr(), storage.nbytes()
-            if n and key not in inputs and key not in self.live:  # views and in-place results are not new
-                self.live[key] = n
-                self.now += n
-                weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 def storage_bytes(tensors):
