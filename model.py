@@ -242,15 +242,13 @@ class GPT(nn.Module):
     def rope(self, positions, seq_len, device, dtype):
         """cos, sin (T, hd) in the compute dtype, made once and reused while the positions are the same (every
         micro-batch and layer of a step: under cp the step's positions are one tensor)."""
-        key = (positions if positions is not None else seq_len, device, dtype)
-        cached = self.rope_cache
-        if cached is None or cached[0][0] is not key[0] and not (positions is None and cached[0] == key) \
-                or cached[0][1:] != key[1:]:
+        key = ("length", seq_len, device, dtype) if positions is None else ("positions", id(positions), dtype)
+        if self.rope_cache is None or self.rope_cache[0] != key:
             if positions is None:
                 positions = torch.arange(seq_len, device=device)
             cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
-            self.rope_cache = cached = (key, cos.to(dtype), sin.to(dtype))
-        return cached[1], cached[2]
+            self.rope_cache = (key, cos.to(dtype), sin.to(dtype), positions)  # holding positions keeps its id its own
+        return self.rope_cache[1], self.rope_cache[2]
 
 
 # ---------------------------------------------------------------- initialization

@@ -105,3 +105,23 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     x = torch.randint(0, 100, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, gpt(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):
+    """Every layer and micro-batch of a step reuses cos/sin; new positions or a new dtype make them again."""
+    calls = []
+    angles = M.rope_angles
+    monkeypatch.setattr(M, "rope_angles", lambda *a: calls.append(1) or angles(*a))
+    gpt = M.init_weights(M.GPT(CFG), 0, "cpu")
+    x = torch.randint(0, CFG.vocab_size, (2, 16))
+    positions = torch.arange(16)
+    gpt(x)
+    gpt(x)
+    assert len(calls) == 1
+    gpt(x, positions=positions)
+    gpt(x, positions=positions)
+    assert len(calls) == 2
+    gpt(x, positions=torch.arange(16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gpt(x)
+    assert len(calls) == 4
