@@ -108,6 +108,9 @@ def parse_args(argv=None):
     a("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
     a("--reduce-dtype", default="fp32", type=one_of(("fp32", "bf16"), "dtype"),
       help="FSDP gradient reduce-scatter dtype: fp32 | bf16")
+    a("--accumulate", default="sharded", type=one_of(("sharded", "unsharded"), "mode"),
+      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch, 4P/M bytes held) | "
+           "unsharded (summed locally, one reduce-scatter per step, 4P bytes held)")
     a("--tp", type=positive_int, default=1, help="tensor parallel degree")
     a("--sp", action="store_true", help="sequence parallel (with --tp)")
     a("--pp", type=positive_int, default=1, help="pipeline parallel degree")
@@ -149,6 +152,7 @@ def check_args(args):
             (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
             (args.reduce_dtype != "fp32" and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
+            (args.accumulate != "sharded" and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
             ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
              "--pp-schedule interleaved")):

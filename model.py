@@ -75,6 +75,27 @@ PRESETS = {
 
 # ---------------------------------------------------------------- layers
 
+class ScaledRMSNorm(torch.autograd.Function):
+    """weight · x̂, x̂ = x / rms(x) computed in fp32 and rounded to x's dtype (as the Hugging Face Llama does). Saves
+    x as it is and the fp32 1/rms per row, where autograd would keep an fp32 copy of x and x̂: backward recomputes x̂."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (gradcheck)
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd
+        grad_weight = (grad * x_hat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        g = (grad * weight).to(rstd.dtype)  # d loss / d x̂
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -82,8 +103,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        """Normalized in fp32 (one fused op), scaled in the input's dtype, as the Hugging Face Llama does."""
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return ScaledRMSNorm.apply(x, self.weight, self.eps)
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) · up, saving gate and up only (autograd would keep silu(gate) too): backward recomputes silu."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 def compute_dtype(x):
@@ -145,7 +179,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -83,7 +83,7 @@ def build(cfg, mesh, args, n_micro, device):
         return M.local_init(name, meta, cfg, args.seed, flat, out)
 
     dp_options = dict(bucket_mb=args.bucket_mb) if args.dp_mode == "ddp" else dict(
-        compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype])
+        compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype], accumulate=args.accumulate)
     wrapper = DATA_PARALLEL[args.dp_mode](nn.ModuleList(chunks), mesh, device, init_param,
                                           overlap=not args.no_overlap, **dp_options)
     return chunks, wrapper

@@ -47,6 +47,7 @@ class Layout:
     cp_mode: str = "ring"   # ring | ulysses | allgather
     sp: bool = True         # sequence parallel with tp (train.py --sp)
     overlap: bool = True    # collectives overlap compute (train.py --no-overlap: overlap=0, every one blocks)
+    accumulate: str = "sharded"  # fsdp/hsdp micro-batch gradients (train.py --accumulate): sharded | unsharded
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
@@ -55,6 +56,7 @@ class Layout:
         s += f",schedule={self.schedule},V={self.V}" if self.pp > 1 else ""
         s += ",sp=0" if self.tp > 1 and not self.sp else ""
         s += ",overlap=0" if not self.overlap else ""
+        s += f",accumulate={self.accumulate}" if self.accumulate != "sharded" else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
@@ -97,6 +99,8 @@ def invalid(cfg, cl, lay, seq, batch):
         (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
         (lay.schedule not in ("gpipe", "1f1b", "interleaved"), "schedule: gpipe | 1f1b | interleaved"),
         (lay.cp_mode not in ("ring", "ulysses", "allgather"), "cp_mode: ring | ulysses | allgather"),
+        (lay.accumulate not in ("sharded", "unsharded"), "accumulate: sharded | unsharded"),
+        (lay.accumulate != "sharded" and lay.dp_mode == "ddp", "accumulate=unsharded needs dp_mode fsdp or hsdp"),
     ]:
         if bad:
             return why

@@ -17,17 +17,18 @@ its unit (fp32) into the persistent shard gradient: with E the embedding, norm a
 (S-1)/S * M*((2P - E)*w + 4P); under pp a unit is gathered once per step and kept: (S-1)/S * P*(w + 4M). HSDP adds
 one all-reduce of the fp32 shard gradients over the replicas per step, 2(R-1)/R * 4P/S. DDP: one of the buckets.
 
-Activations per layer per token (sh = tp under sp, else 1). A norm: F.rms_norm's fp32 input and rstd and the
-normalized x, 4d + 4 + r*d, plus its output as the matmuls reading it save it: under tp (ColumnParallel) once in its
-own dtype, r*d (sp: its (t/tp, d) block, so (4d + 4 + 2r*d)/tp); without tp as model.py's linears save it, e*d, once
+Activations per layer per token (sh = tp under sp, else 1). A norm (model.ScaledRMSNorm): its input, the residual,
+and an fp32 1/rms, r*d + 4, plus its output as the matmuls reading it save it: under tp (ColumnParallel) once in its
+own dtype, r*d (sp: its (t/tp, d) block, so (4 + 2r*d)/tp); without tp as model.py's linears save it, e*d, once
 per reader when autocast casts it (r != e: q, k, v read the first norm, gate and up the second), else once.
 Attention (SDPA with enable_gqa: K,V with their own kv heads, never repeated per query head): q, K, V, the output
 and the fp32 lse, e*(2d/tp + 2*hd*kv_local) + 4a/tp; under cp the output laid out again for o_proj, + e*d/tp, and
 allgather keeps the whole sequence's K,V (cp*kv_local heads), ulysses the whole sequence for lcm(kv_local, cp)/cp
-heads. The MLP: gate, silu(gate), up and their product, 4e*f/tp. selective: r*d/sh + e*(2d/tp + 2*hd*kv_local + 2d
-+ 2f/tp) + 4a/tp (the matmuls' outputs, o and down unreduced, and the attention's); full: r*d/sh. The head's rank
-keeps the final norm (one reader) and model.CrossEntropy's logits in e plus 13 bytes per token (fp32 lse, int64
-shifted target, bool mask): no (t, V/tp) fp32 tensor, only one chunk of model.loss_chunks at a time.
+heads. The MLP: gate, up and their product, 3e*f/tp (model.SwiGLU recomputes silu(gate)). selective: r*d/sh +
+e*(2d/tp + 2*hd*kv_local + 2d + 2f/tp) + 4a/tp (the matmuls' outputs, o and down unreduced, and the attention's);
+full: r*d/sh. The head's rank keeps the final norm (one reader) and model.CrossEntropy's logits in e plus 13
+bytes per token (fp32 lse, int64 shifted target, bool mask): no (t, V/tp) fp32 tensor, only one chunk of
+model.loss_chunks at a time.
 Peak = model state + the fullest moment of the step. Model state: 12 B/param of fp32 master and Adam (/S sharded);
 ddp's fp32 buckets (the .grads are their views), fsdp's fp32 shard gradients, 4P/S, whatever M. All moments hold the
 activations in flight; fsdp also one flat gradient of its largest unit (fp32) from the step's first reduction to its
@@ -57,8 +58,8 @@ from parallel.pp import p2p_bytes
 from parallel.ring_attention import ring_bytes
 from parallel.tp import activation_collectives, loss_bytes, seq_collective_bytes
 
-RMS_BWD_TEMPS = 5  # (t, d) fp32 temporaries at once in F.rms_norm's backward as torch composes it on CPU (the
-# runs tests/test_plan_measured.py measures); CUDA's fused kernel makes fewer
+RMS_BWD_TEMPS = 5  # (t, d) fp32 temporaries at once in model.ScaledRMSNorm's backward (x̂, its grad, their product,
+# the input's grad before its cast)
 
 
 def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
@@ -68,11 +69,11 @@ def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
     lay, M, S, d = s.lay, s.M, shard_size(s.lay), s.cfg.d_model
     kept, ends = lay.pp > 1, s.p_embed * embed + (s.p_embed + d) * head
     blocks, once = gathers_per_step(M, kept), gathers_per_step(M, kept, backward=False)
-    units = layers + embed + head
+    units, reduces = layers + embed + head, 1 if lay.accumulate == "unsharded" else M
     parts = {"gather": (gather_reduce_bytes(params - ends, S, blocks, w_bytes, 0, reduces=0)
                         + gather_reduce_bytes(ends, S, once, w_bytes, 0, reduces=0),
                         (layers * blocks + (embed + head) * once) * (S - 1)),
-             "reduce": (gather_reduce_bytes(params, S, 0, 0, g_bytes, reduces=M), units * M * (S - 1))}
+             "reduce": (gather_reduce_bytes(params, S, 0, 0, g_bytes, reduces=reduces), units * reduces * (S - 1))}
     if lay.dp_mode == "hsdp":
         R = lay.dp * lay.cp // S
         parts["replica"] = (replica_bytes(params, S, R, g_bytes), units * 2 * math.ceil(math.log2(R)))
@@ -126,15 +127,14 @@ def residual_bytes(s, a_bytes):
 
 
 def norm_per_token(s, users, a_bytes):
-    """Bytes per token one RMSNorm keeps: F.rms_norm's fp32 input (the residual, or its fp32 copy) and rstd, the
-    normalized x in the residual's dtype r (for the weight's grad), and its output as the `users` matmuls reading it
-    save it: under tp once, in its own dtype r (parallel/tp.py's ColumnParallel; sp: its shard, gathered again in
-    backward); else in the compute dtype e, one copy per matmul when autocast casts it (r != e), one when it is in
-    that dtype already."""
+    """Bytes per token one RMSNorm keeps: model.ScaledRMSNorm's input (the residual, in r) and fp32 1/rms, and its
+    output as the `users` matmuls reading it save it: under tp once, in its own dtype r (parallel/tp.py's
+    ColumnParallel; sp: its shard, gathered again in backward); else in the compute dtype e, one copy per matmul when
+    autocast casts it (r != e), one when it is in that dtype already."""
     d, e, r, tp = s.cfg.d_model, a_bytes, residual_bytes(s, a_bytes), s.lay.tp
     if tp > 1:
-        return (4 * d + 4 + 2 * r * d) / (tp if s.lay.sp else 1)
-    return 4 * d + 4 + r * d + e * d * (users if r != e else 1)
+        return (4 + 2 * r * d) / (tp if s.lay.sp else 1)
+    return 4 + r * d + e * d * (users if r != e else 1)
 
 
 def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
@@ -154,8 +154,8 @@ def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
     mode = lay.cp_mode if lay.cp > 1 else "sdpa"
     kv_heads = {"allgather": s.kv_local * lay.cp, "ulysses": math.lcm(int(s.kv_local), lay.cp)}.get(mode, s.kv_local)
     attention = e * ((2 + (mode != "sdpa")) * d / tp + 2 * cfg.head_dim * kv_heads) + lse
-    # the two norms (q, k, v read the first, gate and up the second); the MLP: gate, silu(gate), up, their product
-    return norm_per_token(s, 3, e) + norm_per_token(s, 2, e) + attention + e * 4 * f / tp
+    # the two norms (q, k, v read the first, gate and up the second); the MLP: gate, up, their product
+    return norm_per_token(s, 3, e) + norm_per_token(s, 2, e) + attention + e * 3 * f / tp
 
 
 
@@ -227,7 +227,8 @@ def fsdp_moments(s, stage, w_bytes, a_bytes, n, early):
     S, sh, vocab = shard_size(s.lay), s.lay.tp if s.lay.sp else 1, s.cfg.padded_vocab / s.lay.tp
     kept, w, (keep, block_bwd, loss_bwd) = s.lay.pp > 1, w_bytes or MASTER_B, transients(s, a_bytes)
     g, block, p_head = (not kept) * w, s.p_layer * (layers > 0), s.p_embed + d
-    flat = G_B * max([block, s.p_embed * embed, p_head * head])
+    unsharded = s.lay.accumulate == "unsharded"  # every unit's flat gradient held all step, none per moment
+    flat = (not unsharded) * G_B * max([block, s.p_embed * embed, p_head * head])
     fl, after = flat * early, s.p_embed * embed * (M > 1)  # the next microbatch's embedding, prefetched
     moments = [{"grads": flat}]
     if layers:  # a block's backward (it and the one before, prefetched); the first block's (the embedding instead)
@@ -244,4 +245,4 @@ def fsdp_moments(s, stage, w_bytes, a_bytes, n, early):
                     {"activations": t * (1 + RMS_BWD_TEMPS) * 4 * d / sh, "weights": g * (p_head + block),
                      "grads": w * s.p_embed + fl},
                     {"activations": t * r * d / sh, "weights": g * block, "grads": w * s.p_embed + flat}]
-    return {"weights": kept * w * params, "grads": G_B * params / S}, n, moments
+    return {"weights": kept * w * params, "grads": G_B * params / S + unsharded * G_B * params}, n, moments

@@ -44,10 +44,11 @@ def pow2(limit):
     return [1 << i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024):
+def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="reference"):
     """Every valid layout, pruned: tp, cp, micro and hsdp shard powers of two, hsdp shards no smaller than
     a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
-    (ascending), each a list of one layout per checkpoint policy (CKPTS order)."""
+    (ascending), each a list of one layout per checkpoint policy (CKPTS order). Under code="ours" fsdp and hsdp
+    come with both gradient accumulations (parallel/fsdp.py), the reference's reduces once per step."""
     for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
         for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
             for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:
@@ -56,13 +57,15 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024):
                     continue
                 g, local = dp * cp, members_per_node(cl.gpus_per_node, tp, cp, pp, dp, 1, "dp")
                 shards = [k for k in pow2(g // 2) if k >= max(2, local)]
-                modes = [("ddp", 0)] + [("fsdp", 0)] * (g > 1) + [("hsdp", k) for k in shards]
+                modes = [("ddp", 0, "sharded")] + [(m, k, a) for m, k in [("fsdp", 0)] * (g > 1) + [
+                    ("hsdp", k) for k in shards] for a in ("sharded", "unsharded")[:1 + (code == "ours")]]
                 scheds = [("gpipe", 1), ("1f1b", 1)] if pp > 1 else [("1f1b", 1)]
                 scheds += [("interleaved", v) for v in pow2((cfg.n_layer + 2) // pp) if v > 1 and pp > 1]
-                for mode, shard in modes:
+                for mode, shard, acc in modes:
                     for sched, V in scheds:
                         for cp_mode in ("ring", "ulysses", "allgather") if cp > 1 else ("ring",):
-                            family = [[Layout(dp, tp, pp, cp, mode, shard, micro, c, sched, V, cp_mode) for c in CKPTS]
+                            family = [[Layout(dp, tp, pp, cp, mode, shard, micro, c, sched, V, cp_mode,
+                                              accumulate=acc) for c in CKPTS]
                                       for micro in pow2(min(max_micro, batch // dp))]
                             family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch)]
                             if family:
@@ -79,7 +82,7 @@ def plan(cfg, cl, seq, batch, top=10, code="reference"):
     """The `top` layouts that fit in memory, by predicted MFU, one per dp x tp x pp x cp mesh (its best
     dp mode, micro-batch, checkpointing, schedule and cp mode), for the implementation `code`."""
     best = {}
-    for family in candidates(cfg, cl, seq, batch):
+    for family in candidates(cfg, cl, seq, batch, code=code):
         for lays in family:
             # the lightest checkpointing that fits is the fastest; if none fits, larger micro-batches won't
             p = next((p for lay in lays if (p := evaluate(cfg, cl, lay, seq, batch, True, True, code))), None)

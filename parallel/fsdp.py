@@ -7,115 +7,28 @@ Sends:    per micro-batch an all-gather (compute dtype, c bytes) of every unit f
           reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of every unit's gradient into the fp32 shard gradient.
           Per rank and step, P params (E in embedding, norm, head), A micro-batches: (M-1)/M · A·((2P-E)·c + P·r).
           Under pp (keep_gathered) units are gathered once per step, kept to their last backward: (M-1)/M · P(c + A·r).
+          --accumulate unsharded sums the micro-batches' gradients locally and reduce-scatters once: A·r becomes r.
 Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's (the embedding's when another
           micro-batch follows); a reduce-scatter is waited for after the next unit's backward (--no-overlap: none).
 Memory:   16·P/M bytes of fp32 state (+ padding; the shard gradients persist, whatever A), ~2 gathered units, and one
-          flat gradient the size of the largest unit (reduce dtype) during backward. Saved weights are (unit, offset)
-          records gathered again in backward; under pp the stage's units stay gathered through the step.
+          flat gradient the size of the largest unit (reduce dtype) during backward; unsharded accumulation keeps
+          every unit's flat gradient all step (r·P more). Saved weights are (unit, offset) records gathered again in
+          backward; under pp the stage's units stay gathered through the step.
 """
-from collections import Counter, namedtuple
+from collections import Counter
 
 import torch
-from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
-
-SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a gathered unit
-
-
-class Unit:
-    """Parameters gathered, used and freed together, stored as one flat padded buffer cut into shards.
-
-    Flat layout: [params with dim >= 2 | 1-D params | padding]. A rank's shard is split at the matrix/vector
-    boundary into two optimizer params, the first viewed as (1, k), so make_adamw's dim >= 2 rule decays
-    exactly the matrices, as in one process."""
-
-    def __init__(self, name, slots, group, device, compute_dtype):
-        self.name, self.group, self.compute_dtype = name, group, compute_dtype
-        # slots: (module, attribute, global name, meta param); matrices first, stable within each kind
-        self.slots = sorted(slots, key=lambda s: s[3].dim() < 2)
-        self.sizes = [s[3].numel() for s in self.slots]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self.numel = sum(self.sizes)
-        self.shard_numel = -(-self.numel // group.size)
-        self.padded = self.shard_numel * group.size
-        self.start = group.rank * self.shard_numel  # this rank's shard is flat[start:start + shard_numel]
-        self.local = torch.zeros(self.shard_numel, device=device)  # fp32 master shard
-        n_matrix = sum(n for n, s in zip(self.sizes, self.slots) if s[3].dim() >= 2)
-        k = min(max(n_matrix - self.start, 0), self.shard_numel)
-        self.ranges = [r for r in ((0, k), (k, self.shard_numel)) if r[1] > r[0]]  # shard ranges of the params
-        self.params = [nn.Parameter(self.local[a:b].view(1, -1) if a == 0 and k > 0 else self.local[a:b])
-                       for a, b in self.ranges]
-        self.full, self.pending = None, None  # the gathered (padded,) buffer in use; (it, handle, send) in flight
-        self.grad = None  # (shard_numel,) fp32: the gradient shard summed over the group and the step's backwards
-        self.fresh = True  # nothing summed into grad yet this step: the first reduce-scatter overwrites it
-        self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
-        self.replica = None  # HSDP: the all-reduce of grad over the replicas, once launched this step
-
-    def views(self, flat):
-        """The unit's parameters as views of a flat buffer."""
-        return [flat[a:a + n].view(s[3].shape) for s, a, n in zip(self.slots, self.offsets, self.sizes)]
-
-    def segments(self):
-        """(optimizer param index, start, end, slot): the pieces of this rank's shard, each inside one slot."""
-        out = []
-        for slot, a, n in zip(self.slots, self.offsets, self.sizes):
-            lo, hi = a - self.start, a + n - self.start  # the slot in shard coordinates
-            for i, (ra, rb) in enumerate(self.ranges):
-                s, e = max(lo, ra), min(hi, rb)
-                if e > s:
-                    out.append((i, s - ra, e - ra, slot))
-        return out
-
-    def start_gather(self):
-        """Launches the all-gather of the shards in the compute dtype; does not wait. False if already there."""
-        if self.full is not None or self.pending is not None:
-            return False
-        send = self.local.to(self.compute_dtype)  # bf16 halves the traffic
-        full = torch.empty(self.padded, dtype=self.compute_dtype, device=self.local.device)
-        self.pending = (full, self.group.all_gather(full, send, async_op=True), send)
-        return True
-
-    def wait_gathered(self):
-        """The gathered (padded,) buffer, waiting for the all-gather in flight (or launching one)."""
-        if self.full is None:
-            self.start_gather()
-            full, handle, _ = self.pending
-            handle.wait()
-            self.full, self.pending = full, None
-        return self.full
-
-    def attach(self, views):
-        for (module, attr, _, _), view in zip(self.slots, views):
-            setattr(module, attr, view)
-
-    def release(self, keep_gathered=False):
-        for module, attr, _, _ in self.slots:
-            setattr(module, attr, None)
-        if not keep_gathered:
-            self.full = None
-
-
-class GatherUnit(torch.autograd.Function):
-    """Forward: the unit's full parameters, views of one gathered buffer. Backward: FSDP reduces their gradients."""
-
-    @staticmethod
-    def forward(ctx, fsdp, unit, *shards):
-        ctx.fsdp, ctx.unit = fsdp, unit
-        ctx.set_materialize_grads(False)
-        return tuple(unit.views(unit.wait_gathered()))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.fsdp.reduce_grads(ctx.unit, grads)
-        return (None, None) + (None,) * len(ctx.unit.params)
+from parallel.fsdp_unit import GatherUnit, SavedWeight, Unit
 
 
 class FSDP:
     def __init__(self, module, mesh, group, init_param, device, compute_dtype=torch.float32,
-                 reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
+                 reduce_dtype=torch.float32, overlap=True, keep_gathered=False, accumulate="sharded"):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
+        self.unsharded = accumulate == "unsharded"  # sum a step's unit gradients locally, reduce-scatter them once
         self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
         self.weight_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # forward computes with gathered weights
         self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas; if not, more come
@@ -227,12 +140,24 @@ class FSDP:
             self._finish_reduction(self.reducing)
         if unit.replica is not None:
             raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
-        if self.flat is None:  # one at a time: the reduce-scatter that read it is done (freed by finish_grad_sync)
-            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
-        flat = self.flat[:unit.padded]
-        flat[unit.numel:].zero_()  # the padding (under M elements)
-        views = unit.views(flat)  # a param this backward did not reach (grad None): its view zeroed, copied onto itself
-        torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
+        if self.unsharded:  # allocated once, kept across steps: the first backward of a step overwrites it
+            flat = unit.summed = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype) if unit.summed is None \
+                else unit.summed
+        else:  # one at a time: the reduce-scatter that read it is done (freed by finish_grad_sync)
+            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype) \
+                if self.flat is None else self.flat
+            flat = self.flat[:unit.padded]
+        views = unit.views(flat)
+        if self.unsharded and unit.summing:
+            reached = [(v, g) for v, g in zip(views, grads) if g is not None]
+            torch._foreach_add_([v for v, _ in reached], [g for _, g in reached])
+        else:
+            flat[unit.numel:].zero_()  # the padding (under M elements)
+            # a param this backward did not reach (grad None): its view zeroed, copied onto itself
+            torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
+        unit.summing = self.unsharded and not self.sync_grads
+        if unit.summing:  # more backwards of this unit come this step: reduce once, after the last
+            return
         out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block of the sum
         unit.reduction = (out, self.group.reduce_scatter(out, flat, async_op=True), self.sync_grads)
         self.reducing = unit
@@ -268,6 +193,8 @@ class FSDP:
 
     def finish_grad_sync(self):
         """Waits for the reductions in flight, averages, all-reduces sequence-parallel norm grads over tp."""
+        if any(unit.summing for unit in self.units):
+            raise RuntimeError("unsharded accumulation: no backward of this step was marked sync_grads")
         for unit in self.units:
             if unit.pending is not None:  # an unused prefetch must not outlive the optimizer step
                 unit.wait_gathered()
@@ -325,11 +252,12 @@ class FSDP:
 
 
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
-         cls=FSDP, group=None):
+         accumulate="sharded", cls=FSDP, group=None):
     """module: nn.ModuleList of GPT chunks on the meta device, materialized one unit at a time with init_param(global
-    name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp; under pp units stay gathered."""
+    name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp; under pp units stay gathered.
+    accumulate: "sharded" (a reduce-scatter per backward) or "unsharded" (one per step)."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
-               overlap=overlap, keep_gathered=mesh.pp > 1)
+               overlap=overlap, keep_gathered=mesh.pp > 1, accumulate=accumulate)
 
 
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)

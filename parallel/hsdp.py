@@ -27,8 +27,9 @@ class HSDP(FSDP):
         return super().replicas(meta_param) * self.mesh.replicate_group.size
 
 
-def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True):
-    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, cls=HSDP,
+def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
+         accumulate="sharded"):
+    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, accumulate, cls=HSDP,
                      group=mesh.shard_group)
 
 

@@ -62,6 +62,9 @@ LAYOUTS = {  # name: (world, flags); BASE is global batch 8, micro-batch 4 -> ac
     "fsdp2": (2, ["--dp-mode", "fsdp", "--profile"]),
     "fsdp4-accum-no-overlap": (4, ["--dp-mode", "fsdp", "--micro-batch", "1", "--no-overlap"]),
     "hsdp2x2-accum": (4, ["--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "1"]),
+    "fsdp2-accum-unsharded": (2, ["--dp-mode", "fsdp", "--micro-batch", "1", "--accumulate", "unsharded"]),
+    "hsdp2x2-accum-unsharded": (4, ["--dp-mode", "hsdp", "--dp-shard", "2", "--micro-batch", "1",
+                                    "--accumulate", "unsharded", "--no-overlap"]),
 }
 
 
@@ -76,8 +79,10 @@ def expected_bytes(mode, r, flags):
     if mode == "ddp":
         return {"all_reduce": 2 * (g - 1) / g * P4}
     K, R = r["shard"] if mode == "hsdp" else g, g // r["shard"] if mode == "hsdp" else 1
+    reduces = 1 if "unsharded" in flags else A  # unsharded accumulation reduces once per step
     # forward gathers every unit, backward the blocks (not the embedding, nor norm + head); every backward reduces
-    out = {"all_gather": A * (K - 1) / K * (2 * P4 - 4 * r["edge_params"]), "reduce_scatter": A * (K - 1) / K * P4}
+    out = {"all_gather": A * (K - 1) / K * (2 * P4 - 4 * r["edge_params"]),
+           "reduce_scatter": reduces * (K - 1) / K * P4}
     if R > 1:
         out["all_reduce"] = 2 * (R - 1) / R * P4 / K
     return out
@@ -119,7 +124,7 @@ def test_dp_layout_matches_one_process(name, reference, tmp_path):
               f"{r0['all_gathers']['backward']}, reduce-scatters {r0['calls']['reduce_scatter']} ({units} units, "
               f"{A} micro-batches)")
         assert r0["all_gathers"] == {"forward": A * units, "backward": A * r0["n_layer"]}
-        assert r0["calls"]["reduce_scatter"] == A * units
+        assert r0["calls"]["reduce_scatter"] == (1 if "unsharded" in flags else A) * units
         assert r0["calls"]["all_gather"] == A * (units + r0["n_layer"])
     first_row = json.loads((Path(tmp_path) / "metrics.jsonl").read_text().splitlines()[0])
     assert first_row["comm_gb"] * 1e9 == pytest.approx(sum(want.values()), rel=0.01)

@@ -125,3 +125,32 @@ def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         gpt(x)
     assert len(calls) == 4
+
+
+def test_norm_and_swiglu_gradients_are_exact():
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: M.ScaledRMSNorm.apply(x, w, 1e-5), (x, w))
+    gate, up = torch.randn(2, 8, dtype=torch.float64, requires_grad=True), torch.randn(2, 8, dtype=torch.float64)
+    assert torch.autograd.gradcheck(M.SwiGLU.apply, (gate, up.requires_grad_()))
+
+
+def saved_bytes(fn, *inputs):
+    """Bytes of the tensors autograd keeps for backward, parameters and inputs excluded."""
+    given, kept = {t.untyped_storage().data_ptr() for t in inputs}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in given:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(kept.values())
+
+
+def test_a_bf16_norm_keeps_only_its_input_and_one_fp32_scale_per_row():
+    norm = M.RMSNorm(64, 1e-5).to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(lambda x, w: norm(x), x, norm.weight) == 8 * 4  # 1/rms per row; x itself, no copy
+    gate, up = (torch.randn(8, 64, requires_grad=True) for _ in range(2))
+    assert saved_bytes(M.SwiGLU.apply, gate, up) == 0  # silu(gate) is recomputed in backward, not kept

@@ -62,6 +62,8 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
     "pp2 x dp2": (4, ["--pp", "2"], 1, 4),
     "pp2 x fsdp2": (4, SHORT + ["--pp", "2", "--dp-mode", "fsdp"], 1, 4),
     "pp2 x fsdp2 wide": (4, SHORT + WIDE + ["--pp", "2", "--dp-mode", "fsdp"], 1, 4),
+    "pp2 x fsdp2 unsharded": (4, SHORT + WIDE + ["--pp", "2", "--dp-mode", "fsdp", "--accumulate", "unsharded"], 1, 4),
+    "fsdp2 unsharded": (2, ["--dp-mode", "fsdp", "--accumulate", "unsharded"], 2, 2),
     "cp2 x tp2 sp": (4, ["--cp", "2", "--tp", "2", "--sp"], 2, 2),
     "cp4 ulysses": (4, ["--cp", "4", "--cp-mode", "ulysses"], 2, 2),
 }
@@ -76,7 +78,8 @@ def parse(world, flags, micro, accum):
     args.global_batch = micro * dp * accum
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
-                   V=args.pp_virtual, cp_mode=args.cp_mode, sp=args.sp, overlap=not args.no_overlap)
+                   V=args.pp_virtual, cp_mode=args.cp_mode, sp=args.sp, overlap=not args.no_overlap,
+                   accumulate=args.accumulate)
     return args, cfg, lay, args.global_batch
 
 
@@ -99,6 +102,7 @@ def measure(rank, world, flags, micro, accum):
     params = wrapper.optim_params()
     state = storage_bytes(params) + storage_bytes(v for s in opt.state.values() for v in s.values() if v.numel() > 1)
     state += storage_bytes(p.grad for p in params if p.grad is not None)  # gradients kept between steps (ddp's buckets)
+    state += storage_bytes(u.summed for u in getattr(wrapper, "units", []) if u.summed is not None)  # --accumulate
     mesh.stats.reset()
     with LiveBytes() as live:
         train.train_step(run, x, y, 1e-3, args.grad_clip)
