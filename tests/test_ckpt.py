@@ -84,14 +84,15 @@ def build(cfg, policy, seed=0):
 
 
 def stored_hidden_states(cfg, policy):
-    """How many distinct (B, T, d) tensors autograd keeps from run_layers' forward for backward."""
+    """How many distinct (B, T, d) tensors (or (B·T, d) views, as linears save them) autograd keeps from
+    run_layers' forward for backward; weights are not counted."""
     m = build(cfg, policy)
     x = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
     cos, sin = M.rope_angles(torch.arange(cfg.seq_len), cfg.head_dim, cfg.rope_theta)
-    saved = {}
+    saved, weights = {}, {p.untyped_storage().data_ptr() for p in m.parameters()}
 
     def pack(t):
-        if t.shape == x.shape:
+        if t.numel() == x.numel() and t.untyped_storage().data_ptr() not in weights:
             saved[t.untyped_storage().data_ptr()] = t
         return t
 
