@@ -40,11 +40,11 @@ as the head's, then its reduction), a block's backward (two more (t, f/tp) MLP g
 recompute; sp: the input gathered again, tp: the input cast to e; fsdp: the block's grads in w, it and the prefetched
 previous one; for the first block, the next microbatch's embedding instead, and no later block's activations) or the
 embedding's (its dense grad in w, the next microbatch's embedding prefetched).
-At 405B this puts Llama 3's published layouts at 30.7, 28.9 and 27.4% MFU with our code (plan_time.py), all three
-needing full checkpointing to fit in 80 GB: ckpt none and selective keep 100-165 GB of activations at V=1..8 (under
-sp selective saves the row-parallel matmuls' unreduced (t, d) outputs, about what none keeps), and under pp the
-reduce-scatter of every microbatch's fp32 gradients over dp (M times one per step) leaves 1.4-3.7 s a step
-exposed at full checkpointing.
+At 405B Llama 3's published meshes predict 38.2, 35.8 and 29.0% MFU with our code (plan_time.py), fitting 80 GB
+only with full checkpointing (accumulate=unsharded, V=8); without it they would predict 50.4, 46.9 and 38.7% but keep
+70-82 GB of activations (ckpt=none: a block's norm inputs and outputs, q, K, V, the attention output, gate, up and
+their product). One cp rank more halves them: the search's winners, tp8 pp16 cp2 at 8k tokens, fit without any
+recomputation at 50.8% and 48.4% (and 39.1% at 128k with cp32).
 """
 import math
 
