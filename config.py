@@ -297,4 +297,5 @@ def run_config(args, cfg, meta, data_id):
     not the layout."""
     train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
                                             "seed", "dtype", "steps")}
-    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"]}
+    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"],
+            **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}  # a .tiktoken file's path, for sample.py

@@ -101,7 +101,7 @@ def read_save(run):
     save = run if (run / "complete").exists() else complete_saves(run)[-1]
     try:
         cfg = M.config_from_dict(config["model"])
-        return cfg, get_tokenizer(config["tokenizer"]), tensors, save
+        return cfg, get_tokenizer(config["tokenizer"], config.get("tokenizer_file")), tensors, save
     except (KeyError, TypeError, ValueError) as e:
         what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise SaveError(f"{save / 'meta.json'}: not a train.py save ({what})".replace("\n", " ")) from None
