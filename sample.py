@@ -2,9 +2,10 @@
 
     python sample.py --run out/tiny --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 40
 
-Uses the tokenizer the run was trained with. Temperature 0 is greedy decoding; an empty prompt starts from the
-end-of-text token. Bad input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not
-train.py's) is one line on stderr and exit status 2.
+Uses the tokenizer the run was trained with (a .tiktoken file is read again from the path its data recorded, and must
+still have the same SHA-256). Temperature 0 is greedy decoding; an empty prompt starts from the end-of-text token. Bad
+input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not train.py's, a changed
+tokenizer file) is one line on stderr and exit status 2.
 """
 import argparse
 import math

@@ -6,11 +6,11 @@
 The corpus is this Python's standard library: every .py file copied as a .txt document, and every third one also as
 a line of a .jsonl file, repeated until it holds --mb MB. The tokenizer is a byte-level BPE learned here from the
 first MB (train_bpe), written as a .tiktoken file, so the bench runs offline. Each worker count runs --repeats times,
-alternating; the best throughput of each is kept (other jobs on a shared machine only ever slow a run down) and the
-load average is printed beside it. A shared machine may not have two free cores: before each run the bench times a
-busy loop in 1 and then 2 processes, whose speedup is the most any 2-process program could reach at that moment, and
-it counts the CPU seconds per MB of all processes, which shows what the parallel version costs in extra work whatever
-the load. The shards of both runs are compared: they must be byte-identical.
+alternating; every run's throughput is listed, with the ratio of the best ones (other jobs on a shared machine only
+ever slow a run down), the ratio of the medians and the load average. A shared machine may not have two free cores:
+before each run the bench times a busy loop in 1 and then 2 processes, whose speedup is the most any 2-process
+program could reach at that moment, and it counts the CPU seconds per MB of all processes, which shows what the
+parallel version costs in extra work whatever the load. The shards of both runs must be byte-identical.
 """
 import argparse
 import base64
@@ -20,6 +20,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import sys
 import sysconfig
 import tempfile
@@ -132,7 +133,7 @@ def main(argv=None):
         size = build_corpus(tmp / "corpus", args.mb)
         sample = "".join(q.read_text() for q in sorted((tmp / "corpus").glob("*.txt"))[:200])[:1_000_000]
         bpe = write_tiktoken(train_bpe(sample, merges), tmp / "bench.tiktoken")
-        best, cpu, headroom, loads, shards = {}, {}, {}, {}, {}
+        best, cpu, headroom, loads, shards, rates = {}, {}, {}, {}, {}, {}
         for _ in range(repeats):
             for workers in (1, 2):
                 out = tmp / f"out{workers}"
@@ -141,13 +142,16 @@ def main(argv=None):
                 t0, c0 = time.perf_counter(), cpu_seconds()
                 meta = prepare_text([tmp / "corpus"], out, str(bpe), workers=workers, shard_tokens=10_000_000)
                 rate, per_mb = size / 1e6 / (time.perf_counter() - t0), (cpu_seconds() - c0) / (size / 1e6)
+                rates.setdefault(workers, []).append(rate)
                 if rate > best.get(workers, 0):
                     best[workers], cpu[workers] = rate, per_mb
                 loads.setdefault(workers, []).append(os.getloadavg()[0])
                 shards[workers] = shard_bytes(out)
         identical = shards[1] == shards[2]
     ratio = best[2] / best[1]
-    rows = [[w, f"{best[w]:.2f}", f"{best[w] / best[1]:.2f}x", f"{cpu[w]:.3f}",
+    median = {w: statistics.median(rates[w]) for w in rates}
+    rows = [[w, f"{best[w]:.2f}", f"{best[w] / best[1]:.2f}x", " / ".join(f"{r:.2f}" for r in rates[w]),
+             f"{median[w] / median[1]:.2f}x", f"{cpu[w]:.3f}",
              " / ".join(f"{x:.2f}x" for x in headroom[w]), " / ".join(f"{x:.1f}" for x in loads[w])]
             for w in (1, 2)]
     notes = [f"corpus: {size / 1e6:.1f} MB ({meta['train_docs'] + meta['val_docs']:,} documents, "
@@ -155,7 +159,8 @@ def main(argv=None):
              f"best of {repeats} run(s) per worker count; shards of 1 and 2 workers byte-identical: {identical}",
              f"{common.cpu_cores()} cores; the load average (1 min) after each run shows what else was running"]
     common.write_result(args.out, "prepare_speed", "prepare.py text: throughput by worker count",
-                        ["workers", "MB/s", "vs 1 worker", "CPU s per MB (all processes)",
+                        ["workers", "best MB/s", "vs 1 worker", "each run, MB/s", "medians vs 1 worker",
+                         "CPU s per MB (all processes)",
                          "busy-loop speedup of 2 processes before each run", "load average after each run"],
                         rows, notes)
     print(f"2 workers: {ratio:.2f}x the throughput of 1 ({best[2]:.2f} vs {best[1]:.2f} MB/s; a busy loop's 2-process "

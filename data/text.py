@@ -12,10 +12,11 @@ the same documents for any number of workers, with no counting pass first.
 Parallel and streaming. The files are cut into units of about `unit_bytes` by byte ranges. A .jsonl range holds the
 lines that start in it. A text range starts and ends at a cut: a line start between a non-space ASCII character and
 its newline on one side and an ASCII letter or digit on the other, where the pre-tokenizer of every tiktoken
-encoding (and of .tiktoken files) ends a piece anyway, so the tokens equal those of the whole document. Worker
-processes read and tokenize units, at most a few per worker in flight; the main process writes their tokens in unit
-order into shards of `shard_tokens` tokens, so the shards are byte-identical for any number of workers and the
-corpus is never in memory. Shards are uint32 when the vocabulary exceeds 65535, else uint16.
+encoding (and of .tiktoken files) ends a piece anyway, so the tokens equal those of the whole document (a file with
+no such line start is read whole, by one unit). Worker processes read and tokenize units, at most a few per worker
+in flight; the main process writes their tokens in unit order into shards of `shard_tokens` tokens, so the shards
+are byte-identical for any number of workers and the corpus is never in memory. Shards are uint32 when the
+vocabulary exceeds 65535, else uint16.
 
 meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
 document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.

@@ -63,12 +63,18 @@ def read_header(path):
         raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
     except ValueError:
         raise SaveError(f"--init-from: {path} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise SaveError(f"--init-from: {path} is not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)
     for name, entry in header.items():
-        dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        try:
+            dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            numel = math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            raise SaveError(f"--init-from: {path}: the header entry of {name} is malformed") from None
         if dtype not in SAFETENSORS_TYPES:
             raise SaveError(f"--init-from: {path}: {name} is {dtype}; readable: {', '.join(SAFETENSORS_TYPES)}")
-        if end - start != math.prod(shape) * SAFETENSORS_TYPES[dtype].itemsize or 8 + length + end > size:
+        if end - start != numel * SAFETENSORS_TYPES[dtype].itemsize or start < 0 or 8 + length + end > size:
             raise SaveError(f"--init-from: {path} is truncated or malformed at tensor {name}")
     return header, 8 + length
 
