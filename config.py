@@ -134,6 +134,8 @@ def parse_args(argv=None):
     a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
       help="continue from the newest complete save in --out in any layout (error if none); "
            "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
+    a("--init-from", metavar="DIR", help="start from a Hugging Face Llama folder (config.json + safetensors) at step 0 "
+      "with a fresh optimizer; the shape flags must match config.json")
     a("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
     a("--async-save", action="store_true", help="snapshot to CPU memory and write from a background thread")
     a("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
@@ -301,4 +303,5 @@ def run_config(args, cfg, meta, data_id):
     not the layout."""
     train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
                                             "seed", "dtype", "steps")}
-    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"]}
+    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"],
+            **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}  # a .tiktoken file's path, for sample.py

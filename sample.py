@@ -2,9 +2,10 @@
 
     python sample.py --run out/tiny --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 40
 
-Uses the tokenizer the run was trained with. Temperature 0 is greedy decoding; an empty prompt starts from the
-end-of-text token. Bad input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not
-train.py's) is one line on stderr and exit status 2.
+Uses the tokenizer the run was trained with (a .tiktoken file is read again from the path its data recorded, and must
+still have the same SHA-256). Temperature 0 is greedy decoding; an empty prompt starts from the end-of-text token. Bad
+input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not train.py's, a changed
+tokenizer file) is one line on stderr and exit status 2.
 """
 import argparse
 import math
@@ -101,7 +102,7 @@ def read_save(run):
     save = run if (run / "complete").exists() else complete_saves(run)[-1]
     try:
         cfg = M.config_from_dict(config["model"])
-        return cfg, get_tokenizer(config["tokenizer"]), tensors, save
+        return cfg, get_tokenizer(config["tokenizer"], config.get("tokenizer_file")), tensors, save
     except (KeyError, TypeError, ValueError) as e:
         what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise SaveError(f"{save / 'meta.json'}: not a train.py save ({what})".replace("\n", " ")) from None

@@ -45,6 +45,7 @@ from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
 from saves import SaveError
+from saves.hf import init_from, start_from
 from saves.load import find_resume, resume
 from saves.restarts import Attempts, NonFiniteLoss, TrainingFailure, restart_store, stop_run
 from saves.write import SaveFailed, Saver, agree_on_run_id, check_fresh_run_folder, remove_incomplete
@@ -170,7 +171,7 @@ def train(args):
     mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
     folder = prepared_folder(args.data, rank, world)
     meta = read_meta(folder)
-    cfg = model_config(args, meta["vocab_size"])
+    cfg, weights = init_from(args.init_from, model_config(args, meta["vocab_size"]))  # config.json checked
     check_fits(cfg, args, dp, device)  # before anything is built
     config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)
     saved = find_resume(args.out, args.resume, config)  # validated before anything is written
@@ -190,7 +191,8 @@ def train(args):
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext()
     opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
     run = Run(chunks, wrapper, mesh, opt, optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
-    start = resume(saved, run.wrapper, opt, run.scaler, layout, rank)
+    start = start_from(weights, run.wrapper, opt, rank) if weights and not saved else \
+        resume(saved, run.wrapper, opt, run.scaler, layout, rank)  # a save, once there is one, wins
     run_id = agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
     if rank == 0 and args.resume:
         remove_incomplete(args.out)

@@ -4,6 +4,9 @@ pystdlib     the running Python's standard library, byte tokens, offline (~13M t
 shakespeare  tiny-shakespeare (1.1 MB download), GPT-2 tokens, 90/10 train/val
 fineweb10b   FineWeb10B already tokenized with GPT-2: the val shard + N train shards
              (~98.5M tokens, ~200 MB each; at most 103)
+text         your own files, folders and .jsonl, with any tokenizer (text.py):
+             python data/prepare.py text PATH... --tokenizer NAME [--out DIR] [--val-fraction F] [--workers N]
+                                    [--glob G] [--text-key K] [--seed S] [--shard-tokens N]
 
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
 the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
@@ -29,6 +32,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
+from data.text import DEFAULT_GLOBS, prepare_text
 from data.tokenizer import get_tokenizer
 from saves.files import atomic_write, write_json
 
@@ -169,14 +173,30 @@ def out_folder(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def shard_count(text):
-    """--shards: 1..FINEWEB_TRAIN_SHARDS."""
+def int_in(low, high):
+    """An argparse type: an integer in low..high."""
+    def check(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer in {low}..{high}")
+        return value
+    return check
+
+
+shard_count = int_in(1, FINEWEB_TRAIN_SHARDS)  # --shards
+
+
+def fraction(text):
+    """--val-fraction: a number in [0, 1)."""
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
         value = None
-    if value is None or not 1 <= value <= FINEWEB_TRAIN_SHARDS:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer in 1..{FINEWEB_TRAIN_SHARDS}")
+    if value is None or not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number in [0, 1)")
     return value
 
 
@@ -215,9 +235,40 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
     return out_dir
 
 
+def text_main(argv):
+    """python data/prepare.py text PATH... : returns the exit status."""
+    parser = OneLineParser(prog="prepare.py text", description="Tokenize text files, folders and .jsonl into shards")
+    a = parser.add_argument
+    a("paths", nargs="+", metavar="PATH", help="text files (one document each), .jsonl files (one per line), folders")
+    a("--tokenizer", default="bytes", help="bytes (offline), a tiktoken encoding (gpt2, cl100k_base, o200k_base: "
+      "network once, or TIKTOKEN_CACHE_DIR), or a .tiktoken BPE file")
+    a("--out", type=out_folder, help="output folder (default: data/NAME, NAME the first PATH's name)")
+    a("--val-fraction", type=fraction, default=0.01, help="share of the documents in the val split (by hash)")
+    a("--workers", type=int_in(1, 1024), default=os.cpu_count() or 1, help="tokenizing processes")
+    a("--glob", action="append", help=f"file names kept in folders (repeat it; default {' '.join(DEFAULT_GLOBS)})")
+    a("--text-key", default="text", help="the field of each .jsonl object that holds the text")
+    a("--seed", type=int, default=1337, help="seeds the val split")
+    a("--shard-tokens", type=int_in(1, 2**31 - 1), default=100_000_000, help="tokens per shard")
+    args = parser.parse_args(argv)
+    out = args.out or Path(__file__).resolve().parent / (Path(args.paths[0]).resolve().name or "text")
+    t0 = time.time()
+    try:
+        meta = prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
+                            tuple(args.glob or DEFAULT_GLOBS), args.text_key, args.seed, args.shard_tokens)
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: {meta['train_docs']:,} train + {meta['val_docs']:,} val documents, {meta['train_tokens']:,} + "
+          f"{meta['val_tokens']:,} tokens ({args.tokenizer}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["text"]:
+        return text_main(argv[1:])
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=SOURCES, help="data set to build")
+    parser.add_argument("name", choices=SOURCES, help="data set to build (or: text PATH..., see text --help)")
     parser.add_argument("--out", type=out_folder, help="output folder (default: data/NAME next to this file)")
     parser.add_argument("--shards", type=shard_count, default=1,
                         help=f"fineweb10b: train shards, 1-{FINEWEB_TRAIN_SHARDS} (default 1)")

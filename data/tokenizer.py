@@ -1,13 +1,29 @@
-"""Tokenizers, both as tiktoken Encodings so prepare.py and sample.py treat them alike.
+"""Tokenizers, all as tiktoken Encodings so prepare.py, text.py and sample.py treat them alike.
 
 bytes  one token per UTF-8 byte (0..255) plus <|endoftext|> = 256; built in code, works offline.
-gpt2   GPT-2 BPE (50257 tokens, <|endoftext|> = 50256). tiktoken downloads its files on first
-       use into TIKTOKEN_CACHE_DIR; offline machines need that cache seeded from a machine
-       with network access (run tiktoken.get_encoding("gpt2") there, copy the folder).
+NAME   any tiktoken encoding: gpt2, cl100k_base, o200k_base, ... tiktoken downloads its files on first use
+       into TIKTOKEN_CACHE_DIR; offline machines need that cache seeded from a machine with network access
+       (run tiktoken.get_encoding(NAME) there, copy the folder).
+FILE   a local .tiktoken BPE file (one `base64-of-the-token rank` line per token, tiktoken's own format; Llama 3's
+       tokenizer.model is one): its tokens, the pre-tokenizer of cl100k_base and Llama 3 (FILE_PIECES), and
+       <|endoftext|> after the largest rank. It is named by the SHA-256 of its bytes, "sha256:<hex>"; meta.json
+       keeps that name and the file's path, and reloading the file (sample.py) refuses one whose bytes changed.
 """
+import base64
+import binascii
+import hashlib
+from pathlib import Path
+
 import tiktoken
 
 from data.loader import DataError
+
+EOT = "<|endoftext|>"
+# How a file tokenizer cuts text into pieces before the merges (a merge never crosses a piece's edge), as cl100k_base
+# and Llama 3 do: contractions; letters with one leading non-letter; up to 3 digits; symbols with one leading space
+# and their trailing newlines; newlines with the whitespace before them; other whitespace.
+FILE_PIECES = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def bytes_tokenizer():
@@ -17,20 +33,56 @@ def bytes_tokenizer():
         name="bytes",
         pat_str=r"[\s\S]+",
         mergeable_ranks={bytes([i]): i for i in range(256)},
-        special_tokens={"<|endoftext|>": 256},
+        special_tokens={EOT: 256},
     )
 
 
-def get_tokenizer(name):
-    """Return the tiktoken Encoding called `name` ("bytes" or "gpt2")."""
+def file_tokenizer(path, expected=None):
+    """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>"; `expected`: the name it must have."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"tokenizer file {path}: cannot read: {e.strerror or e}") from None
+    name = "sha256:" + hashlib.sha256(data).hexdigest()
+    if expected is not None and name != expected:
+        raise DataError(f"tokenizer file {path} has changed: its {name[:23]}... is not the {expected[:23]}... "
+                        "the data was prepared with")
+    ranks = {}
+    for number, line in enumerate(data.splitlines(), 1):
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise DataError(f"tokenizer file {path}: line {number} is not `base64-token rank`") from None
+    missing = [i for i in range(256) if bytes([i]) not in ranks]
+    if missing:  # a byte-level BPE must be able to spell any text, one byte at a time if need be
+        raise DataError(f"tokenizer file {path}: byte 0x{missing[0]:02x} has no token ({len(missing)} of the 256 "
+                        "single bytes are missing): not a byte-level BPE")
+    if len(set(ranks.values())) != len(ranks) or min(ranks.values()) < 0:
+        raise DataError(f"tokenizer file {path}: its ranks are not distinct non-negative integers")
+    return tiktoken.Encoding(name=name, pat_str=FILE_PIECES, mergeable_ranks=ranks,
+                             special_tokens={EOT: max(ranks.values()) + 1})
+
+
+def get_tokenizer(name, file=None):
+    """The Encoding called `name`: "bytes", a tiktoken encoding's name, the path of a .tiktoken file, or the
+    "sha256:..." name of a file tokenizer together with its `file` (which must still have those bytes)."""
     if name == "bytes":
         return bytes_tokenizer()
-    if name == "gpt2":
+    if name.startswith("sha256:"):
+        if not file:
+            raise DataError(f"tokenizer {name[:23]}... is a BPE file, and its path is not recorded")
+        return file_tokenizer(file, expected=name)
+    if name in tiktoken.list_encoding_names():
         try:
-            return tiktoken.get_encoding("gpt2")
+            return tiktoken.get_encoding(name)
         except (OSError, ValueError) as e:  # no network and no cache (requests errors are OSErrors)
             raise DataError(
-                f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken needs network "
+                f"cannot load the {name} tokenizer ({type(e).__name__}): tiktoken needs network "
                 "access once, or TIKTOKEN_CACHE_DIR pointing at a pre-seeded cache"
             ) from None
-    raise ValueError(f"unknown tokenizer {name!r} (expected 'bytes' or 'gpt2')")
+    if Path(name).is_file():
+        return file_tokenizer(name)
+    raise ValueError(f"unknown tokenizer {name!r} (expected 'bytes', a tiktoken encoding: "
+                     f"{', '.join(tiktoken.list_encoding_names())}, or a .tiktoken file)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model import config_from_dict
+from model import GPT, config_from_dict
 from saves import SaveError
 from saves.files import atomic_write
 from saves.load import model_tensors
@@ -57,10 +57,14 @@ def hf_config(cfg):
 
 
 def export_hf(cfg, state_dict, out_dir):
-    """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads.
-    state_dict values may be lazy (load.model_tensors): then one full tensor is in memory at a time."""
+    """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads, the tensors in
+    the model's order, so that every layout exports the same bytes. state_dict values may be lazy
+    (load.model_tensors): then one full tensor is in memory at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):  # the model's own order, whatever order the save's layout listed the tensors in
+        order = {name: i for i, (name, _) in enumerate(GPT(cfg).named_parameters())}
+    state_dict = dict(sorted(state_dict.items(), key=lambda item: order.get(item[0], len(order))))
     renamed = {(k if k == "lm_head.weight" else "model." + k): v for k, v in state_dict.items()}
     write_safetensors(out / "model.safetensors", renamed, dtype=torch.float32)
     with atomic_write(out / "config.json", "w") as f:  # last: its presence marks a finished export

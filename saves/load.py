@@ -124,11 +124,12 @@ def cut(full, piece):
 
 
 @torch.no_grad()
-def load(saved, wrapper, opt, rng_of_rank=None):
+def load(saved, wrapper, opt, rng_of_rank=None, flag="--resume"):
     """Fills this rank's params and Adam state from a save made in any layout, holding at most one full tensor
     at a time; rng_of_rank: whose RNG states to restore (same layout), or None. Every rank calls it; then one
     all-reduce over wrapper.mesh agrees on whether every rank's reads passed, so that a corrupt file found by one
-    rank stops all of them with the same SaveError, naming the file, on rank 0 too."""
+    rank stops all of them with the same SaveError, naming the file, on rank 0 too. `saved` may be anything with a
+    Saved's path, meta["files"], meta["optimizer"]["kinds"], tensors and read() (hf.py's Hugging Face reader)."""
     pieces, mesh = wrapper.owned_pieces(), getattr(wrapper, "mesh", None)
     rank, names = mesh.global_rank if mesh else 0, sorted(saved.meta["files"])
     code, error = 0, None
@@ -146,7 +147,7 @@ def load(saved, wrapper, opt, rng_of_rank=None):
     if agreed != code or error is None:
         error = (f"{saved.path} does not fit this model (rank {index}: a tensor's name or shape, or its RNG state)",
                  f"{saved.path / names[index]} is truncated or unreadable", corrupt(saved.path, names[index]))[kind]
-    raise SaveError(f"--resume: {error}")
+    raise SaveError(f"{flag}: {error}")
 
 
 def _load(saved, pieces, opt, rng_of_rank):

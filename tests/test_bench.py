@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import model as M
-from bench import collectives, common, loader_stall, mfu_sweep, precision, run_all, vs_torch
+from bench import collectives, common, loader_stall, mfu_sweep, precision, prepare_speed, run_all, vs_torch
 
 
 def table_rows(path):
@@ -190,3 +190,9 @@ def test_vs_torch_tp_and_pp_peers_match_losses(tmp_path, capsys):
     assert all(rows[p][1:3] == ["ours-pp", "torch-pp"] for p in peers[2:])
     assert all(rows[p][10] in ("bit-identical", "rtol 1e-5") for p in peers)  # the same training, step by step
     assert "ANSWER L8" in capsys.readouterr().out
+
+
+def test_prepare_speed_runs_both_worker_counts(tmp_path):
+    """The smoke run of bench/prepare_speed.py: 1 and 2 workers side by side, their shards byte-identical."""
+    assert prepare_speed.main(["--mb", "0.5", "--quick", "--out", str(tmp_path)]) == 0
+    assert [row[0] for row in table_rows(tmp_path / "prepare_speed.md")] == ["1", "2"]

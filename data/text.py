@@ -1,0 +1,350 @@
+"""Token shards from your own text: `python data/prepare.py text PATH... --tokenizer NAME` (flags: prepare.py).
+
+Documents. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
+object (blank lines are skipped). Folders are walked in sorted order, keeping the files whose name or relative path
+matches a glob (default *.txt and *.jsonl); a file named on the command line is always read. Each document's
+tokens are followed by the end-of-text token; empty documents are left out. Invalid UTF-8 is replaced by U+FFFD
+(as bytes.decode(errors="replace") does), counted and reported.
+
+Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls below val_fraction:
+the same documents for any number of workers, with no counting pass first.
+
+Parallel and streaming. The files are cut into units of about `unit_bytes` by byte ranges. A .jsonl range holds the
+lines that start in it. A text range starts and ends at a cut: a line start between a non-space ASCII character and
+its newline on one side and an ASCII letter or digit on the other, where the pre-tokenizer of every tiktoken
+encoding (and of .tiktoken files) ends a piece anyway, so the tokens equal those of the whole document (a file with
+no such line start is read whole, by one unit). Worker processes read and tokenize units, at most a few per worker
+in flight; the main process writes their tokens in unit order into shards of `shard_tokens` tokens, so the shards
+are byte-identical for any number of workers and the corpus is never in memory. Shards are uint32 when the
+vocabulary exceeds 65535, else uint16.
+
+meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
+document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.
+"""
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
+from data.tokenizer import get_tokenizer
+from saves.files import write_json
+
+DEFAULT_GLOBS = ("*.txt", "*.jsonl")
+UNIT_BYTES = 1 << 20
+CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
+SURROGATE = re.compile("[\ud800-\udfff]")
+PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
+
+
+def find_files(paths, globs=DEFAULT_GLOBS):
+    """[(path, name, is_jsonl, size)] in a fixed order; name (the path relative to its PATH argument) seeds the
+    split. DataError for a missing path, an unreadable file, or no file at all."""
+    found = []
+    for arg in paths:
+        root = Path(arg)
+        if root.is_dir():
+            for folder, subfolders, names in os.walk(root):
+                subfolders.sort()
+                for name in sorted(names):
+                    rel = (Path(folder) / name).relative_to(root)
+                    if any(fnmatchcase(name, g) or fnmatchcase(rel.as_posix(), g) for g in globs):
+                        found.append((Path(folder) / name, rel.as_posix()))
+        elif root.exists() or root.is_symlink():
+            found.append((root, root.name))
+        else:
+            raise DataError(f"{arg}: no such file or folder")
+    if not found:
+        raise DataError(f"empty corpus: no file in {', '.join(map(str, paths))} matches {', '.join(globs)}")
+    files = []
+    for path, name in found:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+        files.append((str(path), name, path.suffix == ".jsonl", size))
+    return files
+
+
+def plan_units(files, unit_bytes=UNIT_BYTES):
+    """Units of work: tuples of (file index, start byte, end byte), about unit_bytes each, in corpus order."""
+    unit, size = [], 0
+    for i, (_, _, _, n) in enumerate(files):
+        for start in range(0, max(n, 1), unit_bytes):
+            end = min(start + unit_bytes, n)
+            unit.append((i, start, end))
+            size += end - start
+            if size >= unit_bytes:
+                yield tuple(unit)
+                unit, size = [], 0
+    if unit:
+        yield tuple(unit)
+
+
+def decode(data):
+    """(text, invalid sequences replaced): each replaced by one U+FFFD, exactly as errors="replace" would."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        pass
+    parts, replaced, pos, view = [], 0, 0, memoryview(data)
+    while True:
+        try:
+            parts.append(str(view[pos:], "utf-8"))
+            return "".join(parts), replaced
+        except UnicodeDecodeError as e:  # e.start, e.end: the bad bytes, relative to pos
+            parts += [str(view[pos:pos + e.start], "utf-8"), "\ufffd"]
+            replaced, pos = replaced + 1, pos + e.end
+
+
+def next_cut(f, pos, size):
+    """The first cut at or after byte pos of the open file (0 and the file's end are cuts)."""
+    if pos <= 0 or pos >= size:
+        return min(max(pos, 0), size)
+    base = pos - 2
+    f.seek(base)
+    buf = f.read(1 << 16)
+    while True:
+        match = CUT.search(buf)
+        if match:
+            return base + match.start() + 2
+        more = f.read(1 << 16)
+        if not more:
+            return size
+        base, buf = base + len(buf) - 2, buf[-2:] + more  # keep 2 bytes: a cut may straddle two reads
+
+
+class Tokenizing:
+    """What one worker does with a unit: read its documents, tokenize them, and sort them into train and val."""
+
+    def __init__(self, files, tokenizer, tokenizer_file, text_key, seed, val_fraction):
+        self.enc = get_tokenizer(tokenizer, tokenizer_file)
+        self.files, self.text_key, self.seed, self.val_fraction = files, text_key, seed, val_fraction
+
+    def encode(self, text):
+        if self.enc.name == "bytes":  # the same ids as the Encoding's, without its per-byte work
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+        return self.enc.encode_to_numpy(text, disallowed_special=())  # "<|endoftext|>" in the text is plain text
+
+    def is_val(self, name, offset):
+        key = hashlib.blake2b(f"{self.seed}/{name}/{offset}".encode(), digest_size=8).digest()
+        return int.from_bytes(key, "little") < self.val_fraction * 2 ** 64
+
+    def __call__(self, unit):
+        """-> (train tokens, val tokens, counts) of the unit, tokens as uint32 arrays."""
+        out, counts = {"train": [], "val": []}, Counter()
+        for i, start, end in unit:
+            path, name, jsonl, size = self.files[i]
+            try:
+                with open(path, "rb") as f:
+                    docs = self.json_lines(f, path, start, end) if jsonl else self.text_range(f, start, end, size)
+                    for offset, text, last, replaced in docs:
+                        split = "val" if self.is_val(name, offset) else "train"
+                        out[split].append(self.encode(text))
+                        if last:
+                            out[split].append(np.array([self.enc.eot_token], dtype=np.uint32))
+                            counts[f"{split}_docs"] += 1
+                        counts["replaced"] += replaced
+            except OSError as e:
+                raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+            counts["bytes"] += end - start
+        arrays = [np.concatenate(out[s]) if out[s] else np.zeros(0, np.uint32) for s in ("train", "val")]
+        return arrays[0], arrays[1], counts
+
+    def text_range(self, f, start, end, size):
+        """The piece of the file's one document from the cut at start to the cut at end:
+        (offset 0, its text, whether the document ends there, invalid sequences replaced)."""
+        first, last = next_cut(f, start, size), next_cut(f, end, size)
+        if last > first:
+            f.seek(first)
+            text, replaced = decode(f.read(last - first))
+            yield 0, text, last == size, replaced
+
+    def json_lines(self, f, path, start, end):
+        """(offset, text, True, invalid sequences replaced) for each document whose line starts in [start, end)."""
+        f.seek(max(start - 1, 0))
+        if start:
+            f.readline()  # the rest of a line that started before `start`: the previous unit's
+        pos = f.tell()
+        while pos < end and (line := f.readline()):
+            offset, pos = pos, pos + len(line)
+            text, replaced = decode(line)
+            if not text.strip():
+                continue
+            try:
+                doc = json.loads(text)
+            except ValueError as e:
+                raise DataError(f"{path}: the line at byte {offset} is not JSON ({e})") from None
+            if not isinstance(doc, dict) or self.text_key not in doc:
+                raise DataError(f"{path}: the line at byte {offset} has no {self.text_key!r} field "
+                                "(choose another with --text-key)")
+            text = doc[self.text_key]
+            if not isinstance(text, str):
+                raise DataError(f"{path}: the line at byte {offset}: {self.text_key!r} is a "
+                                f"{type(text).__name__}, not a string")
+            text, lone = SURROGATE.subn("\ufffd", text)  # "\ud800" escaped in JSON is not a character
+            if text:
+                yield offset, text, True, replaced + lone
+
+
+_job = None  # in a worker process: its Tokenizing, made once by the pool's initializer
+
+
+def _start_worker(*job_args):
+    global _job
+    _job = Tokenizing(*job_args)
+
+
+def _run_unit(unit):
+    return _job(unit)
+
+
+def tokenized_units(units, job_args, workers):
+    """The results of the units, in order, from `workers` processes (in this process when 1)."""
+    if workers == 1:
+        yield from map(Tokenizing(*job_args), units)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None  # fork: no re-import per worker
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker, job_args)
+    try:
+        pending = deque()
+        for unit in units:
+            pending.append(pool.submit(_run_unit, unit))
+            if len(pending) >= 4 * workers:  # bounded: a slow unit never lets the others pile up in memory
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+class Shards:
+    """One split's tokens, streamed into shards of exactly `size` tokens (the last one shorter); each shard is
+    written to a hidden file and renamed when complete."""
+
+    def __init__(self, out_dir, split, size, dtype):
+        self.out_dir, self.split, self.size, self.dtype = Path(out_dir), split, size, np.dtype(dtype)
+        self.done, self.file, self.tmp = {}, None, None
+
+    def add(self, tokens):
+        while len(tokens):
+            if self.file is None:
+                self.open()
+            n = min(len(tokens), self.size - self.count)
+            self.file.write(tokens[:n].astype(self.dtype).tobytes())
+            self.count, self.top = self.count + n, max(self.top, int(tokens[:n].max()))
+            tokens = tokens[n:]
+            if self.count == self.size:
+                self.close()
+
+    def open(self):
+        self.tmp = self.out_dir / f".{PREFIX}_{self.split}_{len(self.done):06d}.bin.tmp"
+        self.file, self.count, self.top = open(self.tmp, "wb"), 0, -1
+        self.file.write(bytes(4 * HEADER_INTS))  # the header, filled in when the shard is complete
+
+    def finish(self):
+        """Completes the last shard (an empty one if the split has no tokens)."""
+        if self.file is None and not self.done:
+            self.open()
+        if self.file is not None:
+            self.close()
+
+    def close(self):
+        magic = next(m for m, d in MAGIC_DTYPE.items() if d == self.dtype)
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:3] = magic, VERSION, self.count
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        path = self.out_dir / self.tmp.name[1:-len(".tmp")]
+        os.replace(self.tmp, path)
+        self.done[path.name] = {"bytes": path.stat().st_size, "tokens": self.count, "max_token_id": self.top}
+        self.file = None
+
+    def abort(self):
+        if self.file is not None:
+            self.file.close()
+            self.tmp.unlink(missing_ok=True)
+        for name in self.done:
+            (self.out_dir / name).unlink(missing_ok=True)
+
+
+def clear_out_folder(out_dir):
+    """Removes meta.json and this pipeline's old shards; refuses a folder holding another data set's shards."""
+    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
+    for path in sorted(out_dir.glob("*_*_*.bin")):
+        if re.fullmatch(rf"{PREFIX}_(train|val)_\d{{6}}\.bin", path.name):
+            path.unlink()
+        elif re.fullmatch(r".+_(train|val)_\d+\.bin", path.name):
+            raise DataError(f"{out_dir} holds another data set's shard {path.name}; choose another --out")
+
+
+def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
+                 text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
+    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
+    DataError (or ValueError for an unknown tokenizer) with a one-line message, before meta.json exists."""
+    enc = get_tokenizer(tokenizer)
+    tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
+    files = find_files(paths, globs)
+    out_dir = Path(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clear_out_folder(out_dir)
+    dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
+    shards = {split: Shards(out_dir, split, shard_tokens, dtype) for split in ("train", "val")}
+    job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
+    counts = Counter()
+    try:
+        results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
+        first = next(results)  # the workers start before the progress bar's thread
+        with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
+                  desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
+            for train, val, unit_counts in _chain(first, results):
+                shards["train"].add(train)
+                shards["val"].add(val)
+                counts.update(unit_counts)
+                bar.update(unit_counts["bytes"])
+        if not counts["train_docs"] + counts["val_docs"]:
+            raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
+        if not counts["train_docs"]:
+            raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
+        for split in shards.values():
+            split.finish()
+    except BaseException:
+        for split in shards.values():
+            split.abort()
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    if val_fraction and not counts["val_docs"]:
+        print(f"warning: no document fell in the val split (--val-fraction {val_fraction})", file=sys.stderr)
+    if counts["replaced"]:
+        print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD", file=sys.stderr)
+    done = {**shards["train"].done, **shards["val"].done}
+    tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
+    meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
+            "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
+            "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
+            "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
+            "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
+                       "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
+                       "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
+    write_json(out_dir / "meta.json", meta, indent=2)
+    return meta
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

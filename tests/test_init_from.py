@@ -1,0 +1,171 @@
+"""train.py --init-from: a random LlamaForCausalLM saved by transformers loads with logits equal to transformers' in
+one process and in fsdp 2, tp 2 and pp 2 (untied fp32 in one file; tied bf16, a vocabulary short of the padding,
+sharded); export -> --init-from -> export is bitwise identical; a config.json this run disagrees with is one line
+and exit 2, naming the field."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import config
+import train
+from parallel.launch import run_ranks
+from parallel.mesh import Mesh
+from saves import export
+from saves.hf import init_from, start_from
+from tests.jobs import Failed, run_jobs
+
+TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+            max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=5000.0)  # theta and eps: not the preset's
+FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--seq-len", "64", "--global-batch", "4",
+         "--micro-batch", "2", "--log-every", "0"]
+LAYOUTS = {"one process": [], "fsdp 2": ["--dp-mode", "fsdp"], "tp 2": ["--tp", "2"], "pp 2": ["--pp", "2"]}
+
+
+def hf_model(vocab, tied, seed):
+    """A random LlamaForCausalLM with weights large enough that attention is far from uniform: a RoPE layout error
+    or a swapped head would move the logits well past the tolerance."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, tie_word_embeddings=tied, **TINY))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{kind: (folder, vocab, fp32 transformers model)}: untied fp32 in one file; tied, bf16, vocab 300, sharded."""
+    out = {}
+    for kind, vocab, tied, dtype, shard in (("untied", 320, False, torch.float32, {}),
+                                            ("tied-bf16-300-sharded", 300, True, torch.bfloat16,
+                                             {"max_shard_size": "200KB"})):
+        folder = tmp_path_factory.mktemp(kind)
+        hf_model(vocab, tied, seed=len(out)).to(dtype).save_pretrained(folder, **shard)
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)  # what transformers reads
+        out[kind] = (folder, vocab, model.eval())
+    assert (out["tied-bf16-300-sharded"][0] / "model.safetensors.index.json").exists()
+    return out
+
+
+def tokens():
+    return torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(3))  # the pystdlib data's ids
+
+
+def loaded_logits(rank, world, folder, layout_flags):
+    """This rank's logits of tokens() after --init-from in the layout: the full logits, or under tp its vocabulary
+    shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
+    args = config.parse_args(FLAGS + ["--init-from", str(folder)] + layout_flags)
+    config.device_defaults(args, torch.device("cpu"))
+    dp, n_micro = config.check_layout(args, world)
+    cfg, weights = init_from(args.init_from, config.model_config(args, 257))
+    mesh = Mesh(rank, world, dp=dp, pp=args.pp, tp=args.tp)
+    chunks, wrapper = train.build(cfg, mesh, args, n_micro, torch.device("cpu"))
+    start_from(weights, wrapper, None, rank)
+    with torch.no_grad():
+        if mesh.pp == 1:
+            return chunks[0](tokens()).numpy()
+        if mesh.coord["pp"] == 0:
+            dist.send(chunks[0](tokens()), rank + 1)
+            return None
+        hidden = torch.empty(2, 64, cfg.d_model)
+        dist.recv(hidden, rank - 1)
+        return chunks[0](hidden).numpy()
+
+
+def assert_logits_equal(ours, model, vocab, where=""):
+    """fp32 tolerance: logits of order 1, summed in another order under tp and fsdp."""
+    expected = model(tokens()).logits.detach().numpy()
+    assert ours.shape == (2, 64, 320)
+    np.testing.assert_allclose(ours[..., :vocab], expected, rtol=1e-5, atol=5e-5, err_msg=where)
+    assert not ours[..., vocab:].any()  # padded rows: zero logits
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied-bf16-300-sharded"])
+def test_logits_equal_transformers_in_one_process(checkpoints, kind, capsys):
+    folder, vocab, model = checkpoints[kind]
+    assert_logits_equal(loaded_logits(0, 1, folder, []), model, vocab)
+    assert "initialized from" in capsys.readouterr().out
+
+
+def test_logits_equal_transformers_in_fsdp2_tp2_pp2(checkpoints):
+    jobs = [((kind, layout), loaded_logits, (folder, LAYOUTS[layout]))
+            for kind, (folder, _, _) in checkpoints.items() for layout in ("fsdp 2", "tp 2", "pp 2")]
+    ranks = run_ranks(run_jobs, 2, args=(jobs,), timeout=300)
+    for (kind, layout), _, _ in jobs:
+        _, vocab, model = checkpoints[kind]
+        results = [r[kind, layout] for r in ranks]
+        assert not any(isinstance(r, Failed) for r in results), results
+        if layout == "fsdp 2":  # each rank computes the whole logits
+            np.testing.assert_array_equal(results[0], results[1])
+        ours = np.concatenate(results, axis=-1) if layout == "tp 2" else results[1]  # tp: vocab shards; pp: last
+        assert_logits_equal(ours, model, vocab, where=f"{kind}, {layout}")
+
+
+def train_main(rank, world, argv):
+    return train.main(argv)
+
+
+def test_export_then_init_from_then_export_is_bitwise_identical(tmp_path):
+    """A trained run exported; a run that starts from that export in fsdp 2 and in tp 2 (one step at an lr of 1e-30
+    moves no fp32 weight: Adam's step is lr-sized, far under half an ulp of every weight) saves and exports the
+    same bytes."""
+    train.main(FLAGS + ["--n-layer", "2", "--steps", "2", "--out", str(tmp_path / "run")])
+    assert export.main([str(tmp_path / "run"), str(tmp_path / "first")]) == 0
+    again = FLAGS + ["--n-layer", "2", "--steps", "1", "--lr", "1e-30", "--min-lr", "0", "--warmup", "0",
+                     "--init-from", str(tmp_path / "first")]
+    jobs = [(name, train_main, (again + flags + ["--out", str(tmp_path / name)],))
+            for name, flags in (("fsdp", ["--dp-mode", "fsdp"]), ("tp", ["--tp", "2"]))]
+    for result in run_ranks(run_jobs, 2, args=(jobs,), timeout=300):
+        assert not any(isinstance(r, Failed) for r in result.values()), result
+    for name in ("fsdp", "tp"):
+        assert export.main([str(tmp_path / name), str(tmp_path / f"{name}-export")]) == 0
+        for file in ("config.json", "model.safetensors"):
+            assert (tmp_path / f"{name}-export" / file).read_bytes() == (tmp_path / "first" / file).read_bytes()
+
+
+def refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def edited_copy(folder, tmp_path, edit=None, drop=None):
+    copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(folder, copy)
+    if edit:
+        cfg = json.loads((copy / "config.json").read_text())
+        edit(cfg)
+        (copy / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        with open(copy / "model.safetensors", "r+b") as f:
+            f.truncate(f.seek(0, 2) - drop)
+    return copy
+
+
+def test_a_config_this_run_disagrees_with_is_one_line_and_exit_2(checkpoints, tmp_path, capsys):
+    folder = checkpoints["untied"][0]
+    out = tmp_path / "out"
+    base = FLAGS + ["--steps", "1", "--out", str(out), "--init-from"]
+    for extra, needle in [(["--n-layer", "3"], "num_hidden_layers is 4, this run has --n-layer 3"),
+                          (["--d-model", "256"], "hidden_size is 128, this run has --d-model 256"),
+                          (["--n-kv-head", "8"], "num_key_value_heads is 4, this run has --n-kv-head 8"),
+                          (["--ffn-dim", "512"], "intermediate_size is 384, this run has --ffn-dim 512"),
+                          (["--vocab-size", "1000"], "vocab_size is 320, this run's model has 1000 rows")]:
+        assert needle in refused(base + [str(folder)] + extra, capsys)
+    for edit, needle in [(lambda c: c.update(model_type="mistral"), "model_type is 'mistral'"),
+                         (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
+                          "rope_parameters has rope_type 'llama3'"),
+                         (lambda c: c.update(attention_bias=True), "attention_bias is true"),
+                         (lambda c: c.update(head_dim=32), "head_dim is 32"),
+                         (lambda c: c.update(tie_word_embeddings=False, vocab_size=128), "vocab_size is 128")]:
+        assert needle in refused(base + [str(edited_copy(folder, tmp_path, edit))], capsys)
+    assert "is truncated or malformed" in refused(base + [str(edited_copy(folder, tmp_path, drop=4))], capsys)
+    assert "is not a folder" in refused(base + [str(tmp_path / "nowhere")], capsys)
+    assert not out.exists()  # refused before anything is written
