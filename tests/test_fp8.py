@@ -1,0 +1,226 @@
+"""--dtype fp8 (fp8.py) on CPU: the scale rule, the CPU matmul against torch._scaled_mm, each scaled matmul's error
+against bf16, 300 training steps against bf16, layouts against one fp8 process, scales under tp equal to one
+process's, FSDP's fp8 all-gather (half the bytes, the same numbers), and the bad inputs. The multi-rank checks share
+one set of 2 gloo ranks (the `runs` fixture); each test reads its own result."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fp8
+import model as M
+import train
+from parallel.fsdp import FSDP
+from parallel.launch import run_ranks
+from parallel.mesh import Mesh
+from tests.jobs import Failed, run_jobs
+from tests.layouts import BASE, assert_same_losses
+
+FAST = ["--peak-tflops", "1", "--dtype", "fp8"]
+# Layouts against one fp8 process: their bf16 roundings differ (FSDP's bf16 residual stream and weights, tp's bf16
+# partial sums), and an fp8 cast turns a one-ulp bf16 difference (2^-8) into a one-ulp e4m3 one (2^-3) wherever it
+# crosses a rounding boundary: 10 steps stay within 1e-2 (measured: 4e-3; in bf16 the same layouts differ by 6e-4).
+LAYOUT_RTOL = 1e-2
+LAYOUTS = {"fsdp2": ["--dp-mode", "fsdp"], "fsdp2-fp8-all-gather": ["--dp-mode", "fsdp", "--fp8-all-gather"],
+           "tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "cp2": ["--cp", "2"]}
+# FSDP units of odd sizes: one rank's shard holds the end of the matrices and the norm gains
+FSDP_CFG = M.ModelConfig(n_layer=2, d_model=18, n_head=3, n_kv_head=1, ffn_dim=31, vocab_size=64, seq_len=16)
+E4M3_HALF_ULP, E5M2_HALF_ULP = 2.0 ** -4, 2.0 ** -3  # the largest relative rounding error of one normal value
+
+
+# ---------------------------------------------------------------- the scale rule and the matmul, one process
+
+def test_the_scale_is_the_largest_power_of_two_that_fits():
+    amax = torch.cat([torch.exp2(torch.linspace(-100, 100, 4001)), torch.tensor([448.0, 449.0, 57344.0, 0.0])])
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        s = fp8.scale_for(amax, fmt)
+        top = torch.finfo(fmt).max
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # a power of two
+        fits = amax * s <= top
+        assert fits.all() and (amax[:-1] * s[:-1] * 2 > top).all()  # and the largest (amax 0: anything fits)
+        assert torch.isfinite(fp8.cast(amax[:-1], s[:-1], fmt).float()).all()  # nothing saturates or overflows
+    assert fp8.scale_for(torch.tensor([448.0, 449.0]), fp8.E4M3).tolist() == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("fmt_a,out_dtype", [("E4M3", torch.bfloat16), ("E5M2", torch.float32)])
+def test_the_cpu_matmul_is_torch_scaled_mm(fmt_a, out_dtype):
+    """CPU's upcast-then-multiply against torch._scaled_mm itself (slow on CPU: small shapes) on the same operands."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g) * 30, torch.randn(48, 64, generator=g)
+    sa, sb = torch.tensor(2.0 ** -3), torch.tensor(2.0 ** 5)
+    a8, b8 = fp8.cast(a, sa, getattr(fp8, fmt_a)), fp8.cast(b, sb, fp8.E4M3)
+    ours = fp8.scaled_mm(a8, b8.t(), sa, sb, out_dtype).float()
+    theirs = torch._scaled_mm(a8, b8.t(), scale_a=1 / sa, scale_b=1 / sb, out_dtype=out_dtype).float()
+    ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23  # the output's rounding, summation order aside
+    assert ((ours - theirs).abs() <= 2 * ulp * theirs.abs()).all()
+    assert (ours - a @ b.t()).abs().max() < 0.2 * (a @ b.t()).abs().max()  # and it is the product
+
+
+def relative_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_each_scaled_matmul_is_within_the_fp8_error_of_bf16():
+    """Y = x·Wᵀ (e4m3 x e4m3), dx = dY·W and dW = dYᵀ·x (e5m2 x e4m3) against the bf16 matmuls of the same inputs.
+    Each operand element is off by at most a half ulp of its format, relative; the errors of independent roundings
+    partly cancel in the dot products, so a product's relative (Frobenius) error stays under the larger half ulp of
+    its two operands: 2^-4 forward, 2^-3 backward. And above bf16's own 2^-8: the casts really happen."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 64, 128, generator=g), torch.randn(96, 128, generator=g) * 0.02
+    dy = torch.randn(4, 64, 96, generator=g) * 1e-4
+    x8, w8 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8.linear(x8, w8).backward(dy)
+    xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    y = xb @ wb.t()
+    y.backward(dy.bfloat16())
+    errors = {"y": relative_error(fp8.linear(x, w), y), "dx": relative_error(x8.grad, xb.grad),
+              "dw": relative_error(w8.grad, wb.grad)}
+    bounds = {"y": E4M3_HALF_ULP, "dx": E5M2_HALF_ULP, "dw": E5M2_HALF_ULP}
+    for name, err in errors.items():
+        assert 2.0 ** -8 < err < bounds[name], errors
+    assert fp8.linear(x, w).dtype == torch.bfloat16 and x8.grad.dtype == x.dtype and w8.grad.dtype == w.dtype
+
+
+SMALL = ["--micro-batch", "4", "--global-batch", "4", "--seq-len", "32", "--n-layer", "2", "--d-model", "64",
+         "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128", "--warmup", "20", "--peak-tflops", "1"]
+
+
+def test_300_fp8_steps_end_within_2_percent_of_bf16(tmp_path):
+    """The same seed and batches; a 2-layer tiny model so that both runs take well under a minute on one core."""
+    losses = {d: train.main(BASE + SMALL + ["--steps", "300", "--dtype", d, "--out", str(tmp_path / d)])
+              for d in ("bf16", "fp8")}
+    assert losses["fp8"] != losses["bf16"]  # fp8 ran
+    assert losses["fp8"][-1] < losses["fp8"][0] - 2  # and learned
+    assert abs(losses["fp8"][-1] / losses["bf16"][-1] - 1) < 0.02, (losses["fp8"][-1], losses["bf16"][-1])
+
+
+# ---------------------------------------------------------------- layouts, tp scales, FSDP's fp8 all-gather: 2 ranks
+
+def _train(rank, world, argv):
+    return train.main(argv)
+
+
+def _tp_scales_rank(rank, world):
+    """A column-parallel linear whose second shard (of W and of dY) sits 2^14 below the first: with its own scale it
+    would keep bits that one process's tensorwise scale loses to underflow. Reduced over tp, each rank's columns of Y
+    and rows of dW equal one process's bit for bit."""
+    mesh = Mesh(rank, world, tp=world)
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(32, 48, generator=g)
+    w[24:] *= 2.0 ** -14
+    dy[:, 24:] *= 2.0 ** -14
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.linear(xr, wr)
+    y.backward(dy)
+    cols = slice(rank * 24, (rank + 1) * 24)
+    xs, ws = x.clone().requires_grad_(), w[cols].clone().requires_grad_()
+    mesh.stats.reset()
+    ys = fp8.linear(xs, ws, [mesh.tp_group])
+    ys.backward(dy[:, cols])
+    return dict(y=torch.equal(ys, y[:, cols]), dw=torch.equal(ws.grad, wr.grad[cols]),
+                max_calls=mesh.stats.calls["all_reduce_max"])
+
+
+def _fsdp_gather_rank(rank, world):
+    """One forward and backward of FSDP under fp8, its block units gathered in bf16, then in fp8."""
+    mesh, out = Mesh(rank, world), {}
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for in_fp8 in (False, True):
+        with torch.device("meta"):
+            gpt = fp8.apply(M.GPT(FSDP_CFG), [])
+        wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
+                       lambda name, p, flat=None, out=None: M.local_init(name, p, FSDP_CFG, 5, flat, out), "cpu",
+                       compute_dtype=torch.bfloat16)
+        if in_fp8:
+            fp8.gather_in_fp8(wrapper, mesh.tp_group)
+        mesh.stats.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = wrapper.module[0](x, x.roll(-1, 1))
+        loss.backward()
+        wrapper.finish_grad_sync()
+        blocks = [u for u in wrapper.units if u.name.startswith("layers.")]
+        out[in_fp8] = dict(loss=loss.item(), grads=[p.grad.numpy().copy() for p in wrapper.optim_params()],
+                           gathers=sorted(b for kind, _, b in mesh.stats.log if kind == "all_gather"),
+                           block_bytes={(world - 1) / world * 2 * u.padded for u in blocks},
+                           side_bytes=[(world - 1) * 2 * u.gather.v for u in blocks] if in_fp8 else [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8_runs")
+    jobs = [(name, _train, (BASE + FAST + ["--out", str(out / name)] + flags,)) for name, flags in LAYOUTS.items()]
+    jobs += [("tp_scales", _tp_scales_rank, ()), ("fsdp_gather", _fsdp_gather_rank, ())]
+    ranks = run_ranks(run_jobs, 2, args=(jobs,), timeout=600)
+    return dict(ref=train.main(BASE + FAST + ["--out", str(out / "ref")]), ranks=ranks)
+
+
+def result(runs, key):
+    for rank, r in enumerate(runs["ranks"]):
+        if isinstance(r[key], Failed):
+            pytest.fail(f"rank {rank} failed in {key}:\n{r[key]}")
+    return [r[key] for r in runs["ranks"]]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_each_layout_matches_one_fp8_process(name, runs):
+    assert_same_losses(result(runs, name)[0], runs["ref"], rtol=LAYOUT_RTOL)
+
+
+def test_fp8_all_gather_changes_no_number(runs):
+    """Power-of-two scales: a weight gathered in e4m3 and dequantized casts back to the values the bf16 gather gives."""
+    assert result(runs, "fsdp2-fp8-all-gather")[0] == result(runs, "fsdp2")[0]
+    for r in result(runs, "fsdp_gather"):
+        assert r[True]["loss"] == r[False]["loss"]
+        assert all(np.array_equal(a, b) for a, b in zip(r[True]["grads"], r[False]["grads"]))
+
+
+def test_fp8_all_gather_sends_exactly_half_the_bytes_of_bf16(runs):
+    """Each block unit's all-gather: (M-1)/M · padded bytes in e4m3 against 2x that in bf16, and beside it the norm
+    gains in bf16, (M-1) · 2v; the embedding and norm + head units stay in bf16. Forward and backward gather each
+    block once: every block's entries twice."""
+    for r in result(runs, "fsdp_gather"):
+        bf16, fp8_run = r[False], r[True]
+        halved = [b / 2 if b in bf16["block_bytes"] else b for b in bf16["gathers"]]
+        assert fp8_run["gathers"] == sorted(halved + 2 * fp8_run["side_bytes"])
+        assert halved != bf16["gathers"] and all(0 < s <= 2 * 2 * FSDP_CFG.d_model for s in fp8_run["side_bytes"])
+
+
+def test_scales_under_tp_are_one_process_scales(runs):
+    for r in result(runs, "tp_scales"):
+        assert r["y"] and r["dw"]
+        assert r["max_calls"] == 2  # one all-reduce of (amax x, amax W) in forward, one of amax dY in backward
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD = {"d_model": (["--d-model", "72", "--n-head", "4", "--n-kv-head", "2"], "--d-model"),
+       "ffn_dim": (["--ffn-dim", "200"], "--ffn-dim"),
+       "kv dimension": (["--d-model", "96", "--n-head", "8", "--n-kv-head", "2"], "--n-kv-head"),
+       "tokens": (["--seq-len", "36", "--micro-batch", "1", "--global-batch", "8"], "--micro-batch"),
+       "all-gather without fp8": (["--dtype", "bf16", "--dp-mode", "fsdp", "--fp8-all-gather"], "--fp8-all-gather"),
+       "all-gather under ddp": (["--fp8-all-gather"], "--fp8-all-gather")}
+
+
+@pytest.mark.parametrize("case", list(BAD) + ["no _scaled_mm"])
+def test_bad_fp8_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
+    flags, named = BAD.get(case, ([], "--dtype"))
+    if case == "no _scaled_mm":
+        monkeypatch.delattr(torch, "_scaled_mm")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(BASE + FAST + ["--out", str(out)] + flags)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and named in err, err
+    assert not out.exists()
+    if case == "no _scaled_mm":
+        assert "torch._scaled_mm" in err
+
+
+def test_misfit_names_the_dimension_a_rank_multiplies():
+    cfg = M.ModelConfig(d_model=128, n_head=8, n_kv_head=4, ffn_dim=384, vocab_size=320)  # head_dim 16
+    assert fp8.misfit(cfg, 1, 256) is None and fp8.misfit(cfg, 4, 256) is None  # kv: 4 heads / 4 x 16 = 16
+    assert fp8.misfit(cfg, 8, 256) is None  # 4 kv heads over tp 8: tp.validate refuses that, not fp8
+    assert fp8.misfit(M.ModelConfig(d_model=96, n_head=8, n_kv_head=2, ffn_dim=384), 1, 256)[0] == "--n-kv-head"
+    assert fp8.misfit(cfg, 2, 8)[0] == "--micro-batch"
