@@ -272,7 +272,8 @@ def fp8_table(device, preset, rows, seq_len, steps, n, out, shape):
     step_gaps = [abs(f / b - 1) for f, b in zip(losses["fp8"], losses["bf16"])]
     table = [[m, f"{v[0]:.4f}", f"{v[-1]:.4f}", f"{tail[m]:.4f}", f"{tail[m] / tail['bf16'] - 1:+.2%}"]
              for m, v in losses.items()]
-    notes = [f"{preset} preset, {rows} x {seq_len} pystdlib tokens per step, {steps} steps of common.TrainStep "
+    sized = f" with {', '.join(f'{k}={v}' for k, v in shape.items())}" if shape else ""
+    notes = [f"{preset} preset{sized}, {rows} x {seq_len} pystdlib tokens per step, {steps} steps of common.TrainStep "
              f"(AdamW 3e-4, clip 1), the same initial weights and batches; mean of the last {last} steps. Largest "
              f"per-step gap {max(step_gaps):.2%}."]
     rate = ["8192^3 matmul", "-", "-", "-", "skipped: needs a CUDA GPU (torch._scaled_mm is a reference loop on CPU)"]
@@ -350,7 +351,7 @@ def main(argv=None):
         l3 = [1024, 2048, 4096, 4095, 4100, 8000, 8184, 8190, 8191, 8192, 8193, 8200, 8208, 8256, 16384]
         l4 = (8, 256, [1, 256, 4096, 65536])
     else:
-        l1, l2, f8 = (4, 128), ("tiny", 4, 256, 6), ("tiny", 4, 64, 200, 8192)
+        l1, l2, f8 = (4, 128), ("tiny", 4, 256, 6), ("tiny", 4, 32, 200, 8192)
         l3 = [512, 1000, 1023, 1024, 1025, 1536, 2047, 2048, 2049, 2056, 2064]
         l4 = (4, 128, [1, 256, 4096, 65536])
     if args.sizes:
@@ -367,8 +368,9 @@ def main(argv=None):
         matmul_table(device, l3, l3_dtypes, 1 if args.quick else 3, args.out)
     if "L4" in todo:
         underflow_table(device, *l4, args.out, shape)
-    if "fp8" in todo:
-        fp8_table(device, *f8, args.out, shape)
+    if "fp8" in todo:  # on CPU fp8 pays its casts op by op: a 2-layer tiny model keeps the run about a minute
+        fp8_table(device, *f8, args.out, shape or ({} if gpu else dict(common.QUICK_MODEL, n_layer=2, d_model=64,
+                                                                             n_head=4, n_kv_head=2, ffn_dim=128)))
 
 
 if __name__ == "__main__":
