@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
+import fp8
 import model as M
 from parallel import ckpt
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
 DP_MODES = ("ddp", "fsdp", "hsdp")
 # Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name(); first match wins.
 PEAK_TFLOPS = {  # dense bf16 tensor-core peak in TFLOP/s, by the full name torch.cuda.get_device_name() reports
@@ -102,7 +104,8 @@ def parse_args(argv=None):
     a("--weight-decay", type=nonnegative_float, default=0.1)
     a("--grad-clip", type=nonnegative_float, default=1.0, help="clip the global gradient norm (0: off)")
     a("--seed", type=int, default=1337, help="seeds the weights and the batches")
-    a("--dtype", type=one_of(DTYPES, "dtype"), help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling)")
+    a("--dtype", type=one_of(DTYPES, "dtype"),
+      help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling) | fp8 (bf16, block matmuls in fp8)")
     a("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
     a("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
     a("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
@@ -111,6 +114,7 @@ def parse_args(argv=None):
     a("--accumulate", default="sharded", type=one_of(("sharded", "unsharded"), "mode"),
       help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch, 4P/M bytes held) | "
            "unsharded (summed locally, one reduce-scatter per step, 4P bytes held)")
+    a("--fp8-all-gather", action="store_true", help="FSDP/HSDP all-gather the block weights in fp8 (--dtype fp8)")
     a("--tp", type=positive_int, default=1, help="tensor parallel degree")
     a("--sp", action="store_true", help="sequence parallel (with --tp)")
     a("--pp", type=positive_int, default=1, help="pipeline parallel degree")
@@ -155,6 +159,8 @@ def check_args(args):
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
             (args.reduce_dtype != "fp32" and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
             (args.accumulate != "sharded" and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
+            (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"), "--fp8-all-gather",
+             "--dtype fp8 and --dp-mode fsdp or hsdp"),
             ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
              "--pp-schedule interleaved")):
@@ -164,6 +170,8 @@ def check_args(args):
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
+    if args.dtype == "fp8" and fp8.missing():
+        raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
 
 
 def check_layout(args, world):
@@ -231,6 +239,9 @@ def device_defaults(args, device):
         args.dtype = "bf16" if cuda else "fp32"
     if args.compile is None:
         args.compile = cuda
+    if cuda and args.dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UsageError(f"--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -254,7 +265,8 @@ def model_config(args, vocab_size):
     if fields["vocab_size"] < vocab_size:
         raise UsageError(f"--vocab-size: {fields['vocab_size']} is below the data's vocabulary of {vocab_size}")
     cfg = M.ModelConfig(**fields)
-    problem = cfg.validate()
+    problem = cfg.validate() or (args.dtype == "fp8" and fp8.misfit(cfg, args.tp, args.micro_batch * cfg.seq_len
+                                                                    // args.cp))
     if problem:
         raise UsageError(f"{problem[0]}: {problem[1]}")
     return cfg

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+import fp8
 import model as M
 import optim
 from config import (
@@ -76,6 +77,8 @@ def build(cfg, mesh, args, n_micro, device):
             tp.parallelize(chunk, mesh, sequence_parallel=args.sp, overlap=not args.no_overlap)
         if mesh.cp > 1:
             cp.parallelize(chunk, mesh, mode=args.cp_mode)
+        if args.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
+            fp8.apply(chunk, [mesh.tp_group, mesh.cp_group])
         ckpt.apply(chunk, args.ckpt)
         if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
@@ -87,7 +90,7 @@ def build(cfg, mesh, args, n_micro, device):
         compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype], accumulate=args.accumulate)
     wrapper = DATA_PARALLEL[args.dp_mode](nn.ModuleList(chunks), mesh, device, init_param,
                                           overlap=not args.no_overlap, **dp_options)
-    return chunks, wrapper
+    return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if args.fp8_all_gather else wrapper
 
 
 def split_batch(x, y, micro_batch, mesh):

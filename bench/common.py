@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import fp8
 import model as M
 import optim
 from config import PEAK_TFLOPS
@@ -28,7 +29,8 @@ from parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: bf16 autocast with the block matmuls in fp8 (fp8.py), as train.py --dtype fp8
 QUICK_MODEL = dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=64)  # --quick: a one-layer GPT
 ANSWER_PREFIX = "ANSWER "  # `ANSWER L3: text` on stdout is the headline answer of lab item L3
 
@@ -205,6 +207,8 @@ class TrainStep:
     def __init__(self, mode, device, preset="tiny", **overrides):
         self.mode, self.device = mode, device
         self.model = build_gpt(preset, device=device, **overrides)
+        if mode == "fp8":
+            fp8.apply(self.model, [])
         self.opt = optim.make_adamw(self.model.parameters(), 3e-4, 0.1, device)
         self.scaler = optim.LossScaler(mode == "fp16", device)
         self.world = Mesh().world_group  # one process: norms need no communication

@@ -1,8 +1,9 @@
-"""One GPU in under 8 minutes, into bench/results/gpu.md: 1. our training step (train.main in-process, --metrics):
+"""One GPU in under 10 minutes, into bench/results/gpu.md: 1. our training step (train.main in-process, --metrics):
 tokens/s, MFU, peak memory; 2. Hugging Face's LlamaForCausalLM of the same shapes (optional); 3. the attention kernels
-the profiler sees; 4. ring attention (cp = 1) and its block kernels against SDPA on the same bf16 inputs.
+the profiler sees; 4. ring attention (cp = 1) and its block kernels against SDPA on the same bf16 inputs; 5. the step
+with --dtype fp8 against 1.'s bf16 (FP8 tensor cores: compute capability 8.9+).
 
-    python bench/gpu.py            # CUDA: small (seq 1024) and 1b (seq 2048), bf16, compiled and eager
+    python bench/gpu.py            # CUDA: small (seq 1024) and 1b (seq 2048), bf16, compiled and eager; fp8 compiled
     python bench/gpu.py --smoke    # CPU, tiny shapes, every part (tests/test_gpu_bench.py runs it)
 
 Each part has a time budget: what does not fit is reported as skipped, an OOM in its row. No GPU, no --smoke: exits 0.
@@ -37,7 +38,7 @@ try:  # a bench-only dependency (requirements-dev.txt): without it part 2 says s
 except ImportError:
     transformers = None
 
-SHARES = {"kernels": 20, "ring": 40, "ours": 210, "hf": 180}  # seconds of the default 450-s budget, in run order
+SHARES = {"kernels": 20, "ring": 40, "ours": 210, "fp8": 90, "hf": 180}  # seconds of the default 540-s budget
 MIN_START_S = {True: 90, False: 30}  # a compiled / eager run starts only with this much of its part's budget left
 GPU_RUNS = [("small", {"seq_len": 1024}, 16), ("1b", {"seq_len": 2048}, 8)]  # preset, overrides, micro-batch
 SMOKE_RUNS = [("tiny", dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, seq_len=64), 4)]
@@ -121,12 +122,13 @@ def model_cfg(preset, overrides):
 
 # ---------------------------------------------------------------- 1. ours, 2. Hugging Face
 
-def run_ours(r, preset, overrides, micro, compiled, metrics):
+def run_ours(r, preset, overrides, micro, compiled, metrics, dtype=None):
     shm = Path("/dev/shm")  # train.py saves at its last step (untimed, 12 B/param): into RAM when it has room
     room = shm.is_dir() and shutil.disk_usage(shm).free > 15 * M.param_counts(model_cfg(preset, overrides))[0]
     with tempfile.TemporaryDirectory(dir=shm if room else None) as out:
         flags = [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-        train.main(["--model", preset, *flags, "--device", r.device.type, "--dtype", r.dtype, "--steps", str(r.steps),
+        train.main(["--model", preset, *flags, "--device", r.device.type, "--dtype", dtype or r.dtype,
+                    "--steps", str(r.steps),
                     "--compile" if compiled else "--no-compile", "--micro-batch", str(micro), "--global-batch",
                     str(micro), "--log-every", "0", "--eval-every", "0", "--metrics", str(metrics), "--out", out])
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][-r.window:]
@@ -164,10 +166,10 @@ def run_hf(r, cfg, micro, compiled):
                 reserved=torch.cuda.max_memory_reserved() / 1e9 if cuda else None)
 
 
-def sweep(r, what, fn, row, blocked=None):
+def sweep(r, what, fn, row, blocked=None, modes=None):
     """fn(preset, overrides, micro, compiled) for each configuration in budget: ({(preset, compiled): result}, rows)."""
     results, rows = {}, []
-    for compiled in r.modes:
+    for compiled in modes or r.modes:
         for preset, overrides, micro in r.runs:
             mode, t0 = "compiled" if compiled else "eager", time.perf_counter()
             got, status = {}, blocked or r.skip(compiled)
@@ -193,6 +195,7 @@ def training_parts(r):
     done = [f"{p} {'compiled' if c else 'eager'} {100 * x['mfu']:.1f}%" for (p, c), x in ours.items() if x.get("mfu")]
     if done:
         common.answer("L22", f"MFU {', '.join(done)} ({r.name}, {r.dtype}{', smoke' if r.smoke else ''})")
+    fp8_part(r, ours)
 
     def versus(preset, overrides, micro, compiled, theirs):
         cfg, mine = model_cfg(preset, overrides), ours[preset, compiled]
@@ -211,6 +214,28 @@ def training_parts(r):
              f", torch.compile of the whole model when compiled, {'bf16 autocast' if r.dtype == 'bf16' else 'fp32'}, "
              "fp32 cross-entropy, clip 1.0, AdamW (fused on CUDA), random ids in our batch shapes; median step of the "
              f"last {r.window} of {r.steps}; memory: the peak over the whole run. ours / HF > 1: ours is faster."])
+
+
+def fp8_part(r, ours):
+    """5. --dtype fp8 (fp8.py), compiled on a GPU, against part 1's run of the same shape in r.dtype."""
+    r.start("fp8")
+    gpu_fp8 = r.smoke or torch.cuda.get_device_capability() >= (8, 9)
+
+    def row(preset, overrides, micro, compiled, got):
+        base = ours[preset, compiled].get("tok_s")
+        ratio = got.get("tok_s") and base and got["tok_s"] / base
+        return [overrides["seq_len"], micro, *cells(dict(got, base=base, ratio=ratio), ("tok_s", ".0f"),
+                                                     ("mfu_pct", ".1f"), ("mem", ".2f"), ("base", ".0f"),
+                                                     ("ratio", ".2f"))]
+    with tempfile.TemporaryDirectory() as tmp:
+        _, rows = sweep(r, "fp8", lambda p, o, m, c: run_ours(r, p, o, m, c, Path(tmp) / f"{p}{c}.jsonl", "fp8"), row,
+                        None if gpu_fp8 else "skipped: no FP8 tensor cores (compute capability < 8.9)", r.modes[:1])
+    r.table("5. FP8 block matmuls (--dtype fp8) against the same step", ["model", "compile", "seq", "micro-batch",
+            "fp8 tokens/s", "MFU %", "peak alloc GB", f"{r.dtype} tokens/s", f"fp8 / {r.dtype}", "status"], rows,
+            [f"train.main --dtype fp8 as in 1. (q, k, v, o, gate, up, down in e4m3, gradients e5m2, dynamic "
+             f"power-of-two tensorwise scales, fp8.py), against 1.'s {r.dtype} row of the same shape. MFU: over the "
+             "bf16 peak, as in 1. The goal on 1b: fp8 >= 1.3x bf16 tokens/s."
+             + (" Smoke: on CPU fp8 upcasts to an fp32 matmul; the ratio says nothing of a GPU." if r.smoke else "")])
 
 
 # ---------------------------------------------------------------- 3. kernels, 4. ring attention vs SDPA
@@ -310,7 +335,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part: checks the script")
     p.add_argument("--out", default=str(common.RESULTS), help="folder for gpu.md")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default 30, --smoke 3)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole run, split over the parts")
+    p.add_argument("--budget-s", type=float, default=540.0, help="time budget of the whole run, split over the parts")
     args = p.parse_args(argv)
     if not args.smoke and not common.has_cuda():
         print("gpu.py: needs a CUDA GPU (none visible); skipped. `--smoke` checks the script on CPU.", flush=True)

@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
     ap.add_argument("--top", type=positive_int, default=10)
     ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="fp8: the block matmuls at 2x the bf16 rate, FSDP gathers their weights in fp8")
     ap.add_argument("--code", default="reference", choices=CODES,
                     help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
     ap.add_argument("--compare-fsdp-scope", action="store_true",
@@ -87,11 +89,13 @@ def main(argv=None):
           f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter"
           + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
     try:
+        fp8 = args.dtype == "fp8"
         if args.layout:
-            print(bill(evaluate(cfg, cl, parse_layout(args.layout), seq, batch, code=args.code), cl))
+            lay = replace(parse_layout(args.layout), fp8=fp8) if fp8 else parse_layout(args.layout)
+            print(bill(evaluate(cfg, cl, lay, seq, batch, code=args.code), cl))
             return 0
         t0 = time.time()
-        plans = plan(cfg, cl, seq, batch, args.top, args.code)
+        plans = plan(cfg, cl, seq, batch, args.top, args.code, fp8)
     except (ValueError, TypeError) as e:
         print(f"error: --layout: {e}", file=sys.stderr)
         return 2

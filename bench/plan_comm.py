@@ -15,6 +15,7 @@ PP: each of a rank's V chunks sends its activation forward and a gradient back, 
 DP: ddp all-reduces fp32 grads once per step, 2(g-1)/g*4*P_gpu, in BUCKET_MB buckets. fsdp with P = 1: per
 microbatch all-gathers bf16 weights for fwd and bwd and reduce-scatters fp32 grads, (2+2+4)(S-1)/S*P_gpu;
 with P > 1 one gather and one reduce-scatter per step. hsdp adds the replicas' all-reduce 2(R-1)/R*4*P_gpu/S.
+fp8 (torchao's float8 all-gather): the block matmul weights (Shape.p_fp8) are gathered in 1 byte instead of 2.
 """
 import math
 
@@ -47,8 +48,9 @@ def collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
         out["dp"] = (2 * (g - 1) / g * g_bytes * s.p_gpu, buckets * 2 * math.ceil(math.log2(g)))
     elif g > 1:
         rounds, gathers = (M, 2) if lay.pp == 1 else (1, 1)
+        gathered = w_bytes * s.p_gpu - (w_bytes - 1) * s.p_fp8  # fp8: the block matmul weights in 1 byte
         out["dp" if lay.dp_mode == "fsdp" else "shard"] = (
-            rounds * (gathers * w_bytes + g_bytes) * (S - 1) / S * s.p_gpu, rounds * (gathers + 1) * (n + 1) * (S - 1))
+            rounds * (gathers * gathered + g_bytes * s.p_gpu) * (S - 1) / S, rounds * (gathers + 1) * (n + 1) * (S - 1))
         if lay.dp_mode == "hsdp":
             R = g // S
             out["replica"] = (2 * (R - 1) / R * g_bytes * s.p_gpu / S, (n + 1) * 2 * math.ceil(math.log2(R)))

@@ -48,6 +48,7 @@ class Layout:
     sp: bool = True         # sequence parallel with tp (train.py --sp)
     overlap: bool = True    # collectives overlap compute (train.py --no-overlap: overlap=0, every one blocks)
     accumulate: str = "sharded"  # fsdp/hsdp micro-batch gradients (train.py --accumulate): sharded | unsharded
+    fp8: bool = False       # train.py --dtype fp8 (--fp8-all-gather under fsdp/hsdp): block matmuls and gathers in fp8
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
@@ -57,14 +58,15 @@ class Layout:
         s += ",sp=0" if self.tp > 1 and not self.sp else ""
         s += ",overlap=0" if not self.overlap else ""
         s += f",accumulate={self.accumulate}" if self.accumulate != "sharded" else ""
+        s += ",fp8=1" if self.fp8 else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
 def parse_layout(text):
     """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, and V > 1
-    implies schedule=interleaved. Booleans (sp, overlap): 0 or 1."""
+    implies schedule=interleaved. Booleans (sp, overlap, fp8): 0 or 1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
-    kinds["sp"] = kinds["overlap"] = lambda v: v.lower() in ("1", "true", "yes", "on")
+    kinds["sp"] = kinds["overlap"] = kinds["fp8"] = lambda v: v.lower() in ("1", "true", "yes", "on")
     items = [item for item in text.replace(" ", "").split(",") if item]
     if not items or any("=" not in item for item in items):
         raise ValueError(f"expected key=value pairs like dp=64,tp=8,pp=16, got {text!r}")
@@ -142,6 +144,8 @@ class Shape:
         else:
             self.p_first, self.p_last = first * self.p_layer + self.p_embed, last * self.p_layer + self.p_embed + d
         self.p_gpu = max(self.p_first, self.p_last)
+        gpu_layers = cfg.n_layer if lay.pp == 1 else first if self.p_first >= self.p_last else last
+        self.p_fp8 = gpu_layers * (self.p_layer - norms) if lay.fp8 else 0.0  # p_gpu's block matmul weights
 
     def stages(self):
         """(layers, params, has the embedding, has the head, pipeline sends per microbatch) of the ranks that

@@ -70,9 +70,11 @@ def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
     kept, ends = lay.pp > 1, s.p_embed * embed + (s.p_embed + d) * head
     blocks, once = gathers_per_step(M, kept), gathers_per_step(M, kept, backward=False)
     units, reduces = layers + embed + head, 1 if lay.accumulate == "unsharded" else M
-    parts = {"gather": (gather_reduce_bytes(params - ends, S, blocks, w_bytes, 0, reduces=0)
+    # fp8 (fp8.py): a block unit in 1 byte, and beside it its norm gains in bf16, (S-1)*2*v with v <= 2d
+    norms = gather_reduce_bytes(layers * S * 2 * d, S, blocks, 2, 0, reduces=0) if lay.fp8 else 0.0
+    parts = {"gather": (gather_reduce_bytes(params - ends, S, blocks, 1 if lay.fp8 else w_bytes, 0, reduces=0) + norms
                         + gather_reduce_bytes(ends, S, once, w_bytes, 0, reduces=0),
-                        (layers * blocks + (embed + head) * once) * (S - 1)),
+                        (layers * blocks * (1 + lay.fp8) + (embed + head) * once) * (S - 1)),
              "reduce": (gather_reduce_bytes(params, S, 0, 0, g_bytes, reduces=reduces), units * reduces * (S - 1))}
     if lay.dp_mode == "hsdp":
         R = lay.dp * lay.cp // S

@@ -44,11 +44,12 @@ def pow2(limit):
     return [1 << i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="reference"):
+def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="reference", fp8=False):
     """Every valid layout, pruned: tp, cp, micro and hsdp shard powers of two, hsdp shards no smaller than
     a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
     (ascending), each a list of one layout per checkpoint policy (CKPTS order). Under code="ours" fsdp and hsdp
-    come with both gradient accumulations (parallel/fsdp.py), the reference's reduces once per step."""
+    come with both gradient accumulations (parallel/fsdp.py), the reference's reduces once per step. fp8: train.py
+    --dtype fp8."""
     for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
         for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
             for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:
@@ -65,7 +66,7 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
                     for sched, V in scheds:
                         for cp_mode in ("ring", "ulysses", "allgather") if cp > 1 else ("ring",):
                             family = [[Layout(dp, tp, pp, cp, mode, shard, micro, c, sched, V, cp_mode,
-                                              accumulate=acc) for c in CKPTS]
+                                              accumulate=acc, fp8=fp8) for c in CKPTS]
                                       for micro in pow2(min(max_micro, batch // dp))]
                             family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch)]
                             if family:
@@ -78,11 +79,11 @@ def rank_key(p):
     return -round(p.mfu, 3), ("ddp", "hsdp", "fsdp").index(lay.dp_mode), lay.tp * lay.pp * lay.cp, lay.micro
 
 
-def plan(cfg, cl, seq, batch, top=10, code="reference"):
+def plan(cfg, cl, seq, batch, top=10, code="reference", fp8=False):
     """The `top` layouts that fit in memory, by predicted MFU, one per dp x tp x pp x cp mesh (its best
-    dp mode, micro-batch, checkpointing, schedule and cp mode), for the implementation `code`."""
+    dp mode, micro-batch, checkpointing, schedule and cp mode), for the implementation `code`, in fp8 or bf16."""
     best = {}
-    for family in candidates(cfg, cl, seq, batch, code=code):
+    for family in candidates(cfg, cl, seq, batch, code=code, fp8=fp8):
         for lays in family:
             # the lightest checkpointing that fits is the fastest; if none fits, larger micro-batches won't
             p = next((p for lay in lays if (p := evaluate(cfg, cl, lay, seq, batch, True, True, code))), None)

@@ -7,9 +7,11 @@ latency per ring step (g-1 for all-gather, reduce-scatter, all-to-all; 2*log2 g 
 NCCL's tree; 1 per send).
 
 Time per step. One token through one layer on one GPU:
-  6*N_layer/tp / (peak*MM_EFF * t/(t+MM_ROWS0)) + 12*d*T/tp / (peak*ATTN_EFF * K/(K+ATTN_KEYS0))
+  6*N_layer/tp / (peak*MM_EFF * t/(t+MM_ROWS0) * R) + 12*d*T/tp / (peak*ATTN_EFF * K/(K+ATTN_KEYS0))
   + ELEM_BYTES*(d+f)/tp / HBM,     K = T/cp for ring CP (its key blocks), else T;
-N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the norms). The head:
+N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the norms); R = FP8_RATE under fp8
+(the block matmuls at Hopper's dense fp8 peak, 2x bf16's; their casts assumed fused into the neighbouring
+elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16. The head:
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
@@ -51,6 +53,7 @@ BUS_EFF = 0.80       # NCCL bus bandwidth / link bandwidth (nccl-tests)
 LAT_INTRA, LAT_INTER = 1e-6, 5e-6  # seconds per ring step over NVLink, over the network
 TP_EXPOSED = 0.6     # 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
 OVERLAP_TAX = 0.25   # compute slowdown per second of hidden communication (NCCL uses ~16-32 of 132 SMs)
+FP8_RATE = 2.0       # dense fp8 over dense bf16 tensor-core peak, H100/H200 SXM: 1979 / 989 TFLOP/s
 
 
 # ---------------------------------------------------------------- links
@@ -92,15 +95,16 @@ def ours_tp(s, cl, flop):
     cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
     unit = seconds(cl, lay, "tp", seq_collective_bytes(t, d, tp, ACT_B), tp - 1)  # one (t, d) all-gather or RS
     n = activation_collectives(1, False, False, lay.sp, lay.ckpt != "none")  # per layer; an all-reduce is 2
-    head_units, mm = 2 + lay.sp, 6 * (s.p_layer - 2 * d) * (1 + (lay.ckpt == "full") / 3) * t * flop
+    block = flop / (FP8_RATE if lay.fp8 else 1.0)  # seconds per block-matmul FLOP
+    head_units, mm = 2 + lay.sp, 6 * (s.p_layer - 2 * d) * (1 + (lay.ckpt == "full") / 3) * t * block
     if not lay.overlap:
         layer, head = n * unit, head_units * unit
     elif lay.sp:  # rings: each hop under a 1/tp chunk of the matmul next to it
         hidden = (tp - 1) / tp
         layer, head = hide(n * unit, hidden * mm), hide(head_units * unit, hidden * 6 * s.p_embed * t * flop)
     else:  # forward (and recompute) all-reduces block, backward ones run under the weight-grad matmuls
-        qkv = 2 * d * (cfg.n_head * cfg.head_dim / tp + 2 * cfg.head_dim * s.kv_local) * t * flop
-        layer = (n - 4) * unit + hide(2 * unit, qkv) + hide(2 * unit, 2 * d * 2 * cfg.ffn_dim / tp * t * flop)
+        qkv = 2 * d * (cfg.n_head * cfg.head_dim / tp + 2 * cfg.head_dim * s.kv_local) * t * block
+        layer = (n - 4) * unit + hide(2 * unit, qkv) + hide(2 * unit, 2 * d * 2 * cfg.ffn_dim / tp * t * block)
         head = hide(2 * unit, 2 * s.p_embed * t * flop)
     loss = seconds(cl, lay, "tp", loss_bytes(t, tp), tp - 1)
     worst = 0.0
@@ -140,7 +144,7 @@ def shape_step_time(s, cl):
     peak, hbm = cl.peak_tflops * 1e12, cl.hbm_tbs * 1e12
     keys = s.seq / lay.cp if lay.cp_mode == "ring" else s.seq
     flop = 1 / (peak * MM_EFF * s.t / (s.t + MM_ROWS0))  # seconds per matmul FLOP over t rows
-    mm = 6 * (s.p_layer - 2 * d) * flop
+    mm = 6 * (s.p_layer - 2 * d) * flop / (FP8_RATE if lay.fp8 else 1.0)
     attn = 12 * d * s.seq / tp / (peak * ATTN_EFF * keys / (keys + ATTN_KEYS0))
     elem = ELEM_BYTES * (d + cfg.ffn_dim) / tp / hbm
     t_layer = mm + attn + elem  # seconds per token per layer on one GPU

@@ -10,6 +10,8 @@ L3  TFLOP/s of n x n x n matmuls at tile-aligned and unaligned n (8192 vs 8191/8
 L4  fp16 without loss scaling: the share of gradient elements that are nonzero in an fp32 run and
     underflow to exactly zero in fp16, as the per-token gradient shrinks (the loss is divided by k,
     as accumulating k micro-batches does), against the same with a loss scale of 2^16, and bf16.
+fp8 (--dtype fp8, fp8.py) is a column of L1 and a row of L2; `--only fp8` (and the full run) adds the bf16-vs-fp8
+    loss gap over a short run and, on a GPU, the 8192^3 matmul rate in fp8 (torch._scaled_mm) against bf16.
 """
 import argparse
 import statistics
@@ -18,13 +20,17 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fp8  # noqa: E402
 from bench import common  # noqa: E402
 from data.loader import TokenLoader  # noqa: E402
 
 LABELS = ["token ids (model input)", "q_proj input (residual stream after RMSNorm)",
-          "parameters (master weights)", "q_proj output (Linear activation)", "attention output (SDPA)",
+          "parameters (master weights)", "q_proj output (Linear activation)",
+          "block matmul operands, forward (x, W of layers.0 q_proj)",
+          "block matmul operands, backward (dY, x of layers.0's last)", "attention output (SDPA)",
           "logits (lm_head output)", "loss (cross-entropy, in fp32)", "matmul accumulation (measured)",
           "activation gradient (d q_proj output)", "parameter gradients", "gradient norm",
           "AdamW exp_avg", "AdamW exp_avg_sq", "loss scale (optim.LossScaler)"]
@@ -35,6 +41,33 @@ def batch(device, rows, seq_len, step=0):
     return loader.get(step)
 
 
+class Matmuls(TorchDispatchMode):
+    """The operand dtypes of every matmul that runs (mm, addmm, bmm, _scaled_mm), in order. Under fp8 the block
+    matmuls' are taken as fp8.scaled_mm receives them: on CPU it upcasts them to fp32 before its matmul."""
+
+    KINDS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "bmm", "_scaled_mm")}
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode, self.seen = mode, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.KINDS and self.mode != "fp8":
+            a, b = args[1:3] if func is torch.ops.aten.addmm.default else args[:2]
+            self.seen.append(f"{a.dtype} x {b.dtype}".replace("torch.", ""))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.scaled_mm = fp8.scaled_mm
+        fp8.scaled_mm = lambda a, b, *rest, **kw: (self.seen.append(f"{a.dtype} x {b.dtype}".replace("torch.", "")),
+                                                   self.scaled_mm(a, b, *rest, **kw))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        fp8.scaled_mm = self.scaled_mm
+        return super().__exit__(*exc)
+
+
 def dtypes_of(tensors):
     names = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
     return "/".join(names)
@@ -42,10 +75,10 @@ def dtypes_of(tensors):
 
 def sequential_sum(dtype, k):
     """1 + 1 + ... (k times) with a `dtype` accumulator: where a narrow accumulator stops counting."""
-    acc, one = torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)
+    acc = torch.zeros((), dtype=dtype)
     for _ in range(k):
-        acc += one
-    return int(acc.item())
+        acc = (acc.float() + 1).to(dtype)  # each sum rounded to dtype (float8 has no arithmetic of its own)
+    return int(acc.float().item())
 
 
 # ---------------------------------------------------------------- L1
@@ -63,21 +96,28 @@ def dtype_column(mode, device, x, y, shape, k=4096):
     hooks = [attn.q_proj.register_forward_hook(grab_q),
              attn.o_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("attn_out", i[0].dtype)),
              step.model.lm_head.register_forward_hook(lambda m, i, o: seen.__setitem__("logits", o.dtype))]
-    loss = step.forward_backward(x, y)
+    forward, backward = Matmuls(mode), Matmuls(mode)
+    with forward, common.autocast(mode, device):
+        loss = step.model(x, y)
+    with backward:
+        (loss * step.scaler.scale).backward()
     grads = [p.grad for p in step.model.parameters()]
     norm = step.update()
     for h in hooks:
         h.remove()
     state = list(step.opt.state.values())
-    a = torch.ones(1, k, dtype=common.DTYPES[mode], device=device)
-    b = torch.ones(k, 1, dtype=common.DTYPES[mode], device=device)
-    dot = int((a @ b).item())
+    narrow = fp8.E4M3 if mode == "fp8" else common.DTYPES[mode]  # fp8: the block matmuls' operands
+    a = torch.ones(1, k, dtype=narrow, device=device)
+    b = torch.ones(k, 1, dtype=narrow, device=device)
+    one = torch.ones((), device=device)
+    dot = int((fp8.scaled_mm(a, b, one, one, torch.float32) if mode == "fp8" else a @ b).item())
     if mode == "fp32":
         accum = f"fp32 (ones·ones over K={k} = {dot})"
     else:
         accum = (f"{'fp32' if dot == k else 'narrow'}: ones·ones over K={k} = {dot}; "
-                 f"a {mode} accumulator stops at {sequential_sum(common.DTYPES[mode], k)}")
-    column = [x.dtype, seen["linear_in"], dtypes_of(step.model.parameters()), seen["linear_out"], seen["attn_out"],
+                 f"a {str(narrow).replace('torch.', '')} accumulator stops at {sequential_sum(narrow, k)}")
+    column = [x.dtype, seen["linear_in"], dtypes_of(step.model.parameters()), seen["linear_out"], forward.seen[0],
+              backward.seen[-1], seen["attn_out"],
               seen["logits"], loss.dtype, accum, seen["act_grad"], dtypes_of(grads), norm.dtype,
               dtypes_of([s["exp_avg"] for s in state]), dtypes_of([s["exp_avg_sq"] for s in state]),
               f"{step.scaler.scale.item():g}"]
@@ -99,10 +139,17 @@ def dtype_table(device, rows, seq_len, out, shape):
              "torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction is True "
              f"(now {torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}/"
              f"{torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction}).",
+             "fp8: bf16 autocast, and the block matmuls (q, k, v, o, gate, up, down) take x and W in e4m3 and, in "
+             "backward, dY in e5m2, each with a power-of-two tensorwise scale (fp8.py); accumulation fp32, outputs "
+             "bf16. Embedding, attention, lm_head and loss as bf16. Block matmul operands: the first matmul of "
+             "forward (layers.0 q_proj) and the last of backward (a layers.0 weight gradient, dY with x); under fp8 "
+             "as handed to fp8.scaled_mm (on a GPU torch._scaled_mm; on CPU upcast exactly to fp32 first). With "
+             "--fp8-all-gather FSDP also all-gathers the block weights in e4m3 (and their norm gains in bf16).",
              ]
-    fp32_acc = all(columns[m][7].startswith("fp32") for m in common.DTYPES)
+    fp32_acc = all(columns[m][LABELS.index("matmul accumulation (measured)")].startswith("fp32") for m in columns)
     common.write_result(out, "L1_dtypes", "L1: dtypes in one training step, per precision mode",
-                        ["tensor", "fp32", "bf16 autocast", "fp16 autocast"], table, notes)
+                        ["tensor", "fp32", "bf16 autocast", "fp16 autocast", "fp8 (bf16 + fp8 block matmuls)"],
+                        table, notes)
     common.answer("L1", f"params, grads, AdamW state fp32 in every mode; Linear outputs "
                         f"{columns['bf16'][3]}/{columns['fp16'][3]} "
                         f"under bf16/fp16 autocast; matmul accumulation {'fp32' if fp32_acc else 'NARROW'}; "
@@ -129,8 +176,8 @@ def throughput_table(device, preset, rows, seq_len, steps, out, shape):
     table = []
     for mode in common.DTYPES:
         dt = statistics.median(times[mode])
-        table.append([mode if mode == "fp32" else f"{mode} autocast", f"{dt * 1e3:.1f}", f"{tokens / dt:.0f}",
-                      f"{tokens / dt / base:.2f}x"])
+        label = {"fp32": "fp32", "fp8": "fp8 (bf16 autocast, fp8 block matmuls)"}.get(mode, f"{mode} autocast")
+        table.append([label, f"{dt * 1e3:.1f}", f"{tokens / dt:.0f}", f"{tokens / dt / base:.2f}x"])
     cpu_only = device.type == "cpu"
     notes = [f"Model: {preset} preset, {rows} x {seq_len} tokens per step, full training step (forward, backward, "
              f"clip, AdamW), median of {steps} interleaved steps after one warm-up step each."]
@@ -144,6 +191,8 @@ def throughput_table(device, preset, rows, seq_len, steps, out, shape):
                      "at the same peak (989 TFLOP/s dense), 2x the TF32 rate and ~15x plain fp32.")
         notes.append("Shared 2-core machine: other processes were running; ratios are more reliable than "
                      "absolute tok/s.")
+        notes.append("fp8 on CPU upcasts its fp8 operands and multiplies in fp32 (torch._scaled_mm is a reference "
+                     "loop on CPU), and pays the casts: its CPU rate says nothing of a GPU's (`--only fp8` there).")
     common.write_result(out, "L2_autocast_throughput",
                         f"L2: training throughput by precision ({'CPU only' if cpu_only else device.type})",
                         ["precision", "step ms", "tokens/s", "vs fp32"], table, notes)
@@ -200,6 +249,45 @@ def matmul_table(device, sizes, dtypes, rounds, out):
                                       f"the rate of n={n}" for d in dtypes) + f" ({device.type})")
 
 
+# ---------------------------------------------------------------- fp8: loss gap, matmul rate
+
+def fp8_matmul_tflops(n, device):
+    """TFLOP/s of an n x n x n torch._scaled_mm, e4m3 x e4m3 -> bf16 (fast accumulation, as fp8.py's forward)."""
+    a = torch.randn(n, n, device=device).to(fp8.E4M3)
+    b = torch.randn(n, n, device=device).to(fp8.E4M3).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
+                                  use_fast_accum=True)
+    return 2 * n ** 3 / common.time_it(mm, device, min_s=0.3) / 1e12
+
+
+def fp8_table(device, preset, rows, seq_len, steps, n, out, shape):
+    loader = TokenLoader(common.pystdlib_folder(), "train", seq_len, rows, seed=1337, device=device, prefetch=False)
+    losses = {}
+    for mode in ("bf16", "fp8"):
+        run = common.TrainStep(mode, device, preset, **shape)
+        losses[mode] = [run(*loader.get(step)).item() for step in range(steps)]
+    last = min(10, steps)
+    tail = {m: statistics.mean(v[-last:]) for m, v in losses.items()}
+    step_gaps = [abs(f / b - 1) for f, b in zip(losses["fp8"], losses["bf16"])]
+    table = [[m, f"{v[0]:.4f}", f"{v[-1]:.4f}", f"{tail[m]:.4f}", f"{tail[m] / tail['bf16'] - 1:+.2%}"]
+             for m, v in losses.items()]
+    sized = f" with {', '.join(f'{k}={v}' for k, v in shape.items())}" if shape else ""
+    notes = [f"{preset} preset{sized}, {rows} x {seq_len} pystdlib tokens per step, {steps} steps of common.TrainStep "
+             f"(AdamW 3e-4, clip 1), the same initial weights and batches; mean of the last {last} steps. Largest "
+             f"per-step gap {max(step_gaps):.2%}."]
+    rate = ["8192^3 matmul", "-", "-", "-", "skipped: needs a CUDA GPU (torch._scaled_mm is a reference loop on CPU)"]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        bf16, f8 = common.matmul_tflops(n, torch.bfloat16, device, min_s=0.3), fp8_matmul_tflops(n, device)
+        rate = [f"{n}^3 matmul", f"bf16 {bf16:.0f} TFLOP/s", f"fp8 {f8:.0f} TFLOP/s", "-", f"fp8 {f8 / bf16:.2f}x bf16"]
+        notes.append("Matmul: a @ b in bf16 against torch._scaled_mm of e4m3 operands (b column-major) to bf16 with "
+                     "fast accumulation, unit scales; useful 2n^3 FLOPs. Hopper's dense peaks: 989 (bf16), 1979 (fp8).")
+    common.write_result(out, "fp8_vs_bf16", f"fp8 against bf16: loss over a short run, matmul rate ({device.type})",
+                        ["mode", "first loss", "last loss", f"mean of last {last}", "vs bf16"], table + [rate], notes)
+    print(f"fp8: mean loss of the last {last} steps {tail['fp8'] / tail['bf16'] - 1:+.2%} against bf16; "
+          f"{rate[-1]}", flush=True)
+
+
 # ---------------------------------------------------------------- L4
 
 def grads_of(model, mode, device, x, y, divide, scale):
@@ -249,7 +337,7 @@ def underflow_table(device, rows, seq_len, divisors, out, shape):
 
 def main(argv=None):
     p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    p.add_argument("--only", choices=["L1", "L2", "L3", "L4"], help="run one table")
+    p.add_argument("--only", choices=["L1", "L2", "L3", "L4", "fp8"], help="run one table")
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     p.add_argument("--sizes", help="L3 matrix sizes, comma-separated (default by device)")
     args = p.parse_args(argv)
@@ -257,18 +345,19 @@ def main(argv=None):
     gpu = device.type == "cuda"
     if args.quick:
         l1, l2, l3, l4 = (2, 32), ("tiny", 2, 32, 2), [256, 255, 264], (2, 32, [1, 4096])
+        f8 = ("tiny", 2, 32, 3, 256)
     elif gpu:
-        l1, l2 = (8, 256), ("small", 8, 1024, 10)
+        l1, l2, f8 = (8, 256), ("small", 8, 1024, 10), ("small", 8, 1024, 200, 8192)
         l3 = [1024, 2048, 4096, 4095, 4100, 8000, 8184, 8190, 8191, 8192, 8193, 8200, 8208, 8256, 16384]
         l4 = (8, 256, [1, 256, 4096, 65536])
     else:
-        l1, l2 = (4, 128), ("tiny", 4, 256, 6)
+        l1, l2, f8 = (4, 128), ("tiny", 4, 256, 6), ("tiny", 4, 32, 200, 8192)
         l3 = [512, 1000, 1023, 1024, 1025, 1536, 2047, 2048, 2049, 2056, 2064]
         l4 = (4, 128, [1, 256, 4096, 65536])
     if args.sizes:
         l3 = [int(s) for s in args.sizes.split(",")]
     l3_dtypes = ["bf16"] if gpu else ["fp32", "bf16"]
-    todo = [args.only] if args.only else ["L1", "L2", "L3", "L4"]
+    todo = [args.only] if args.only else ["L1", "L2", "L3", "L4", "fp8"]
     shape = common.QUICK_MODEL if args.quick else {}
     torch.manual_seed(0)
     if "L1" in todo:
@@ -279,6 +368,9 @@ def main(argv=None):
         matmul_table(device, l3, l3_dtypes, 1 if args.quick else 3, args.out)
     if "L4" in todo:
         underflow_table(device, *l4, args.out, shape)
+    if "fp8" in todo:  # on CPU fp8 pays its casts op by op: a 2-layer tiny model keeps the run about a minute
+        fp8_table(device, *f8, args.out, shape or ({} if gpu else dict(common.QUICK_MODEL, n_layer=2, d_model=64,
+                                                                             n_head=4, n_kv_head=2, ffn_dim=128)))
 
 
 if __name__ == "__main__":

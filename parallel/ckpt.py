@@ -25,8 +25,9 @@ from parallel.mesh import LayoutError
 POLICIES = "none, full, every:K, segment:C, sqrt or selective"
 _aten = torch.ops.aten
 _SAVED_BY_SELECTIVE = {getattr(_aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(_aten, name)}
 
 

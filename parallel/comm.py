@@ -118,6 +118,14 @@ class Group:
         return self._started(work, index, async_op, after=lambda: t.div_(self.size))
 
     @torch.compiler.disable
+    def max_all_reduce(self, t):
+        """Max in place, blocking (fp8.py's amaxes: a few floats), counted as its own kind, all_reduce_max."""
+        if self.size == 1:
+            return None
+        index = self._count("all_reduce_max", 2 * (self.size - 1) / self.size * nbytes(t))
+        return self._started(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg), index, async_op=False)
+
+    @torch.compiler.disable
     def all_gather(self, out, inp, async_op=False):
         """out: (size * n, ...) receives every rank's inp (n, ...) in rank order."""
         if self.size == 1:

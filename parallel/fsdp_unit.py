@@ -37,6 +37,7 @@ class Unit:
         self.params = [nn.Parameter(self.local[a:b].view(1, -1) if a == 0 and k > 0 else self.local[a:b])
                        for a, b in self.ranges]
         self.full, self.pending = None, None  # the gathered (padded,) buffer in use; (it, handle, send) in flight
+        self.gather = None  # (unit) -> `pending`: an all-gather of its own (fp8.py's in e4m3); None: compute dtype
         self.grad = None  # (shard_numel,) fp32: the gradient shard summed over the group and the step's backwards
         self.fresh = True  # nothing summed into grad yet this step: the first reduce-scatter overwrites it
         self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
@@ -62,6 +63,9 @@ class Unit:
         """Launches the all-gather of the shards in the compute dtype; does not wait. False if already there."""
         if self.full is not None or self.pending is not None:
             return False
+        if self.gather is not None:
+            self.pending = self.gather(self)
+            return True
         send = self.local.to(self.compute_dtype)  # bf16 halves the traffic
         full = torch.empty(self.padded, dtype=self.compute_dtype, device=self.local.device)
         self.pending = (full, self.group.all_gather(full, send, async_op=True), send)

@@ -73,6 +73,20 @@ class ScatterSequence(Function):
         return all_gather_seq(ctx.group, grad), None
 
 
+class EnterTP(Function):
+    """Megatron's f on its own, for matmuls that are autograd ops of their own (fp8.py): identity forward (--sp: gather
+    the sequence), the input gradient summed over tp in backward (--sp: reduce-scattered)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel):
+        ctx.group, ctx.sp = group, sequence_parallel
+        return all_gather_seq(group, x) if sequence_parallel else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(ctx.group, grad) if ctx.sp else all_reduce(ctx.group, grad), None, None
+
+
 def leave_tp(x, group, sequence_parallel):
     """Partial sums over tp -> the replicated (or sequence-sharded) residual stream."""
     return ScatterSequence.apply(x, group) if sequence_parallel else ReduceFromTP.apply(x, group)
@@ -187,14 +201,15 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features, out_features, ring, sequence_parallel, overlap=True):
         super().__init__(in_features // ring.size, out_features, bias=False, device="meta")
         self.ring, self.sequence_parallel, self.overlap = ring, sequence_parallel, overlap
+        self.linear = None  # fp8.py's matmul (then no ring); None: F.linear
         shard(self.weight, 1, ring.group)
 
-    def forward(self, x):  # x: (B, T, in/t)
-        if self.sequence_parallel and self.overlap:
+    def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
+        if self.sequence_parallel and self.overlap and self.linear is None:
             saved = []
             x = SaveForRing.apply(x, self.weight, saved)
-            return RowParallelRing.apply(x, self.weight, self.ring, saved[0])  # (B, T/t, d)
-        return leave_tp(F.linear(x, self.weight), self.ring.group, self.sequence_parallel)  # (B, T[/t], d)
+            return RowParallelRing.apply(x, self.weight, self.ring, saved[0])
+        return leave_tp((self.linear or F.linear)(x, self.weight), self.ring.group, self.sequence_parallel)
 
 
 class NormThenEnter(RMSNorm):
@@ -207,9 +222,13 @@ class NormThenEnter(RMSNorm):
         self.weight = nn.Parameter(torch.empty_like(norm.weight, device="meta"))
         self.ring, self.sequence_parallel, self.readers, self.overlap = ring, sequence_parallel, readers, overlap
         self.weight.tp_partial_grad = sequence_parallel
+        self.linear = None  # fp8.py's matmul, one autograd op per reader after f (EnterTP); None: ColumnParallel
 
     def forward(self, x):
-        return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap)
+        if self.linear is None:
+            return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap)
+        full = EnterTP.apply(super().forward(x), self.ring.group, self.sequence_parallel)  # (B, T, d)
+        return ColumnInput(full.shape, [self.linear(full, m.weight) for m in self.readers])
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -26,19 +26,26 @@ def test_result_file_has_command_date_hardware(tmp_path):
 
 def test_precision_tables(tmp_path, capsys):
     precision.main(["--quick", "--out", str(tmp_path)])
-    dtypes = {row[0]: row[1:] for row in table_rows(tmp_path / "L1_dtypes.md")}
-    assert dtypes["parameters (master weights)"] == ["float32"] * 3
-    assert dtypes["q_proj output (Linear activation)"] == ["float32", "bfloat16", "float16"]
-    assert dtypes["AdamW exp_avg"] == ["float32"] * 3 and dtypes["parameter gradients"] == ["float32"] * 3
-    assert dtypes["loss scale (optim.LossScaler)"] == ["1", "1", "65536"]
+    dtypes = {row[0]: row[1:] for row in table_rows(tmp_path / "L1_dtypes.md")}  # fp32, bf16, fp16, fp8
+    assert dtypes["parameters (master weights)"] == ["float32"] * 4
+    assert dtypes["q_proj output (Linear activation)"] == ["float32", "bfloat16", "float16", "bfloat16"]
+    assert dtypes["block matmul operands, forward (x, W of layers.0 q_proj)"] == [
+        "float32 x float32", "bfloat16 x bfloat16", "float16 x float16", "float8_e4m3fn x float8_e4m3fn"]
+    assert dtypes["block matmul operands, backward (dY, x of layers.0's last)"][1:] == [
+        "bfloat16 x bfloat16", "float16 x float16", "float8_e5m2 x float8_e4m3fn"]
+    assert dtypes["AdamW exp_avg"] == ["float32"] * 4 and dtypes["parameter gradients"] == ["float32"] * 4
+    assert dtypes["loss scale (optim.LossScaler)"] == ["1", "1", "65536", "1"]
     assert all(cell.startswith("fp32") for cell in dtypes["matmul accumulation (measured)"])
-    assert len(table_rows(tmp_path / "L2_autocast_throughput.md")) == 3
+    assert len(table_rows(tmp_path / "L2_autocast_throughput.md")) == 4
+    fp8_rows = table_rows(tmp_path / "fp8_vs_bf16.md")
+    assert [r[0] for r in fp8_rows[:2]] == ["bf16", "fp8"] and fp8_rows[2][-1].startswith("skipped: needs a CUDA")
     assert len(table_rows(tmp_path / "L3_matmul_alignment.md")) == 2 * 3  # fp32, bf16 x 255, 256, 264
     zeroed = {(r[0], r[2], r[3]): float(r[4].rstrip("%")) for r in table_rows(tmp_path / "L4_fp16_underflow.md")}
     assert zeroed[("4096", "fp16", "1")] > 1.0  # underflow without scaling...
     assert zeroed[("4096", "fp16", "65536")] < 0.1 and zeroed[("4096", "bf16", "1")] < 0.1  # ...fixed
     answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ANSWER ")]
     assert [a.split(":")[0] for a in answers] == ["ANSWER L1", "ANSWER L2", "ANSWER L3", "ANSWER L4"]
+    assert "matmul accumulation fp32" in answers[0]
 
 
 def test_loader_stall_table(tmp_path):

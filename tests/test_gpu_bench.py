@@ -1,11 +1,11 @@
-"""bench/gpu.py --smoke on CPU: every part runs and writes its section of gpu.md with plausible numbers, so the
-one-command GPU benchmark cannot rot between the rare runs on a GPU machine."""
+"""bench/gpu.py --smoke on CPU: every part (fp8's included) runs and writes its section of gpu.md with plausible
+numbers, so the one-command GPU benchmark cannot rot between the rare runs on a GPU machine."""
 import pytest
 
 from bench import common, gpu
 
 SECTIONS = ["1. Our training step", "2. Hugging Face LlamaForCausalLM", "3. Attention kernels that actually ran",
-            "4. Ring attention vs SDPA"]
+            "4. Ring attention vs SDPA", "5. FP8 block matmuls"]
 
 
 def tables(text):
@@ -25,17 +25,23 @@ def section(found, prefix):
     return rows
 
 
+TRAIN_CALLS = []  # the argv of each train.main the smoke run makes
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
-    assert gpu.main(["--smoke", "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        main = gpu.train.main
+        patch.setattr(gpu.train, "main", lambda argv: (TRAIN_CALLS.append(argv), main(argv))[1])
+        assert gpu.main(["--smoke", "--out", str(out)]) == 0
     return (out / "gpu.md").read_text()
 
 
 def test_every_section_with_its_command_and_header(smoke):
     found = tables(smoke)
     assert [next(t for t in found if t.startswith(s)) for s in SECTIONS] == sorted(found)
-    assert smoke.count("Command: `python bench/gpu.py --smoke`") == 4
+    assert smoke.count("Command: `python bench/gpu.py --smoke`") == 5
     assert "Date: 20" in smoke and "Device: CPU" in smoke and "torch: " in smoke
     assert all(found[t] for t in found), "a section without table rows"
 
@@ -45,6 +51,14 @@ def test_our_training_step_row(smoke):
     assert (row["model"], row["compile"], row["seq"], row["status"]) == ("tiny", "eager", "64", "ok")
     assert float(row["tokens/s"]) > 0 and 0 < float(row["MFU %"]) <= 100
     assert float(row["peak alloc GB"]) > 0  # the process's peak RSS on CPU
+
+
+def test_fp8_row_runs_the_same_step_in_fp8(smoke):
+    (row,) = section(tables(smoke), "5.")
+    assert (row["model"], row["compile"], row["seq"], row["status"]) == ("tiny", "eager", "64", "ok")
+    (ours,) = section(tables(smoke), "1.")
+    assert float(row["fp8 tokens/s"]) > 0 and row["fp32 tokens/s"] == ours["tokens/s"] and float(row["fp8 / fp32"]) > 0
+    assert [argv[argv.index("--dtype") + 1] for argv in TRAIN_CALLS] == ["fp32", "fp8"]
 
 
 def test_hugging_face_row(smoke):

@@ -102,7 +102,7 @@ BAD_INPUTS = {
     "batch not divisible": (["--global-batch", "10", "--micro-batch", "4"], "--global-batch"),
     "missing data folder": (["--data", "/no/such/folder"], "/no/such/folder"),
     "corrupt shard": (["--data", "CORRUPT"], "pystdlib_train_000000.bin"),
-    "unknown dtype": (["--dtype", "fp8"], "--dtype"),
+    "unknown dtype": (["--dtype", "fp4"], "--dtype"),
     "negative steps": (["--steps", "-3"], "--steps"),
     "dp 3 in a world of 1": (["--dp", "3"], "--dp"),
     "d_model not divisible by heads": (["--d-model", "100", "--n-head", "8"], "--d-model"),
