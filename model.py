@@ -7,7 +7,8 @@ Parallel files plug in without subclassing:
 - `pp` deletes the parts a stage does not own (embed_tokens/norm/lm_head may be None, layers is a
   ModuleDict keyed by the global layer index, so names never change);
 - `tp` swaps Linear/Embedding modules for sharded ones and `loss_fn` for a vocab-parallel loss;
-- `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`.
+- `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`;
+- the zero-bubble pipeline (`pp_bw_split`) swaps each Linear's forward and each norm's `scale`.
 Attention reads its head count from the tensor, so a head-sharded q_proj just works.
 """
 import hashlib
@@ -80,10 +81,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.scale = torch.mul  # (weight, normalized) -> their product; pp's zero-bubble split swaps it
 
     def forward(self, x):
         """Normalized in fp32 (one fused op), scaled in the input's dtype, as the Hugging Face Llama does."""
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.scale(self.weight, F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype))
 
 
 def compute_dtype(x):

@@ -84,11 +84,12 @@ class ColumnParallel(Function):
     the weight gradients (Megatron's f fused with the matmuls). x: the replicated (B, T, d), or under --sp this
     rank's block (B, T/t, d): the sequence is gathered in forward, gathered again in backward for the weight
     gradients (only the block is saved) and the input gradient reduce-scattered. overlap: --sp rings them
-    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each."""
+    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each. deferred: the
+    zero-bubble split's (WeightGrads, weights read), which queues the weight gradients and the gather of x for W."""
 
     @staticmethod
-    def forward(ctx, x, ring, sequence_parallel, overlap, *weights):
-        ctx.ring, ctx.sp, ctx.overlap = ring, sequence_parallel, overlap
+    def forward(ctx, x, ring, sequence_parallel, overlap, deferred, *weights):
+        ctx.ring, ctx.sp, ctx.overlap, ctx.deferred = ring, sequence_parallel, overlap, deferred
         ctx.save_for_backward(x, *weights)
         if sequence_parallel and overlap:
             return tuple(tp_overlap.gather_then_multiply(ring, x, weights))
@@ -98,7 +99,15 @@ class ColumnParallel(Function):
     @staticmethod
     def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
         x, *weights = ctx.saved_tensors
-        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None)
+        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None, None)
+        if ctx.deferred is not None:
+            grad_x = tp_overlap.input_grad(grads, [w.to(dtype) for w in weights], slice(None), x.dtype)  # (B, T, d)
+            grad_x = reduce_scatter_seq(group, grad_x) if ctx.sp else all_reduce(group, grad_x)
+            def weight_grads():  # in W: dW_j = dy_jᵀ · x_full (out_j/t, d)
+                full = (all_gather_seq(group, x) if ctx.sp else x).flatten(0, 1).to(dtype)
+                return [g.flatten(0, 1).t() @ full for g in grads]
+            ctx.deferred[0].defer(ctx.deferred[1], weight_grads)
+            return grad_x, *flags, *[None] * len(weights)
         if ctx.sp and ctx.overlap:
             grad_x, weight_grads = tp_overlap.scatter_input_grads(ctx.ring, x, grads, weights)
             return grad_x, *flags, *weight_grads
@@ -153,9 +162,13 @@ class ColumnInput:
         self.shape, self.outputs = shape, outputs
 
 
-def enter_tp(x, ring, sequence_parallel, readers, overlap=True):
-    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`."""
-    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, *(m.weight for m in readers))
+def enter_tp(x, ring, sequence_parallel, readers, overlap=True, weight_grads=None):
+    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`.
+    weight_grads (pp_bw_split.WeightGrads): their weight gradients are deferred; no autograd edge to the weights."""
+    weights, deferred = [m.weight for m in readers], None
+    if weight_grads is not None and torch.is_grad_enabled():
+        weights, deferred = [w.detach() for w in weights], (weight_grads, weights)
+    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, deferred, *weights)
     B, T, d = x.shape
     return ColumnInput((B, T * ring.size if sequence_parallel else T, d), outputs)
 
@@ -182,7 +195,8 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """z = Σ_i y_i · B_iᵀ: multiplies this rank's input features, then sums over tp (all-reduce, or
-    reduce-scatter along the sequence under --sp)."""
+    reduce-scatter along the sequence under --sp). weight_grads: the zero-bubble split's, which defers dW (no ring)."""
+    weight_grads = None
 
     def __init__(self, in_features, out_features, ring, sequence_parallel, overlap=True):
         super().__init__(in_features // ring.size, out_features, bias=False, device="meta")
@@ -190,6 +204,8 @@ class RowParallelLinear(nn.Linear):
         shard(self.weight, 1, ring.group)
 
     def forward(self, x):  # x: (B, T, in/t)
+        if self.weight_grads is not None:
+            return leave_tp(self.weight_grads.linear(x, self.weight), self.ring.group, self.sequence_parallel)
         if self.sequence_parallel and self.overlap:
             saved = []
             x = SaveForRing.apply(x, self.weight, saved)
@@ -201,6 +217,7 @@ class NormThenEnter(RMSNorm):
     """The RMSNorm in front of a column-parallel block, then the block's matmuls (enter_tp) for the linears that
     read it, `readers` (not submodules; in slot order). Same `weight` name. Under --sp it sees only this rank's
     tokens, so its weight grad is a partial sum over tp."""
+    weight_grads = None  # the zero-bubble split's (pp_bw_split.py): the readers' weight gradients deferred
 
     def __init__(self, norm, ring, sequence_parallel, readers, overlap=True):
         super().__init__(norm.weight.shape[0], norm.eps)
@@ -209,7 +226,8 @@ class NormThenEnter(RMSNorm):
         self.weight.tp_partial_grad = sequence_parallel
 
     def forward(self, x):
-        return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap)
+        return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap,
+                        self.weight_grads)
 
 
 class VocabParallelEmbedding(nn.Embedding):
