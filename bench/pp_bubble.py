@@ -77,7 +77,8 @@ def _measure(rank, world, cfg_fields, schedules, micro_counts, steps, min_micro_
             times = {op: [e - s for a, s, e in record.events if a.op == op] for op in S.COMPUTE}
             out[(schedule, n_micro)] = dict(
                 util=statistics.median(r[2] for r in rows), wall=statistics.median(r[1] for r in rows),
-                sets=record.max_in_flight / V, **{op: V * statistics.median(t) if t else 0.0 for op, t in times.items()})
+                sets=record.max_in_flight / V, **{op: V * statistics.median(t) if t else 0.0
+                                                  for op, t in times.items()})
     return out
 
 
