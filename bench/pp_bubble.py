@@ -12,7 +12,8 @@ stage the seconds inside forward, backward and (zb1, zbv) weight-gradient action
 (idle: the bubble, and waiting on a neighbour); with timed=True the stages start and end each step together, so
 idle includes the fill before and the drain after a stage's work. Measured utilization = busy / (busy + idle), the
 median over steps, then averaged over stages. Theory (pp_schedule.theoretical_utilization) takes F = B = W; here B
-(attention's backward is all input gradient) costs more than W: the table gives the measured F, B, W times.
+(attention's backward is all input gradient) costs more than W: the table gives the measured F, B, W times, and the
+column "cost model" simulates each schedule with them (pp_schedule.simulate, one device per stage).
 
 Activation sets: the most micro-batches alive at once on a stage (forwarded, their backward, or under zb1 / zbv
 their W, not yet run), counted in stage-sized sets (a chunk's set is 1/V of one).
@@ -82,6 +83,15 @@ def _measure(rank, world, cfg_fields, schedules, micro_counts, steps, min_micro_
     return out
 
 
+def cost_model(schedule, P, M, f, b, w):
+    """Mean stage utilization of the schedule simulated with forward f, input gradient b and weight gradient w (the
+    schedules that do not split the backward run b + w as one)."""
+    V = chunks_per_rank(schedule)
+    timeline = S.simulate(S.SCHEDULES[schedule](P, M, V), P, V, schedule in S.VSHAPED, f, b, w)
+    end = max(e for row in timeline for _, e, _ in row)
+    return sum(e - s for row in timeline for s, e, _ in row) / P / end
+
+
 def processor_sharing(schedule, P, M, cores, dt=0.002):
     """Mean stage utilization when the stages' computes share `cores` CPUs evenly (fluid simulation), with a stage's
     F = B = W = 1 (a full backward 2), a chunk's 1/V of that."""
@@ -113,7 +123,7 @@ def main(argv=None):
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, of " + " ".join(SCHEDULES))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", default="8,16", help="comma-separated M values")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per M (after one warmup step)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per M (after one warmup step)")
     args = p.parse_args(argv)
     P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
@@ -128,13 +138,15 @@ def main(argv=None):
             util[(s, m)] = measured = statistics.mean(g["util"] for g in got)
             theory = S.theoretical_utilization(P, m, chunks_per_rank(s), s)
             shared = processor_sharing(s, P, m, cores) if cores < P else theory
+            costs = cost_model(s, P, m, got[0]["F"], got[0]["B"], got[0]["W"])
             worst = max(worst, abs(measured / theory - 1))
             rows.append([m, s, f"{theory:.3f}", f"{measured:.3f}", f"{min(g['util'] for g in got):.3f}-"
-                         f"{max(g['util'] for g in got):.3f}", f"{measured / theory - 1:+.1%}", f"{shared:.3f}",
-                         " ".join(f"{g['sets']:g}" for g in got), "/".join(f"{got[0][op] * 1e3:.0f}" for op in "FBW"),
+                         f"{max(g['util'] for g in got):.3f}", f"{measured / theory - 1:+.1%}", f"{costs:.3f}",
+                         f"{shared:.3f}", " ".join(f"{g['sets']:g}" for g in got),
+                         "/".join(f"{got[0][op] * 1e3:.0f}" for op in "FBW"),
                          f"{statistics.mean(g['wall'] for g in got):.2f}"])
     header = ["M", "schedule", "theory", "measured (mean of stages)", "stage range", "measured vs theory",
-              f"{cores}-core model", "activation sets, stages 0..P-1", "stage-0 F/B/W ms", "step s"]
+              "cost model", f"{cores}-core model", "activation sets, stages 0..P-1", "stage-0 F/B/W ms", "step s"]
     sets = {s: max(r[(s, m)]["sets"] for r in per_rank for m in micro_counts) for s in schedules}
     m0 = 8 if 8 in micro_counts else micro_counts[0]
     verdicts = [f"largest deviation from theory: {worst:.1%} (acceptance: within 15% for each schedule)"]
