@@ -6,7 +6,8 @@ Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a l
           under zbv stages r and 2P-1-r (a V: rank P-1 hands stage P-1's output to stage P in memory).
 Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d
           elements each (b·T/tp·d under sequence parallel), point to point to the neighbouring rank:
-          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline. Shapes come from the config, not the wire.
+          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline (zbv: 2·M·(2P-2)·..., rank P-1's boundary
+          stays in memory). Shapes come from the config, not the wire.
 Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
           receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
 Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at

@@ -95,7 +95,7 @@ def test_pp_bubble_measures_each_schedule_side_by_side(tmp_path):
     pp_bubble.main(["--quick", "--micro-batches", "4", "--schedules", "1f1b,zb1,zbv", "--out", str(tmp_path)])
     rows = table_rows(tmp_path / "L26_pp_bubble.md")
     assert [(r[0], r[1], r[2]) for r in rows] == [("4", "1f1b", "0.571"), ("4", "zb1", "0.800"), ("4", "zbv", "0.828")]
-    assert rows[0][8] == "4 3 2 1" and rows[1][8] == "4 4 4 4"  # activation sets alive per stage
+    assert rows[0][9] == "4 3 2 1" and rows[1][9] == "4 4 4 4"  # activation sets alive per stage
 
 
 def test_default_layouts_cover_every_axis():
