@@ -170,6 +170,8 @@ def check_args(args):
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
+    if args.dtype == "fp8" and args.pp > 1 and args.pp_schedule in ("zb1", "zbv"):
+        raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; not with --dtype fp8")
     if args.dtype == "fp8" and fp8.missing():
         raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
 

@@ -7,7 +7,8 @@ Parallel files plug in without subclassing:
 - `pp` deletes the parts a stage does not own (embed_tokens/norm/lm_head may be None, layers is a
   ModuleDict keyed by the global layer index, so names never change);
 - `tp` swaps Linear/Embedding modules for sharded ones and `loss_fn` for a vocab-parallel loss;
-- `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`.
+- `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`;
+- the zero-bubble pipeline (`pp_bw_split`) swaps each Linear's forward and each norm's `scale`.
 Attention reads its head count from the tensor, so a head-sharded q_proj just works.
 """
 import hashlib
@@ -101,9 +102,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.scale = None  # (weight, x̂) -> weight · x̂ with the gain's gradient deferred: pp's zero-bubble split
 
     def forward(self, x):
-        return ScaledRMSNorm.apply(x, self.weight, self.eps)
+        if self.scale is None:  # one Function that recomputes x̂ in backward
+            return ScaledRMSNorm.apply(x, self.weight, self.eps)
+        return self.scale(self.weight, F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype))
 
 
 class SwiGLU(torch.autograd.Function):

@@ -3,9 +3,10 @@
     python train.py --model tiny --steps 200                      # one process, CPU or GPU
     torchrun --nproc_per_node 8 train.py --model small --tp 2 --dp-mode fsdp
 
-Flags -> mesh -> model on the meta device -> pp.split -> tp -> cp -> activation checkpointing -> data-parallel
-wrap (which materializes this rank's weights) -> loop. The global batch at each step is a function of (seed, step)
-only, and the loss is the mean over all its tokens, so every layout trains the same model as one process.
+Flags -> mesh -> model on the meta device -> pp.split -> tp -> cp -> activation checkpointing -> (zb1/zbv) the
+backward split -> data-parallel wrap (which materializes this rank's weights) -> loop. The global batch at each
+step is a function of (seed, step) only, and the loss is the mean over all its tokens, so every layout trains the
+same model as one process.
 """
 import json
 import math
@@ -80,6 +81,8 @@ def build(cfg, mesh, args, n_micro, device):
         if args.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
             fp8.apply(chunk, [mesh.tp_group, mesh.cp_group])
         ckpt.apply(chunk, args.ckpt)
+        if mesh.pp > 1:
+            pp.split_backward(chunk)  # zb1, zbv: weight gradients deferred to the schedule's W actions
         if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
                 block.forward = torch.compile(block.forward)
@@ -148,16 +151,17 @@ def evaluate(run, loader, n_batches):
 
 
 def replica_mean(local_loss, mesh):
-    """The global mean loss (or losses) from each rank's local mean, on the device: the sum over the last pipeline
-    stage's tp-rank-0 ranks, in rank order, divided by dp x cp. Gathered and summed here rather than all-reduced, so
-    the result does not depend on how many losses are reduced at once. Scalars: not counted as traffic."""
+    """The global mean loss (or losses) from each rank's local mean, on the device: the sum over the tp-rank-0 ranks,
+    in rank order, divided by dp x cp; only the last pipeline stage's are not exact zeros (it sits on pp rank P-1, or
+    0 under zbv). Gathered and summed here rather than all-reduced, so the result does not depend on how many losses
+    are reduced at once. Scalars: not counted as traffic."""
     if mesh.world == 1:
         return local_loss
     flat = local_loss.reshape(-1).contiguous()
     gathered = flat.new_empty(mesh.world * flat.numel())
     ALL_GATHER(gathered, flat, group=mesh.world_group.pg)
     gathered = gathered.view(mesh.world, -1)  # (world, n): row r is rank r's losses
-    owners = [r for r in range(mesh.world) if mesh.coords(r)["pp"] == mesh.pp - 1 and mesh.coords(r)["tp"] == 0]
+    owners = [r for r in range(mesh.world) if mesh.coords(r)["tp"] == 0]
     total = gathered[owners[0]]
     for r in owners[1:]:
         total = total + gathered[r]

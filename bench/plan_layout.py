@@ -9,7 +9,9 @@ R = g/S replicas, kv_local = kv/tp (1 when tp > kv: replicated).
 Stages hold L/P layers; the first and last take one fewer when P does not divide L (Llama 3), the first adds
 the embedding, the last the head and the final norm; all / tp. A layer on one GPU holds model.layer_param_count's
 parameters with every matmul / tp, except the kv heads (kv_local per rank) and the two norms (whole on every rank).
-Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a layer's slot, Llama 3).
+Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a layer's slot, Llama 3). zbv runs V = 2
+chunks per rank in a V, which puts the embedding and the head both on rank 0; the sizes here keep them on the first
+and last rank (an approximation for zbv).
 """
 from dataclasses import dataclass, fields
 
@@ -19,6 +21,7 @@ W_B, G_B, MASTER_B, ADAM_B, ACT_B = 2, 4, 4, 8, 2  # bytes: bf16 weights, fp32 g
 BUCKET_MB = 25       # DDP bucket (PyTorch's default)
 GB = 1e9
 CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (bench/plan.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")  # parallel/pp_schedule.py
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,8 @@ class Layout:
     shard: int = 0          # hsdp shard-group size
     micro: int = 1          # sequences per microbatch
     ckpt: str = "none"      # none | selective | full
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-    V: int = 1              # virtual stages per rank (interleaved)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1 | zbv
+    V: int = 1              # virtual stages per rank (interleaved; zbv: 2)
     cp_mode: str = "ring"   # ring | ulysses | allgather
     sp: bool = True         # sequence parallel with tp (train.py --sp)
     overlap: bool = True    # collectives overlap compute (train.py --no-overlap: overlap=0, every one blocks)
@@ -63,8 +66,8 @@ class Layout:
 
 
 def parse_layout(text):
-    """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, and V > 1
-    implies schedule=interleaved. Booleans (sp, overlap, fp8): 0 or 1."""
+    """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, V > 1
+    implies schedule=interleaved and schedule=zbv V=2. Booleans (sp, overlap, fp8): 0 or 1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
     kinds["sp"] = kinds["overlap"] = kinds["fp8"] = lambda v: v.lower() in ("1", "true", "yes", "on")
     items = [item for item in text.replace(" ", "").split(",") if item]
@@ -75,6 +78,8 @@ def parse_layout(text):
         raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")
     if int(kv.get("V", 1)) > 1:
         kv.setdefault("schedule", "interleaved")
+    if kv.get("schedule") == "zbv":
+        kv.setdefault("V", "2")
     return Layout(**{k: kinds[k](v) for k, v in kv.items()})
 
 
@@ -95,11 +100,13 @@ def invalid(cfg, cl, lay, seq, batch):
         (batch % (lay.dp * lay.micro), f"the global batch ({batch}) is not divisible by dp*micro"),
         (lay.pp * lay.V > cfg.n_layer + 2 * (lay.pp > 1), "more pipeline chunks than layers (+ embedding, head)"),
         (lay.pp > 1 and batch // (lay.dp * lay.micro) < lay.pp, "fewer microbatches than pipeline stages"),
-        ((lay.schedule == "interleaved") != (lay.V > 1 and lay.pp > 1), "V > 1 iff interleaved with pp > 1"),
+        ((lay.schedule in ("interleaved", "zbv")) != (lay.V > 1 and lay.pp > 1),
+         "V > 1 iff interleaved or zbv, with pp > 1"),
+        (lay.schedule == "zbv" and lay.V != 2, "zbv runs V = 2 chunks per rank"),
         (lay.dp_mode == "hsdp" and not (1 < lay.shard < g and g % lay.shard == 0), "hsdp: shard in (1, dp*cp)"),
         (lay.dp_mode not in ("ddp", "fsdp", "hsdp"), "dp_mode: ddp | fsdp | hsdp"),
         (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
-        (lay.schedule not in ("gpipe", "1f1b", "interleaved"), "schedule: gpipe | 1f1b | interleaved"),
+        (lay.schedule not in SCHEDULES, "schedule: " + " | ".join(SCHEDULES)),
         (lay.cp_mode not in ("ring", "ulysses", "allgather"), "cp_mode: ring | ulysses | allgather"),
         (lay.accumulate not in ("sharded", "unsharded"), "accumulate: sharded | unsharded"),
         (lay.accumulate != "sharded" and lay.dp_mode == "ddp", "accumulate=unsharded needs dp_mode fsdp or hsdp"),
@@ -107,6 +114,16 @@ def invalid(cfg, cl, lay, seq, batch):
         if bad:
             return why
     return None
+
+
+def in_flight(schedule, M, P, V):
+    """Activation sets (a stage's worth each) alive at once on (the first, the last) pipeline stage: gpipe M on both;
+    1f1b min(M, P) and 1; interleaved min(M, P + (P-1)/V) and 1; zb1 min(M, P) on both (a set lives until its W);
+    zbv at most 2P chunk sets of half a stage, min(M, P), on both."""
+    if schedule in ("zb1", "zbv"):
+        return min(M, P), min(M, P)
+    return {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / V)}[schedule], (
+        M if schedule == "gpipe" else 1)
 
 
 def stage_layers(n_layer, pp):

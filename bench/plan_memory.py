@@ -11,10 +11,11 @@ Korthikanti et al.'s 34*s*b*h): none (12d + 6f)/tp + 4*hd*kv_local [x, norm, q, 
 silu*up; k, v]; selective recomputes both norms and silu*up: (8d + 4f)/tp + 4*hd*kv_local; full keeps
 2d/tp plus one layer's "none" set (sequence parallel shards x and the norms / tp; without it they are whole).
 Times t tokens and the microbatches in flight on stage 0: gpipe M, 1f1b min(M, P), interleaved
-min(M, P + (P-1)/V); the last stage holds 1 (gpipe M) plus logits 6*t*vocab/tp (bf16 + fp32).
+min(M, P + (P-1)/V), zb1 and zbv min(M, P); the last stage holds 1 (gpipe M, zb1 and zbv min(M, P): a set lives
+until its W) plus logits 6*t*vocab/tp (bf16 + fp32).
 Plus OVERHEAD_GB and FRAG of the rest.
 """
-from bench.plan_layout import ACT_B, ADAM_B, G_B, GB, MASTER_B, W_B, Shape, shard_size
+from bench.plan_layout import ACT_B, ADAM_B, G_B, GB, MASTER_B, W_B, Shape, in_flight, shard_size
 from bench.plan_ours import ours_act_per_token, ours_memory
 
 OVERHEAD_GB = 4.0    # CUDA context, NCCL buffers, cuBLAS workspaces
@@ -47,12 +48,12 @@ def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT
     lay, P, M = s.lay, s.lay.pp, s.M
     S = shard_size(lay) if lay.dp_mode != "ddp" else 1
     zero3 = lay.dp_mode != "ddp" and P == 1
-    inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
+    inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
     recompute = act_per_token(s, "none", a_bytes) * s.t if lay.ckpt == "full" else 0.0  # one layer at a time
     first, _, last = s.layers
     best = None
     for layers, params, flight, logits in ((first, s.p_first, inflight, P == 1),
-                                           (last, s.p_last, M if lay.schedule == "gpipe" else 1, True)):
+                                           (last, s.p_last, last_flight, True)):
         gathered = 2 * s.p_layer * (w_bytes or MASTER_B) if zero3 else 0.0  # two full layers (prefetch)
         m = {"weights": w_bytes * params / (S if zero3 else 1) + gathered,
              "grads": G_B * (params / S + s.p_layer if zero3 else params),

@@ -48,7 +48,7 @@ recomputation at 50.8% and 48.4% (and 39.1% at 128k with cp32).
 """
 import math
 
-from bench.plan_layout import ACT_B, ADAM_B, BUCKET_MB, G_B, GB, MASTER_B, W_B, shard_size
+from bench.plan_layout import ACT_B, ADAM_B, BUCKET_MB, G_B, GB, MASTER_B, W_B, in_flight, shard_size
 from model import loss_chunks
 from parallel.cp import allgather_bytes, ulysses_bytes
 from parallel.ddp import all_reduce_bytes
@@ -189,10 +189,10 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     sharded = lay.dp_mode != "ddp"
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     r, (keep, block_bwd, loss_bwd) = residual_bytes(s, a_bytes), transients(s, a_bytes)
-    inflight = {"gpipe": M, "1f1b": min(M, P), "interleaved": min(M, P + (P - 1) / lay.V)}[lay.schedule]
+    inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
     best = None
     for layers, params, embed, head, _ in s.stages():
-        flight = 1 if P == 1 else (M if lay.schedule == "gpipe" else 1) if head else inflight
+        flight = 1 if P == 1 else last_flight if head else inflight
         acts = layers * t * keep + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ the output sent)
         norm, logp = (t * norm_per_token(s, 1, e), t * (e * vocab + 4 + 8 + 1)) if head else (0.0, 0.0)
         stage = (layers, params, embed, head, acts, norm, logp)

@@ -15,7 +15,9 @@ elementwise kernels, as torch.compile does), else 1; attention and the head stay
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
-  step = M*t_stage + bubble + PP exposed + DP exposed,  bubble = (P-1) * ceil(L/(P*V))/layers * t_stage.
+  step = M*t_stage + bubble + PP exposed + DP exposed,  bubble = idle * ceil(L/(P*V))/layers * t_stage,
+idle = P-1 chunk forward-and-backwards; zb1 max(P-1, 2P-1-M)/3, zbv max(P-1, 3P-3-M)/3 (F = B = W, a third each:
+parallel/pp_schedule.py).
 Exposed communication. TP: TP_EXPOSED of the collectives block; --code ours follows parallel/tp.py: without sp
 the 2 forward all-reduces of a layer block, the 2 backward ones hide under the weight-grad matmuls of q,k,v and of
 gate,up (2*d*outputs/tp FLOPs per token each), lm_head's under its own; with sp every (t, d) collective of a layer
@@ -166,8 +168,10 @@ def shape_step_time(s, cl):
     t_mb = s.t * (t_layer + redo)  # one layer, one microbatch
     t_stage = load * t_mb + most * cp_exp + tp_mb
     chunk = max(1, math.ceil(cfg.n_layer / (lay.pp * lay.V)))  # layers per virtual stage
+    P = lay.pp
+    idle = {"zb1": max(P - 1, 2 * P - 1 - s.M) / 3, "zbv": max(P - 1, 3 * P - 3 - s.M) / 3}.get(lay.schedule, P - 1)
     out = {"compute": s.M * ideal * s.t * t_layer, "recompute": s.M * ideal * s.t * redo,
-           "imbalance": s.M * (load - ideal) * t_mb, "bubble": (lay.pp - 1) * chunk / most * t_stage,
+           "imbalance": s.M * (load - ideal) * t_mb, "bubble": idle * chunk / most * t_stage,
            "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
     if lay.pp > 1:
         hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations

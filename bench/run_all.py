@@ -61,7 +61,7 @@ QUESTIONS = {
     "L23": "why HFU != MFU",
     "L24": "sweep parallel degrees and micro-batches: compare MFU",
     "L25": "which collective lets a local query see all keys and values under CP",
-    "L26": "theoretical pipeline utilization M/(M+P-1) vs measured",
+    "L26": "pipeline utilization of each schedule (gpipe, 1f1b, interleaved, zb1, zbv) vs theory",
     "L27": "why the TP MLP splits column-wise then row-wise",
     "L28": "which physical scope each of the TP/CP/PP/DP groups lands on",
 }
@@ -124,7 +124,7 @@ REGISTRY = [
     Script("bench/dp_memory.py", ["L13", "L14"], 240),
     Script("bench/ddp_buckets.py", ["L9", "L10"], 240),
     Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 300),
-    Script("bench/pp_bubble.py", ["L26"], 300),
+    Script("bench/pp_bubble.py", ["L26"], 900),  # five schedules, M = 8 and 16
     Script("bench/ring_vs_sdpa.py", ["L25"], 240, gpu_only=True),  # the bf16 flash kernels
     Script("bench/gpu.py", ["L22"], 1080, gpu_only=True),  # one GPU: ours vs Hugging Face, kernels, ring (< 8 min)
     # GPU only: the small preset with and without full checkpointing (L20 on real hardware).

@@ -2,15 +2,19 @@
 
 Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a layer's 2·N_layer + 4·d·T
           forward FLOPs per token, the head's 2·d·vocab on the last chunk, the embedding's memory on the
-          first), or --pp-split; rank r holds virtual stages r, r+P, ... (round robin, V = --pp-virtual).
+          first), or --pp-split; rank r holds virtual stages r, r+P, ... (round robin, V = --pp-virtual), or
+          under zbv stages r and 2P-1-r (a V: rank P-1 hands stage P-1's output to stage P in memory).
 Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d
           elements each (b·T/tp·d under sequence parallel), point to point to the neighbouring rank:
-          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline. Shapes come from the config, not the wire.
+          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline (zbv: 2·M·(2P-2)·..., rank P-1's boundary
+          stays in memory). Shapes come from the config, not the wire.
 Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
           receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
 Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
-          most P micro-batches in flight under 1F1B (GPipe: all M); each is freed after its backward.
-Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches).
+          most P micro-batches in flight under 1F1B (GPipe: all M); each is freed after its backward (zb1,
+          zbv: its W, pp_bw_split.py; every stage holds up to P stages' worth).
+Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches), zb1
+          3M/(3M+P-1) and zbv 6M/(6M+P-1) with F = B = W once M fills the warmup (pp_schedule.py).
 Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
 """
 import copy
@@ -22,6 +26,7 @@ from functools import lru_cache
 import torch
 
 import model as M
+from parallel import pp_bw_split
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
 
@@ -71,16 +76,21 @@ def balanced_counts(cfg, parts):
     return min_max_partition(cfg.n_layer, parts, memory)[1]
 
 
-def layer_counts(cfg, P, V, n_micro, layer_split=None):
+def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
     """Layers per virtual stage: balanced by cost, or the given split, checked against the model and the batch."""
     n, parts = cfg.n_layer, P * V
     if n < parts:
         raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; the model has {n}")
-    if V > 1 and n_micro > P and n_micro % P:
+    try:
+        actions_for(schedule, P, n_micro, V, 0)
+    except S.DeadlockError as e:  # the simulator found no way to run it
+        raise LayoutError("--pp-schedule", f"{schedule} cannot run M = {n_micro} micro-batches on {P} stages: "
+                                           f"{e}") from None
+    if schedule == "interleaved" and n_micro > P and n_micro % P:
         raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count M = global-batch / "
                           f"(micro-batch·dp) = {n_micro} to be a multiple of pp = {P} (or at most {P})")
     if not layer_split:
-        if V > 1 and n % parts:
+        if schedule == "interleaved" and n % parts:
             raise LayoutError("--pp-virtual", f"interleaved needs n_layer {n} divisible by pp·V = {P}·{V} "
                               "(or an explicit --pp-split)")
         return balanced_counts(cfg, parts)
@@ -95,12 +105,12 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None):
 def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
     """The chunks (GPTs on the meta device) this rank runs, in virtual-stage order. Only the first
     virtual stage keeps embed_tokens and only the last keeps norm, lm_head and the loss."""
-    P, V, rank = mesh.pp, n_virtual, mesh.coord["pp"]
-    counts = layer_counts(full.cfg, P, V, n_micro, layer_split)
+    P, V, rank = mesh.pp, S.chunks_per_rank(schedule, n_virtual), mesh.coord["pp"]
+    counts = layer_counts(full.cfg, P, V, n_micro, layer_split, schedule)
     starts = [sum(counts[:v]) for v in range(P * V)]
     chunks = []
     for c in range(V):
-        v = S.stage_of(rank, c, P)
+        v = S.stage_of(rank, c, P, schedule in S.VSHAPED)
         keep = range(starts[v], starts[v] + counts[v])
         chunk = copy.deepcopy(full)  # meta tensors: no memory
         for name in list(chunk.layers):
@@ -115,6 +125,13 @@ def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
     return chunks
 
 
+def split_backward(chunk):
+    """zb1, zbv: the chunk's weight gradients wait for W actions (pp_bw_split.py). After tp, cp and checkpointing,
+    before the data-parallel wrapper."""
+    if chunk.pipeline.schedule in S.SPLIT_BACKWARD:
+        pp_bw_split.apply(chunk)
+
+
 # ---------------------------------------------------------------- the executor
 
 class PipelineError(RuntimeError):
@@ -126,7 +143,7 @@ class StageRecord:
     """What one rank's pipeline did in one step (seconds; events relative to the step's start)."""
     busy_s: float = 0.0
     wall_s: float = 0.0
-    max_in_flight: int = 0  # most activation sets (forwards awaiting their backward) alive at once
+    max_in_flight: int = 0  # most activation sets (forwards awaiting their backward, or W) alive at once
     events: list = field(default_factory=list)  # (action, start, end) for every compute
 
     @property
@@ -140,7 +157,7 @@ class StageRecord:
 
 @lru_cache(maxsize=64)
 def actions_for(schedule, P, M, V, rank, train=True):
-    return (S.build(schedule, P, M, V) if train else S.forward_only(P, M, V))[rank]
+    return (S.build(schedule, P, M, V) if train else S.forward_only(P, M, V, schedule in S.VSHAPED))[rank]
 
 
 class Pipeline:
@@ -150,11 +167,12 @@ class Pipeline:
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
         self.loss_scale, self.wrapper, self.timed = loss_scale, wrapper, timed
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
+        self.vshape = chunks[0].pipeline.schedule in S.VSHAPED
         self.last = self.P * len(chunks) - 1
         self.device = batches[0][0].device
         T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
-        self.inputs, self.outputs, self.input_grads = {}, {}, {}
+        self.inputs, self.outputs, self.input_grads, self.alive = {}, {}, {}, set()
         self.receives = {}  # (op, chunk, mb) -> (buffer, the Posted batch it arrives in)
         self.sends = []  # Posted batches with sends in flight
         chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the dtype of the weights
@@ -163,7 +181,8 @@ class Pipeline:
         self.record = StageRecord()
 
     def run(self, actions):
-        self.last_backward = {a.chunk: a for a in actions if a.op == "B"}
+        self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}  # a chunk's last B and W sync gradients
+        self.split = any(a.op == "W" for a in actions)  # zb1, zbv: each backward is a B and a later W
         self.barrier()
         t0 = time.perf_counter()
         for step in S.batches(actions):
@@ -171,7 +190,7 @@ class Pipeline:
                 if step[0].op in S.COMPUTE:
                     received = self.wait_for_input(step[0])  # idle while the neighbour is not done
                     start = time.perf_counter()
-                    (self.forward if step[0].op == "F" else self.backward)(step[0], received)
+                    {"F": self.forward, "B": self.backward, "W": self.weight}[step[0].op](step[0], received)
                     if self.timed and self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     end = time.perf_counter()
@@ -192,14 +211,21 @@ class Pipeline:
             self.group.all_reduce(torch.zeros(1, device=self.device))
 
     def stage(self, chunk):
-        return S.stage_of(self.rank, chunk, self.P)
+        return S.stage_of(self.rank, chunk, self.P, self.vshape)
 
     def wait_for_input(self, a):
-        """The activation (forward) or output gradient (backward) a neighbour sent, once it has arrived."""
+        """The activation (forward) or output gradient (backward) a neighbour sent, once it has arrived; from
+        this rank's other chunk when the neighbour is that (the V's turn)."""
         v = self.stage(a.chunk)
-        if (a.op == "F" and v == 0) or (a.op == "B" and v == self.last):
+        if a.op == "W" or (a.op == "F" and v == 0) or (a.op == "B" and v == self.last):
             return None
-        return self.take("RECV_" + a.op, a.chunk, a.mb)
+        rank, chunk = S.place(v - 1 if a.op == "F" else v + 1, self.P, self.vshape)
+        if rank != self.rank:
+            return self.take("RECV_" + a.op, a.chunk, a.mb)
+        if a.op == "B":
+            return self.input_grads.pop((chunk, a.mb))
+        key = (chunk, a.mb)
+        return (self.outputs[key] if torch.is_grad_enabled() else self.outputs.pop(key)).detach()
 
     def forward(self, a, received):
         tokens, targets = self.batches[a.mb]
@@ -215,14 +241,20 @@ class Pipeline:
         self.outputs[(a.chunk, a.mb)] = out
         if torch.is_grad_enabled():
             self.inputs[(a.chunk, a.mb)] = x
-            self.record.max_in_flight = max(self.record.max_in_flight, len(self.outputs))  # graphs held
+            self.alive.add((a.chunk, a.mb))  # its graph (or, after B, what its W needs) is held
+            self.record.max_in_flight = max(self.record.max_in_flight, len(self.alive))
         elif v == self.last:
             del self.outputs[(a.chunk, a.mb)]
 
     def backward(self, a, received):
+        """The full backward, or under zb1/zbv B: the weights' gradients wait in the chunk's WeightGrads for W."""
         key, v = (a.chunk, a.mb), self.stage(a.chunk)
-        self.wrapper.sync_grads = self.last_backward[a.chunk] == a  # DDP/FSDP reduce once per chunk and step
+        self.wrapper.sync_grads = self.final[("B", a.chunk)] == a  # DDP/FSDP reduce once per chunk and step
         out, x = self.outputs.pop(key), self.inputs.pop(key)
+        if self.split:
+            self.chunks[a.chunk].weight_grads.mb = a.mb
+        else:
+            self.alive.discard(key)
         if v == self.last:
             (out * self.loss_scale).backward()
         else:
@@ -230,6 +262,12 @@ class Pipeline:
         if v > 0:
             self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
         # out, x and the graph between them are no longer referenced: freed here
+
+    def weight(self, a, received):
+        """W: the weight gradients B deferred; the wrapper syncs a chunk's gradients in its last W."""
+        self.wrapper.sync_grads = self.final[("W", a.chunk)] == a
+        self.chunks[a.chunk].weight_grads.run(a.mb)
+        self.alive.discard((a.chunk, a.mb))
 
     def post(self, batch):
         """One batch_isend_irecv for a run of consecutive sends and receives."""

@@ -1,10 +1,13 @@
 """Pipeline schedules as plain data: for every stage, the ordered list of actions it runs.
 
 A model of P·V virtual stages is spread round-robin over P ranks: rank r holds virtual stages
-r, r+P, r+2P, ... as its local chunks 0, 1, ..., V-1. A schedule is first a compute order per rank
-(forward / backward of micro-batch i on local chunk c); `with_communication` then adds the sends
-and receives each compute implies (the executor knows the activation shape from the config, so
-nothing else is exchanged). Nothing here touches torch: the executor in pp.py runs the lists,
+r, r+P, r+2P, ... as its local chunks 0, 1, ..., V-1; zbv places V = 2 in a V instead: rank r holds
+stages r and 2P-1-r, so rank P-1 runs stages P-1 and P back to back and rank 0 both ends. A schedule
+is first a compute order per rank (forward F, backward B of micro-batch i on local chunk c; the
+zero-bubble schedules split B into B, the input gradient, and a later W, the weight gradient);
+`with_communication` then adds the sends and receives each compute implies (the executor knows the
+activation shape from the config, so nothing else is exchanged; neighbouring stages on one rank
+exchange nothing). Nothing here touches torch: the executor in pp.py runs the lists,
 and the tests check them (each (chunk, mb) once, forward before backward, sends match receives,
 no deadlock even when a communication batch blocks its stream until every op in it is matched,
 as NCCL's does). bench/pp_draw.py renders the timeline.
@@ -14,7 +17,7 @@ from typing import NamedTuple
 
 
 class Action(NamedTuple):
-    op: str  # F, B (compute); SEND_F, RECV_F, SEND_B, RECV_B (p2p)
+    op: str  # F, B, W (compute); SEND_F, RECV_F, SEND_B, RECV_B (p2p)
     chunk: int = 0  # local chunk index on this rank
     mb: int = 0  # micro-batch
     peer: int = -1  # pp rank on the other end of a send or receive
@@ -28,17 +31,26 @@ class DeadlockError(RuntimeError):
     pass
 
 
-COMPUTE, SENDS, RECVS = ("F", "B"), ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
+COMPUTE, SENDS, RECVS = ("F", "B", "W"), ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
+VSHAPED = ("zbv",)  # schedules whose two chunks per rank sit in a V
+SPLIT_BACKWARD = ("zb1", "zbv")  # schedules whose backward is a B and a later W
 
 
-def stage_of(rank, chunk, P):
+def stage_of(rank, chunk, P, vshape=False):
     """The virtual stage a rank's local chunk runs."""
-    return chunk * P + rank
+    return 2 * P - 1 - rank if vshape and chunk else chunk * P + rank
 
 
-def place(v, P):
+def place(v, P, vshape=False):
     """(rank, local chunk) of virtual stage v."""
+    if vshape:
+        return (v, 0) if v < P else (2 * P - 1 - v, 1)
     return v % P, v // P
+
+
+def chunks_per_rank(schedule, V=1):
+    """zbv always runs two chunks per rank; the others V (--pp-virtual, interleaved)."""
+    return 2 if schedule in VSHAPED else V
 
 
 # ---------------------------------------------------------------- compute orders
@@ -86,17 +98,66 @@ def interleaved(P, M, V):
     return orders
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+def zero_bubble_h1(P, M, V=1):
+    """ZB-H1 (Qi et al., 2024): 1F1B's order with each backward split into B, the input gradient the stage
+    before waits for, and W, the weight gradient only the optimizer waits for. Stage r runs each W r
+    micro-batches after its B, so it enters the cooldown with r W's in hand and runs them where 1F1B waits
+    for the next B. At most P activation sets alive on every stage (1F1B: P on stage 0); with F = B = W the
+    bubble is P-1 passes instead of 1F1B's 3(P-1): utilization 3M/(3M+P-1) for M >= P."""
+    orders = []
+    for r in range(P):
+        warm = min(P - r - 1, M)
+        order = [Action("F", 0, i) for i in range(warm)]
+        for k in range(M):
+            order += [Action("F", 0, warm + k)] if warm + k < M else []
+            order += [Action("B", 0, k)] + ([Action("W", 0, k - r)] if k >= r else [])
+        orders.append(order + [Action("W", 0, i) for i in range(max(M - r, 0), M)])
+    return orders
 
 
-def theoretical_utilization(P, M, V=1):
-    """Busy / (busy + bubble) with equal stages: M/(M+P-1), and VM/(VM+P-1) when interleaved."""
+def zero_bubble_v(P, M, V=2):
+    """ZB-V (Qi et al., 2024): two chunks per rank in a V (rank r: stages r and 2P-1-r), B and W split.
+    Warmup: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then P-r rounds of F, B, W on
+    chunk 1, whose backwards start on rank 0 as soon as the V is full. Steady: F B W on chunk 0, then on
+    chunk 1. Cooldown: r pairs of B (chunk 0, chunk 1), P-r of (B, W) on chunk 0, then the W's left. At most
+    2P chunk activation sets alive, 1F1B's P stages' worth; with F = B = W (per chunk) the bubble is P-1
+    chunk passes, half of ZB-H1's: 6M/(6M+P-1) for M >= 2P-2."""
+    return [_v_rank(P, M, r) for r in range(P)]
+
+
+def _v_rank(P, M, r):
+    order, done = [], {(op, c): 0 for op in "FBW" for c in (0, 1)}
+
+    def run(*steps):
+        for op, c in steps:  # each skipped once chunk c has no micro-batch left for it
+            if done[(op, c)] < M:
+                order.append(Action(op, c, done[(op, c)]))
+                done[(op, c)] += 1
+    run(*[("F", 0)] * (2 * (P - r) - 1), *[("F", 1), ("F", 0)] * r, *[("F", 1), ("B", 1), ("W", 1)] * (P - r))
+    while done[("B", 0)] < M and (done[("F", 0)] < M or done[("F", 1)] < M):
+        run(("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    run(*[("B", 0), ("B", 1)] * r, *[("B", 0), ("W", 0)] * (P - r), *[("W", 1)] * M, *[("W", 0)] * M)
+    return order
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb1": zero_bubble_h1,
+             "zbv": zero_bubble_v}
+
+
+def theoretical_utilization(P, M, V=1, schedule="1f1b"):
+    """Busy / (busy + bubble) with equal stages and F = B = W (a full backward B + W = 2F):
+    M/(M+P-1); interleaved VM/(VM+P-1); zb1 3M/(3M + max(P-1, 2P-1-M)); zbv, in chunk passes,
+    6M/(6M + max(P-1, 3P-3-M, 4P-1-3M)). Fewer micro-batches than the warmup fills add to the last two."""
+    if schedule == "zb1":
+        return 3 * M / (3 * M + max(P - 1, 2 * P - 1 - M))
+    if schedule == "zbv":
+        return 6 * M / (6 * M + max(P - 1, 3 * P - 3 - M, 4 * P - 1 - 3 * M))
     return V * M / (V * M + P - 1)
 
 
 # ---------------------------------------------------------------- communication
 
-def with_communication(orders, P, V):
+def with_communication(orders, P, V, vshape=False):
     """Adds the p2p actions the compute orders imply.
 
     Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts it
@@ -106,7 +167,7 @@ def with_communication(orders, P, V):
     every data dependency, so in-order streams cannot deadlock (tests/pp_deadlock.py verifies it).
     """
     last = P * V - 1
-    timeline = simulate(orders, P, V)
+    timeline = simulate(orders, P, V, vshape)
     gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # gaps[r][k]: comm before compute k
 
     starts = [[start for start, _, _ in row] for row in timeline]  # increasing on each rank
@@ -116,12 +177,14 @@ def with_communication(orders, P, V):
 
     for r in range(P):
         for k, (_, end, a) in enumerate(timeline[r]):
-            v = stage_of(r, a.chunk, P)
+            v = stage_of(r, a.chunk, P, vshape)
             if a.op == "F" and v < last:
-                (dst, c), kinds = place(v + 1, P), ("SEND_F", "RECV_F")
+                (dst, c), kinds = place(v + 1, P, vshape), ("SEND_F", "RECV_F")
             elif a.op == "B" and v > 0:
-                (dst, c), kinds = place(v - 1, P), ("SEND_B", "RECV_B")
+                (dst, c), kinds = place(v - 1, P, vshape), ("SEND_B", "RECV_B")
             else:
+                continue
+            if dst == r:  # the V's turn: the next stage is this rank's other chunk, nothing is sent
                 continue
             key = (end, r, f"{a.op}{a.chunk}.{a.mb}")  # the same on both ends of the message
             gaps[r][k + 1].append((key, Action(kinds[0], a.chunk, a.mb, dst)))
@@ -138,14 +201,18 @@ def with_communication(orders, P, V):
 
 
 def build(schedule, P, M, V=1):
-    """Every rank's full action list for one optimizer step."""
-    return with_communication(SCHEDULES[schedule](P, M, V), P, V)
+    """Every rank's full action list for one optimizer step. Raises DeadlockError if the compute
+    orders cannot run (the simulator refuses the (P, M) pair)."""
+    V = chunks_per_rank(schedule, V)
+    return with_communication(SCHEDULES[schedule](P, M, V), P, V, schedule in VSHAPED)
 
 
-def forward_only(P, M, V=1):
-    """Evaluation: forwards in micro-batch order through the chunks, no backward."""
-    orders = [[Action("F", c, i) for i in range(M) for c in range(V)] for _ in range(P)]
-    return with_communication(orders, P, V)
+def forward_only(P, M, V=1, vshape=False):
+    """Evaluation: forwards through the chunks, no backward: micro-batch by micro-batch, or down the V
+    and back (all of chunk 0, then chunk 1)."""
+    order = [Action("F", c, i) for c in range(V) for i in range(M)] if vshape else [
+        Action("F", c, i) for i in range(M) for c in range(V)]
+    return with_communication([order] * P, P, V, vshape)
 
 
 def batches(actions):
@@ -162,10 +229,21 @@ def batches(actions):
 
 # ---------------------------------------------------------------- checks and timelines
 
-def simulate(orders, P, V, f=1, b=2):
+def dependency(a, v, last):
+    """(op, virtual stage, mb) that must finish before action a on stage v can start, or None."""
+    if a.op == "F":
+        return ("F", v - 1, a.mb) if v > 0 else None
+    if a.op == "W":
+        return ("B", v, a.mb)
+    return ("B", v + 1, a.mb) if v < last else ("F", v, a.mb)
+
+
+def simulate(orders, P, V, vshape=False, f=1, b=1, w=1):
     """Start and end tick of every compute when each runs as soon as its rank is free and its input
-    is ready (forward f ticks, backward b). Returns per rank a list of (start, end, action)."""
+    is ready: forward f ticks, input gradient b, weight gradient w; a backward that is not split
+    (no W in the orders) does both, b + w. Returns per rank a list of (start, end, action)."""
     last = P * V - 1
+    ticks = {"F": f, "B": b if any(a.op == "W" for order in orders for a in order) else b + w, "W": w}
     finish = {}  # (op, virtual stage, mb) -> end tick
     free, pc = [0] * P, [0] * P
     timeline = [[] for _ in range(P)]
@@ -174,13 +252,12 @@ def simulate(orders, P, V, f=1, b=2):
         for r in range(P):
             while pc[r] < len(orders[r]):
                 a = orders[r][pc[r]]
-                v = stage_of(r, a.chunk, P)
-                dep = (("F", v - 1, a.mb) if v > 0 else None) if a.op == "F" else (
-                    ("B", v + 1, a.mb) if v < last else ("F", v, a.mb))
+                v = stage_of(r, a.chunk, P, vshape)
+                dep = dependency(a, v, last)
                 if dep is not None and dep not in finish:
                     break
                 start = max(free[r], finish.get(dep, 0))
-                free[r] = finish[(a.op, v, a.mb)] = start + (f if a.op == "F" else b)
+                free[r] = finish[(a.op, v, a.mb)] = start + ticks[a.op]
                 timeline[r].append((start, free[r], a))
                 pc[r] += 1
                 moved = True

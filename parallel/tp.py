@@ -21,76 +21,9 @@ from torch.autograd import Function
 from model import CrossEntropy, RMSNorm
 from parallel import tag_tp_shard, tp_overlap
 from parallel.mesh import LayoutError
+from parallel.tp_collectives import EnterTP, all_gather_seq, all_reduce, leave_tp, reduce_scatter_seq
 
-# ---------------------------------------------------------------- the collectives, and the matmuls fused with them
-
-def all_gather_seq(group, x):
-    """(B, T/t, d) -> (B, T, d): every tp rank's sequence block, in rank order."""
-    local = x.transpose(0, 1).contiguous()  # (T/t, B, d): the collective concatenates along dim 0
-    out = local.new_empty((local.shape[0] * group.size, *local.shape[1:]))  # (T, B, d)
-    group.all_gather(out, local)
-    return out.transpose(0, 1).contiguous()
-
-
-def reduce_scatter_seq(group, x):
-    """(B, T, d) partial sums -> (B, T/t, d): this rank's sequence block of the sum over tp."""
-    full = x.transpose(0, 1).contiguous()  # (T, B, d)
-    out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))  # (T/t, B, d)
-    group.reduce_scatter(out, full)
-    return out.transpose(0, 1).contiguous()
-
-
-def all_reduce(group, x):
-    """g's sum of the row-parallel matmul output x. Not in place: selective checkpointing keeps every matmul output
-    and hands it back on recompute, which would then reduce the sum again. (f's, in ColumnParallel.backward, is.)"""
-    out = x.contiguous().clone()
-    group.all_reduce(out)
-    return out
-
-
-class ReduceFromTP(Function):
-    """Megatron's g: all-reduce in forward (sum the row-parallel partial outputs), identity in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(group, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ScatterSequence(Function):
-    """Sequence parallel's g: reduce-scatter the partial sums in forward, all-gather the grad in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(group, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(ctx.group, grad), None
-
-
-class EnterTP(Function):
-    """Megatron's f on its own, for matmuls that are autograd ops of their own (fp8.py): identity forward (--sp: gather
-    the sequence), the input gradient summed over tp in backward (--sp: reduce-scattered)."""
-
-    @staticmethod
-    def forward(ctx, x, group, sequence_parallel):
-        ctx.group, ctx.sp = group, sequence_parallel
-        return all_gather_seq(group, x) if sequence_parallel else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(ctx.group, grad) if ctx.sp else all_reduce(ctx.group, grad), None, None
-
-
-def leave_tp(x, group, sequence_parallel):
-    """Partial sums over tp -> the replicated (or sequence-sharded) residual stream."""
-    return ScatterSequence.apply(x, group) if sequence_parallel else ReduceFromTP.apply(x, group)
-
+# ---------------------------------------------------------------- the matmuls fused with the collectives
 
 class ColumnParallel(Function):
     """y_j = x_full · W_jᵀ for all the column-parallel weights reading one norm output x (q, k, v; gate, up; lm_head):
@@ -98,11 +31,12 @@ class ColumnParallel(Function):
     the weight gradients (Megatron's f fused with the matmuls). x: the replicated (B, T, d), or under --sp this
     rank's block (B, T/t, d): the sequence is gathered in forward, gathered again in backward for the weight
     gradients (only the block is saved) and the input gradient reduce-scattered. overlap: --sp rings them
-    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each."""
+    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each. deferred: the
+    zero-bubble split's (WeightGrads, weights read), which queues the weight gradients and the gather of x for W."""
 
     @staticmethod
-    def forward(ctx, x, ring, sequence_parallel, overlap, *weights):
-        ctx.ring, ctx.sp, ctx.overlap = ring, sequence_parallel, overlap
+    def forward(ctx, x, ring, sequence_parallel, overlap, deferred, *weights):
+        ctx.ring, ctx.sp, ctx.overlap, ctx.deferred = ring, sequence_parallel, overlap, deferred
         ctx.save_for_backward(x, *weights)
         if sequence_parallel and overlap:
             return tuple(tp_overlap.gather_then_multiply(ring, x, weights))
@@ -112,7 +46,15 @@ class ColumnParallel(Function):
     @staticmethod
     def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
         x, *weights = ctx.saved_tensors
-        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None)
+        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None, None)
+        if ctx.deferred is not None:
+            grad_x = tp_overlap.input_grad(grads, [w.to(dtype) for w in weights], slice(None), x.dtype)  # (B, T, d)
+            grad_x = reduce_scatter_seq(group, grad_x) if ctx.sp else all_reduce(group, grad_x)
+            def weight_grads():  # in W: dW_j = dy_jᵀ · x_full (out_j/t, d)
+                full = (all_gather_seq(group, x) if ctx.sp else x).flatten(0, 1).to(dtype)
+                return [g.flatten(0, 1).t() @ full for g in grads]
+            ctx.deferred[0].defer(ctx.deferred[1], weight_grads)
+            return grad_x, *flags, *[None] * len(weights)
         if ctx.sp and ctx.overlap:
             grad_x, weight_grads = tp_overlap.scatter_input_grads(ctx.ring, x, grads, weights)
             return grad_x, *flags, *weight_grads
@@ -167,9 +109,13 @@ class ColumnInput:
         self.shape, self.outputs = shape, outputs
 
 
-def enter_tp(x, ring, sequence_parallel, readers, overlap=True):
-    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`."""
-    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, *(m.weight for m in readers))
+def enter_tp(x, ring, sequence_parallel, readers, overlap=True, weight_grads=None):
+    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`.
+    weight_grads (pp_bw_split.WeightGrads): their weight gradients are deferred; no autograd edge to the weights."""
+    weights, deferred = [m.weight for m in readers], None
+    if weight_grads is not None and torch.is_grad_enabled():
+        weights, deferred = [w.detach() for w in weights], (weight_grads, weights)
+    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, deferred, *weights)
     B, T, d = x.shape
     return ColumnInput((B, T * ring.size if sequence_parallel else T, d), outputs)
 
@@ -196,7 +142,8 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """z = Σ_i y_i · B_iᵀ: multiplies this rank's input features, then sums over tp (all-reduce, or
-    reduce-scatter along the sequence under --sp)."""
+    reduce-scatter along the sequence under --sp). weight_grads: the zero-bubble split's, which defers dW (no ring)."""
+    weight_grads = None
 
     def __init__(self, in_features, out_features, ring, sequence_parallel, overlap=True):
         super().__init__(in_features // ring.size, out_features, bias=False, device="meta")
@@ -205,6 +152,8 @@ class RowParallelLinear(nn.Linear):
         shard(self.weight, 1, ring.group)
 
     def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
+        if self.weight_grads is not None:
+            return leave_tp(self.weight_grads.linear(x, self.weight), self.ring.group, self.sequence_parallel)
         if self.sequence_parallel and self.overlap and self.linear is None:
             saved = []
             x = SaveForRing.apply(x, self.weight, saved)
@@ -216,6 +165,7 @@ class NormThenEnter(RMSNorm):
     """The RMSNorm in front of a column-parallel block, then the block's matmuls (enter_tp) for the linears that
     read it, `readers` (not submodules; in slot order). Same `weight` name. Under --sp it sees only this rank's
     tokens, so its weight grad is a partial sum over tp."""
+    weight_grads = None  # the zero-bubble split's (pp_bw_split.py): the readers' weight gradients deferred
 
     def __init__(self, norm, ring, sequence_parallel, readers, overlap=True):
         super().__init__(norm.weight.shape[0], norm.eps)
@@ -226,7 +176,8 @@ class NormThenEnter(RMSNorm):
 
     def forward(self, x):
         if self.linear is None:
-            return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap)
+            return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap,
+                            self.weight_grads)
         full = EnterTP.apply(super().forward(x), self.ring.group, self.sequence_parallel)  # (B, T, d)
         return ColumnInput(full.shape, [self.linear(full, m.weight) for m in self.readers])
 

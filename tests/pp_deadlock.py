@@ -1,17 +1,19 @@
 """A deadlock checker for pipeline action lists (parallel/pp_schedule.py), under NCCL's rules."""
-from parallel.pp_schedule import COMPUTE, SENDS, DeadlockError, batches, stage_of
+from parallel.pp_schedule import COMPUTE, SENDS, DeadlockError, batches, dependency, place, stage_of
 
 
-def check_no_deadlock(actions, P, V):
+def check_no_deadlock(actions, P, V, vshape=False):
     """Runs the action lists under NCCL-like rules: each rank posts its p2p batches in order onto one
     stream; only the batch at the head of a stream makes progress; a send and the matching receive
     (the k-th on each (src, dst) channel) transfer when both are at their stream heads; a batch
-    completes when all its ops have. Computes wait for their receives. Raises DeadlockError naming each rank's
-    stuck action."""
+    completes when all its ops have. Computes wait for their receives, or, when the stage they depend on is
+    on the same rank (the V's turn, a W after its B), for that compute. Raises DeadlockError naming each
+    rank's stuck action."""
     steps = [batches(a) for a in actions]
     pc, posted = [0] * P, [False] * P  # program counter; whether the current step's batch is posted
     stream = [[] for _ in range(P)]  # per rank, posted batches: lists of ops [kind, channel, index, done, action]
     received = [set() for _ in range(P)]  # completed receives as (op, chunk, mb)
+    computed = set()  # (op, virtual stage, mb) of the computes that ran
     counts = {}  # (kind, src, dst) -> ops posted so far on that channel
 
     def post(r, batch):
@@ -25,9 +27,11 @@ def check_no_deadlock(actions, P, V):
 
     def runnable(r, a):
         if a.op in COMPUTE:
-            v = stage_of(r, a.chunk, P)
-            needs = (a.op == "F" and v > 0) or (a.op == "B" and v < P * V - 1)
-            return not needs or ("RECV_" + a.op, a.chunk, a.mb) in received[r]
+            v = stage_of(r, a.chunk, P, vshape)
+            dep = dependency(a, v, P * V - 1)
+            if dep is None or place(dep[1], P, vshape)[0] == r:
+                return dep is None or dep in computed
+            return ("RECV_" + a.op, a.chunk, a.mb) in received[r]
         return True
 
     progress = True
@@ -41,6 +45,8 @@ def check_no_deadlock(actions, P, V):
                     posted[r] = True
                 if not runnable(r, step[0]):
                     break
+                if step[0].op in COMPUTE:
+                    computed.add((step[0].op, stage_of(r, step[0].chunk, P, vshape), step[0].mb))
                 pc[r], posted[r], progress = pc[r] + 1, False, True
         heads = [stream[r][0] if stream[r] else [] for r in range(P)]
         for h in heads:

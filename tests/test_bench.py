@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import model as M
-from bench import collectives, common, loader_stall, mfu_sweep, precision, prepare_speed, run_all, vs_torch
+from bench import collectives, common, loader_stall, mfu_sweep, pp_bubble, precision, prepare_speed, run_all, vs_torch
 
 
 def table_rows(path):
@@ -96,6 +96,13 @@ def test_mfu_sweep_runs_train_py(tmp_path):
     mfu_sweep.main(["--quick", "--out", str(tmp_path)])
     (row,) = table_rows(tmp_path / "L22_L24_mfu_sweep.md")
     assert row[:3] == ["ddp 1", "1", "2"] and row[3].endswith("%") and row[5] == "1.000"  # no recompute: HFU = MFU
+
+
+def test_pp_bubble_measures_each_schedule_side_by_side(tmp_path):
+    pp_bubble.main(["--quick", "--micro-batches", "4", "--schedules", "1f1b,zb1,zbv", "--out", str(tmp_path)])
+    rows = table_rows(tmp_path / "L26_pp_bubble.md")
+    assert [(r[0], r[1], r[2]) for r in rows] == [("4", "1f1b", "0.571"), ("4", "zb1", "0.800"), ("4", "zbv", "0.828")]
+    assert rows[0][9] == "4 3 2 1" and rows[1][9] == "4 4 4 4"  # activation sets alive per stage
 
 
 def test_default_layouts_cover_every_axis():

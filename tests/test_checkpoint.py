@@ -31,7 +31,7 @@ CROSS_ENTROPY = M.cross_entropy_loss  # keep every save: the tests resume from o
 RESUME_LAYOUTS = {  # world -> {name: flags}: 4 steps straight vs 2 + save + resume 2, bitwise (fp32, CPU)
     2: {"ddp": ["--dp", "2"], "fsdp-async": ["--dp-mode", "fsdp", "--async-save"],
         "tp-sp-dropout": ["--tp", "2", "--sp", "--dropout", "0.1"],
-        **{f"pp-{s}": ["--pp", "2", "--pp-schedule", s] for s in ("gpipe", "1f1b")},
+        **{f"pp-{s}": ["--pp", "2", "--pp-schedule", s] for s in ("gpipe", "1f1b", "zb1", "zbv")},
         "pp-interleaved": ["--pp", "2", "--pp-schedule", "interleaved", "--pp-virtual", "2"],
         **{f"cp-{m}": ["--cp", "2", "--cp-mode", m] for m in ("ring", "ulysses", "allgather")}},
     16: {"4d": ["--dp", "2", "--dp-mode", "fsdp", "--cp", "2", "--pp", "2", "--tp", "2"]},

@@ -289,7 +289,8 @@ BAD = {"d_model": (["--d-model", "72", "--n-head", "4", "--n-kv-head", "2"], "--
        "kv dimension": (["--d-model", "96", "--n-head", "8", "--n-kv-head", "2"], "--n-kv-head"),
        "tokens": (["--seq-len", "36", "--micro-batch", "1", "--global-batch", "8"], "--micro-batch"),
        "all-gather without fp8": (["--dtype", "bf16", "--dp-mode", "fsdp", "--fp8-all-gather"], "--fp8-all-gather"),
-       "all-gather under ddp": (["--fp8-all-gather"], "--fp8-all-gather")}
+       "all-gather under ddp": (["--fp8-all-gather"], "--fp8-all-gather"),
+       "zero-bubble schedule": (["--pp", "2", "--pp-schedule", "zb1"], "--pp-schedule")}
 
 
 @pytest.mark.parametrize("case", list(BAD) + ["no _scaled_mm"])

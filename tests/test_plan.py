@@ -93,13 +93,18 @@ def test_memory_shards_model_state_and_checkpointing_shrinks_activations():
     gpipe, onef = (P.memory(small_vocab, P.Layout(pp=4, micro=1, schedule=s), 256, 16, **bare)["activations"]
                    for s in ("gpipe", "1f1b"))
     assert gpipe == pytest.approx(4 * onef)  # stage 0 holds M = 16 microbatches vs P = 4
+    zb1 = P.memory(TINY, P.Layout(pp=4, micro=1, schedule="zb1"), 256, 16, **bare)
+    onef = P.memory(TINY, P.Layout(pp=4, micro=1), 256, 16, **bare)  # the head's stage is the fuller one
+    assert zb1["activations"] == pytest.approx(4 * onef["activations"])  # its sets live until W: P, not 1
 
 
 def test_pipeline_bubble_matches_the_notes():
-    """Utilization M / (M + P - 1): 4/7 at P = M = 4 (the notes); interleaving divides the bubble by V."""
+    """Utilization M / (M + P - 1): 4/7 at P = M = 4 (the notes); interleaving divides the bubble by V; the zero-bubble
+    schedules follow parallel/pp_schedule.py: zb1 12/15, zbv 24/29 (its warmup is not filled at M = 4)."""
     cl = P.Cluster(4)
     interleaved = P.Layout(pp=4, micro=1, schedule="interleaved", V=2)
-    for lay, want in ((P.Layout(pp=4, micro=1), 4 / 7), (interleaved, 4 / 5.5)):
+    zb1, zbv = (P.parse_layout(f"pp=4,micro=1,schedule={s}") for s in ("zb1", "zbv"))
+    for lay, want in ((P.Layout(pp=4, micro=1), 4 / 7), (interleaved, 4 / 5.5), (zb1, 12 / 15), (zbv, 24 / 29)):
         t = P.step_time(replace(TINY, n_layer=8), cl, lay, 256, 4)
         busy = t["total"] - t["pp"] - t["dp"]
         assert (busy - t["bubble"]) / busy == pytest.approx(want)

@@ -26,8 +26,9 @@ from parallel.mesh import LayoutError, Mesh
 from tests.layouts import BASE, assert_same_losses
 from tests.pp_deadlock import check_no_deadlock
 
-GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]))
-        for P in (2, 3, 4) for M in (1, 2, 3, 4, 8, 12) for V in Vs if V == 1 or M <= P or M % P == 0]
+GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb1", [1]),
+                                    ("zbv", [2]))
+        for P in (2, 3, 4) for M in (1, 2, 3, 4, 8, 12) for V in Vs if s != "interleaved" or M <= P or M % P == 0]
 
 
 def argv(*flags):
@@ -38,32 +39,35 @@ def argv(*flags):
 
 @pytest.mark.parametrize("schedule,P,M,V", GRID)
 def test_each_chunk_and_micro_batch_runs_once_forward_before_backward(schedule, P, M, V):
+    ops = "FBW" if schedule in S.SPLIT_BACKWARD else "FB"  # zb1, zbv: the weight gradient W after its B
     for rank, actions in enumerate(S.build(schedule, P, M, V)):
         computes = [(a.op, a.chunk, a.mb) for a in actions if a.op in S.COMPUTE]
-        assert sorted(computes) == sorted((op, c, i) for op in "FB" for c in range(V) for i in range(M)), rank
+        assert sorted(computes) == sorted((op, c, i) for op in ops for c in range(V) for i in range(M)), rank
         for _, c, i in computes:
             assert computes.index(("F", c, i)) < computes.index(("B", c, i))
+            assert "W" not in ops or computes.index(("B", c, i)) < computes.index(("W", c, i))
 
 
 @pytest.mark.parametrize("schedule,P,M,V", GRID)
 def test_sends_match_receives_in_order_between_neighbouring_stages(schedule, P, M, V):
-    actions = S.build(schedule, P, M, V)
+    actions, vshape = S.build(schedule, P, M, V), schedule in S.VSHAPED
     for src in range(P):
         for dst in range(P):
             sent = []  # what src sends to dst, as the receive it must meet: (op, chunk on dst, mb)
             for a in actions[src]:
                 if a.op in S.SENDS and a.peer == dst:
-                    v = S.stage_of(src, a.chunk, P) + (1 if a.op == "SEND_F" else -1)
-                    assert S.place(v, P)[0] == dst, f"{a} goes to the wrong rank"
-                    sent.append(("RECV_" + a.op[-1], S.place(v, P)[1], a.mb))
+                    v = S.stage_of(src, a.chunk, P, vshape) + (1 if a.op == "SEND_F" else -1)
+                    assert S.place(v, P, vshape)[0] == dst != src, f"{a} goes to the wrong rank"
+                    sent.append(("RECV_" + a.op[-1], S.place(v, P, vshape)[1], a.mb))
             received = [(a.op, a.chunk, a.mb) for a in actions[dst] if a.op in S.RECVS and a.peer == src]
             assert sent == received, (src, dst)
 
 
 @pytest.mark.parametrize("schedule,P,M,V", GRID)
 def test_no_deadlock_when_every_stream_runs_its_batches_in_order(schedule, P, M, V):
-    check_no_deadlock(S.build(schedule, P, M, V), P, V)
-    check_no_deadlock(S.forward_only(P, M, V), P, V)
+    vshape = schedule in S.VSHAPED
+    check_no_deadlock(S.build(schedule, P, M, V), P, V, vshape)
+    check_no_deadlock(S.forward_only(P, M, V, vshape), P, V, vshape)
 
 
 def test_the_deadlock_check_catches_a_receive_posted_out_of_order():
@@ -74,13 +78,14 @@ def test_the_deadlock_check_catches_a_receive_posted_out_of_order():
         check_no_deadlock(actions, 2, 1)
 
 
-@pytest.mark.parametrize("schedule,V", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("schedule,V", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
+                                        ("zb1", 1), ("zbv", 2)])
 @pytest.mark.parametrize("P,M", [(2, 2), (4, 4), (4, 8), (4, 16), (8, 16)])
 def test_simulated_bubble_equals_theory(schedule, V, P, M):
-    timeline = S.simulate(S.SCHEDULES[schedule](P, M, V), P, V)
+    timeline = S.simulate(S.SCHEDULES[schedule](P, M, V), P, V, schedule in S.VSHAPED)
     end = max(e for row in timeline for _, e, _ in row)
     for row in timeline:
-        assert sum(e - s for s, e, _ in row) / end == pytest.approx(S.theoretical_utilization(P, M, V))
+        assert sum(e - s for s, e, _ in row) / end == pytest.approx(S.theoretical_utilization(P, M, V, schedule))
 
 
 def test_the_timeline_command_draws_every_stage_and_the_utilization(capsys):
@@ -206,6 +211,9 @@ SCHEDULE_RUNS = {  # name: (world, reference layers, flags); global batch 8, so 
     for P in (2, 4) for m in (1, P, 2 * P)
     for s, n, extra in (("gpipe", 4, []), ("1f1b", 4, []),
                         ("interleaved", 8, ["--n-layer", "8", "--pp-virtual", "2"]))}
+SCHEDULE_RUNS.update({  # the zero-bubble schedules at M = 2P (other M: tests/test_pp_zero_bubble.py)
+    f"pp{P}-{s}-M{2 * P}": (P, n, ["--pp", str(P), "--pp-schedule", s, "--micro-batch", str(8 // (2 * P))] + extra)
+    for P in (2, 4) for s, n, extra in (("zb1", 4, []), ("zbv", 4 * P // 2, ["--n-layer", str(4 * P // 2)]))})
 COMPOSED_RUNS = {  # all on 4 ranks
     "pp2xdp2-ddp": ["--pp", "2", "--dp", "2", "--micro-batch", "2"],
     "pp2xdp2-fsdp": ["--pp", "2", "--dp", "2", "--micro-batch", "2", "--dp-mode", "fsdp"],
@@ -220,6 +228,12 @@ COMPOSED_RUNS = {  # all on 4 ranks
     "pp2xtp2-sp": ["--pp", "2", "--tp", "2", "--sp"],
     "pp2xcp2": ["--pp", "2", "--cp", "2"],
     "pp4-ckpt-full": ["--pp", "4", "--micro-batch", "2", "--ckpt", "full"],
+    **{f"pp2xdp2-fsdp-{s}": ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--dp-mode", "fsdp", "--pp-schedule", s]
+       for s in ("zb1", "zbv")},
+    **{f"pp2xtp2-sp-{s}": ["--pp", "2", "--tp", "2", "--sp", "--pp-schedule", s] for s in ("zb1", "zbv")},
+    "pp4-ckpt-full-zb1": ["--pp", "4", "--micro-batch", "2", "--ckpt", "full", "--pp-schedule", "zb1"],
+    "pp4-ckpt-full-zbv": ["--pp", "4", "--micro-batch", "1", "--ckpt", "full", "--pp-schedule", "zbv",
+                          "--n-layer", "8"],
 }
 
 
