@@ -4,7 +4,7 @@
     python bench/pp_bubble.py --schedules 1f1b,zb1 --micro-batches 4,8
     python bench/pp_bubble.py --quick
 
-Equal-cost stages: an 8-layer GPT (d 512, ffn 1536, 128 tokens per micro-batch, the 257-token byte vocab) with two
+Equal-cost stages: an 8-layer GPT (d 512, ffn 1536, micro-batches of 2 x 128 tokens, the 257-token byte vocab), two
 layers per stage (gpipe, 1f1b, zb1) or one per chunk (interleaved with V = 2, zbv), so a stage's work is the same
 under every schedule; the embedding lookup and the head (2·d·V FLOPs per token, ~4% of a layer) tilt the first and
 last stage a little (zbv puts both on rank 0). Each rank runs one thread. The executor (parallel/pp.py) records per
@@ -53,7 +53,7 @@ def chunks_per_rank(schedule):
     return S.chunks_per_rank(schedule, 2 if schedule == "interleaved" else 1)
 
 
-def _measure(rank, world, cfg_fields, schedules, micro_counts, steps, min_micro_batches, warmup=1):
+def _measure(rank, world, cfg_fields, seqs, schedules, micro_counts, steps, min_micro_batches, warmup=1):
     """Per (schedule, M): each measured step's (utilization, seconds), peak activation sets, median F/B/W seconds (a
     stage's worth). The schedules take turns step by step, so a stall from another job on the machine hits them
     alike."""
@@ -72,8 +72,9 @@ def _measure(rank, world, cfg_fields, schedules, micro_counts, steps, min_micro_
         runs[schedule] = (chunks, DDP(torch.nn.ModuleList(chunks), mesh), V)
     out = {}
     for n_micro in micro_counts:
-        batches = [(torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=gen),
-                    torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=gen)) for _ in range(n_micro)]
+        shape = (seqs, cfg.seq_len)
+        batches = [(torch.randint(0, cfg.vocab_size, shape, generator=gen),
+                    torch.randint(0, cfg.vocab_size, shape, generator=gen)) for _ in range(n_micro)]
         records = {s: [] for s in schedules}
         for step in range(warmup + max(steps, min_micro_batches // n_micro)):  # short steps: more of them
             for schedule, (chunks, wrapper, _) in runs.items():
@@ -135,9 +136,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
-    cfg, steps, min_micro_batches = (QUICK, 1, 0) if args.quick else (FULL, args.steps, 16)
+    cfg, seqs, steps, min_micro_batches = (QUICK, 1, 1, 0) if args.quick else (FULL, 2, args.steps, 16)
     t0, load_before = time.time(), os.getloadavg()[0]
-    per_rank = run_ranks(_measure, P, args=(cfg, schedules, micro_counts, steps, min_micro_batches), timeout=1200)
+    per_rank = run_ranks(_measure, P, args=(cfg, seqs, schedules, micro_counts, steps, min_micro_batches),
+                         timeout=1200)
     cores = common.cpu_cores()
     rows, util, worst = [], {}, 0.0
     for m in micro_counts:
@@ -166,7 +168,7 @@ def main(argv=None):
                      f"peak activation sets, the fullest stage: zb1 {sets['zb1']:g}, 1f1b {sets['1f1b']:g} "
                      "(acceptance: zb1 <= 1f1b + 1)"]
     notes = [f"P = {P} stages, one gloo rank and one thread per stage, {cores} CPU cores; model {cfg}, micro-batch "
-             f"1 x {cfg['seq_len']} tokens, {cfg['n_layer'] // P} layers per stage; max({steps}, "
+             f"{seqs} x {cfg['seq_len']} tokens, {cfg['n_layer'] // P} layers per stage; max({steps}, "
              f"{min_micro_batches}/M) steps after one warmup step, the schedules taking turns step by step. "
              "measured: the fastest step (other jobs on shared cores only add time, so the least disturbed step is the "
              "closest to the schedule's own behaviour); median step: each stage's median, averaged over stages.",
