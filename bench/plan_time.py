@@ -36,7 +36,7 @@ import math
 from functools import lru_cache
 
 from bench.plan_comm import collectives
-from bench.plan_layout import ACT_B, BUCKET_MB, G_B, GB, Shape, shard_size
+from bench.plan_layout import BUCKET_MB, G_B, GB, Shape, shard_size
 from bench.plan_ours import fsdp_parts
 from model import flops_per_token
 from parallel.ddp import all_reduce_bytes
@@ -48,7 +48,6 @@ ATTN_EFF = 0.40      # FlashAttention-2 fwd+bwd on H100 (PyTorch SDPA's flash ke
 ATTN_KEYS0 = 512     # a kernel streaming K keys: * K/(K + 512) (short ring-CP blocks run slower)
 ELEM_BYTES = 75      # HBM bytes per token per layer per unit of d+f: norms, RoPE, SwiGLU, residuals fwd+bwd
 BUS_EFF = 0.80       # NCCL bus bandwidth / link bandwidth (nccl-tests)
-LAT_INTRA, LAT_INTER = 1e-6, 5e-6  # seconds per ring step over NVLink, over the network
 TP_EXPOSED = 0.6     # 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
 OVERLAP_TAX = 0.25   # compute slowdown per second of hidden communication (NCCL uses ~16-32 of 132 SMs)
 
@@ -56,8 +55,9 @@ OVERLAP_TAX = 0.25   # compute slowdown per second of hidden communication (NCCL
 # ---------------------------------------------------------------- links
 
 @lru_cache(maxsize=None)
-def members_per_node(gpus_per_node, tp, cp, pp, dp, S, group):
-    """How many members of rank 0's `group` (tp, cp, pp, dp = dp x cp, shard, replica) share its node."""
+def members_per_node(gpus_per_node, tp, cp, pp, dp, S, group, order="node"):
+    """How many members of rank 0's `group` (tp, cp, pp, dp = dp x cp, shard, replica) share its node: ranks
+    0..gpus_per_node-1, or every (world / gpus_per_node)-th rank under the interleaved order."""
     def key(r):  # rank -> (tp, cp, pp, dp) coordinates, tp fastest; equal keys share a group
         t, r = r % tp, r // tp
         c, r = r % cp, r // cp
@@ -65,7 +65,10 @@ def members_per_node(gpus_per_node, tp, cp, pp, dp, S, group):
         pos = c + cp * d  # position in the dp x cp group
         return {"tp": (c, p, d), "cp": (t, p, d), "pp": (t, c, d), "dp": (t, p),
                 "shard": (t, p, pos // S), "replica": (t, p, pos % S)}[group]
-    return sum(key(r) == key(0) for r in range(min(gpus_per_node, tp * cp * pp * dp)))
+    world = tp * cp * pp * dp
+    nodes = max(world // gpus_per_node, 1)
+    mine = range(0, world, nodes) if order == "interleaved" else range(min(gpus_per_node, world))
+    return sum(key(r) == key(0) for r in mine)
 
 
 def seconds(cl, lay, group, nbytes, steps):
@@ -73,10 +76,11 @@ def seconds(cl, lay, group, nbytes, steps):
     S = shard_size(lay)
     size = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp, "shard": S,
             "replica": lay.dp * lay.cp // S}[group]
-    k = members_per_node(cl.gpus_per_node, lay.tp, lay.cp, lay.pp, lay.dp, S, group)
+    k = members_per_node(cl.gpus_per_node, lay.tp, lay.cp, lay.pp, lay.dp, S, group, lay.order)
+    eff = 1.0 if cl.measured else BUS_EFF
     if k == size:
-        return nbytes / (BUS_EFF * cl.intra_gbs * GB) + steps * LAT_INTRA
-    return nbytes / (BUS_EFF * min(cl.intra_gbs, k * cl.inter_gbs) * GB) + steps * LAT_INTER
+        return nbytes / (eff * cl.intra_gbs * GB) + steps * cl.lat_intra_us * 1e-6
+    return nbytes / (eff * min(cl.intra_gbs, k * cl.inter_gbs) * GB) + steps * cl.lat_inter_us * 1e-6
 
 
 # ---------------------------------------------------------------- time
@@ -86,11 +90,17 @@ def hide(t_comm, window):
     return max(t_comm - window, 0.0) + OVERLAP_TAX * min(t_comm, window)
 
 
+def gloo_rs(cl):
+    """A reduce-scatter's bytes on the wire over its ring bytes: 2 on gloo, whose reduce-scatter takes as long as an
+    all-reduce of its whole input (bench/results/cluster.md: at half the ring bytes, half the bus bandwidth)."""
+    return 2 if cl.backend == "gloo" else 1
+
+
 def ours_tp(s, cl, flop):
     """Exposed TP seconds per microbatch on the busiest stage, --code ours (parallel/tp.py, tp_overlap.py); flop:
     seconds per matmul FLOP of t rows on one GPU."""
     cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
-    unit = seconds(cl, lay, "tp", seq_collective_bytes(t, d, tp, ACT_B), tp - 1)  # one (t, d) all-gather or RS
+    unit = seconds(cl, lay, "tp", seq_collective_bytes(t, d, tp, cl.dtype_bytes), tp - 1)  # a (t, d) gather or RS
     n = activation_collectives(1, False, False, lay.sp, lay.ckpt != "none")  # per layer; an all-reduce is 2
     head_units, mm = 2 + lay.sp, 6 * (s.p_layer - 2 * d) * (1 + (lay.ckpt == "full") / 3) * t * flop
     if not lay.overlap:
@@ -115,9 +125,10 @@ def ours_dp(s, cl, t_stage):
     """Exposed FSDP/HSDP seconds per step on the busiest stage, --code ours with overlap (parallel/fsdp.py, hsdp.py)."""
     lay, M, worst = s.lay, s.M, 0.0
     for layers, params, embed, head, _ in s.stages():
-        parts, units = fsdp_parts(s, layers, params, embed, head)
-        gather, reduce = (seconds(cl, lay, "dp" if lay.dp_mode == "fsdp" else "shard", *parts[k])
-                          for k in ("gather", "reduce"))
+        parts, units = fsdp_parts(s, layers, params, embed, head, w_bytes=cl.dtype_bytes)
+        (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
+        group = "dp" if lay.dp_mode == "fsdp" else "shard"
+        gather, reduce = seconds(cl, lay, group, gb, gs), seconds(cl, lay, group, rb * gloo_rs(cl), rs)
         replica = seconds(cl, lay, "replica", *parts["replica"]) if "replica" in parts else 0.0
         if lay.pp > 1:  # each unit gathered once, under the first forward; reduce-scattered under each backward
             exp = hide(gather, t_stage / 3) + M * hide(reduce / M, t_stage * 2 / 3) + (gather + reduce / M) / units
@@ -139,18 +150,23 @@ def shape_step_time(s, cl):
     cfg, lay, d, tp, most = s.cfg, s.lay, s.cfg.d_model, s.lay.tp, s.most
     peak, hbm = cl.peak_tflops * 1e12, cl.hbm_tbs * 1e12
     keys = s.seq / lay.cp if lay.cp_mode == "ring" else s.seq
-    flop = 1 / (peak * MM_EFF * s.t / (s.t + MM_ROWS0))  # seconds per matmul FLOP over t rows
+    if cl.measured:  # rates measured at this workload's sizes: seconds per FLOP as they are
+        flop = head_flop = 1 / peak
+        attn = 12 * d * s.seq / tp / (cl.attn_tflops * 1e12)
+    else:
+        flop = 1 / (peak * MM_EFF * s.t / (s.t + MM_ROWS0))  # seconds per matmul FLOP over t rows
+        head_flop = 1 / (peak * MM_EFF)
+        attn = 12 * d * s.seq / tp / (peak * ATTN_EFF * keys / (keys + ATTN_KEYS0))
     mm = 6 * (s.p_layer - 2 * d) * flop
-    attn = 12 * d * s.seq / tp / (peak * ATTN_EFF * keys / (keys + ATTN_KEYS0))
-    elem = ELEM_BYTES * (d + cfg.ffn_dim) / tp / hbm
+    elem = ELEM_BYTES * cl.dtype_bytes / 2 * (d + cfg.ffn_dim) / tp / hbm  # ELEM_BYTES: of bf16 tensors
     t_layer = mm + attn + elem  # seconds per token per layer on one GPU
     redo = {"none": 0.0, "selective": elem / 3, "full": t_layer / 3}[lay.ckpt]
-    t_head = 6 * s.p_embed / (peak * MM_EFF) + 16 * cfg.padded_vocab / tp / hbm
+    t_head = 6 * s.p_embed * head_flop + 16 * cfg.padded_vocab / tp / hbm
     h = t_head / (t_layer + redo)  # the head in layers
     first, _, last = s.layers
     load = max(first, most, last + h) if lay.pp > 1 else first + h
     ideal = (cfg.n_layer + h) / lay.pp
-    sent = collectives(s)
+    sent = collectives(s, cl.dtype_bytes, G_B, cl.dtype_bytes)
     comm = {k: seconds(cl, lay, k, *v) for k, v in sent.items()}
     if s.code == "ours" and tp > 1:  # per microbatch, the busiest stage
         tp_mb = ours_tp(s, cl, flop)
@@ -171,9 +187,9 @@ def shape_step_time(s, cl):
     g = lay.dp * lay.cp
     if g > 1 and not lay.overlap:
         out["dp"] = sum(comm.get(k, 0.0) for k in ("dp", "shard", "replica"))
-    elif g > 1 and lay.dp_mode == "ddp":  # under the last backward; the last bucket after it
-        bucket = seconds(cl, lay, "dp", 2 * (g - 1) / g * BUCKET_MB * 1e6, 2 * math.ceil(math.log2(g)))
-        out["dp"] = hide(comm["dp"], t_stage * 2 / 3) + bucket
+    elif g > 1 and lay.dp_mode == "ddp":  # under the last backward but the last bucket, which starts as it ends
+        last = comm["dp"] / math.ceil(G_B * s.p_gpu / (BUCKET_MB * 1e6))
+        out["dp"] = hide(comm["dp"] - last, t_stage * 2 / 3) + last
     elif g > 1 and s.code == "ours":
         out["dp"] = ours_dp(s, cl, t_stage)
     elif g > 1:  # per round (a microbatch, or the step when P > 1): under it, except one layer's share
