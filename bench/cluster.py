@@ -28,11 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from bench.cluster_net import Net, can_admin_net  # noqa: E402
-from bench.cluster_report import JOBS, LAYOUTS, MODEL, report  # noqa: E402
+from bench.cluster_report import JOBS, LAYOUTS, MODEL, OPS, report  # noqa: E402
 from parallel.launch import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "cluster_worker.py"
-OPS = ["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 SIZES = [16, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
 
 
@@ -95,23 +94,23 @@ def run_jobs(args, log):
     """{job: [rank 0's results of each round]}, the jobs alternating for --rounds rounds, and the shaping used."""
     results = {job: [] for job in JOBS}
     base = {"model": MODEL, "warmup": args.warmup, "steps": args.steps, "rounds": 1, "rate_rows": 128,
-            "sizes": SIZES, "ops": OPS, "target_s": 0.1}
-    with Net(args.nodes, args.gbit, args.delay_ms, args.nodes * args.ranks) as net, \
+            "sizes": SIZES, "ops": list(OPS), "target_s": 0.1}
+    with Net(args.nodes, args.gbit, args.delay_ms, args.nodes * args.ranks, rails=args.ranks) as net, \
             tempfile.TemporaryDirectory() as tmp:
-        base["cgroups"] = str(net.cgroups) if net.cgroups else None
+        base.update(cgroups=str(net.cgroups) if net.cgroups else None, rails=args.ranks)
         print(f"cluster: {args.nodes} namespaces x {args.ranks} ranks, links {args.gbit:g} Gbit/s each way "
               f"({net.shaping}{'' if net.shaping == 'netem' else ': this kernel has no sch_netem, no delay added'})",
               flush=True)
         for rnd in range(args.rounds):
             for job in JOBS:
                 layouts = {name: flags for name, (j, flags, _) in LAYOUTS.items() if j == job}
-                tasks = ["train"] + ["rate", "collectives"] * (JOBS[job][1] == "node" and rnd == 0)
+                tasks = ["collectives"] * (JOBS[job][1] == "node") + ["train"]
                 t0, sent = time.perf_counter(), net.sent_bytes()
                 res = run_worker(net, job, {**base, "layouts": layouts, "tasks": tasks}, args, tmp, log)
                 res["link_bytes"] = [b - a for a, b in zip(sent, net.sent_bytes())]
                 results[job].append(res)
                 print(f"  round {rnd + 1}, {job}: {time.perf_counter() - t0:.0f} s", flush=True)
-        return results, net.shaping
+        return results, net.shaping, net.cpu_share
 
 
 def main(argv=None):
@@ -132,9 +131,9 @@ def main(argv=None):
     log_path = Path(args.out) / "logs" / "cluster_ranks.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        results, shaping = run_jobs(args, log)
+        results, shaping, cpu_share = run_jobs(args, log)
     (log_path.parent / "cluster.json").write_text(json.dumps(results))
-    claims = report(results, args, shaping, Path(args.out))
+    claims = report(results, args, shaping, cpu_share, Path(args.out))
     print("\n".join(f"{claim}: {'yes' if ok else 'NO'}" for claim, ok in claims.items()))
     return 0
 

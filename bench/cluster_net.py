@@ -1,16 +1,19 @@
 """An emulated cluster on one Linux machine: network namespaces as nodes, veth pairs through a bridge as their
 links, tc as the link speed. Needs root (CAP_NET_ADMIN); bench/cluster.py runs training layouts on it.
 
-    with Net(nodes=2, gbit=1.0, delay_ms=0.2, ranks=4) as net:  # builds; tears down on exit, error or signal
-        net.run(0, ["ip", "addr"])                                  # a command inside node 0
+    with Net(nodes=2, gbit=1.0, delay_ms=0.2, ranks=4, rails=2) as net:  # builds; tears down on exit, error, signal
+        net.run(0, ["ip", "addr"])                                           # a command inside node 0
 
 What it builds, every name under one prefix unique to this process (`npc<pid>x<hex>`):
-  PREFIX-sw      a namespace holding the switch: bridge br0 and one veth port vK per node;
-  PREFIX-nK      node K: loopback up (its ranks talk over it) and eth0, the other end of vK, at 10.77.0.(K+1)/24.
-Addresses exist only inside these namespaces; the machine's own namespace is never touched. Shaping: the node's
-eth0 (what it sends) and the switch's vK (what it receives) each get a root qdisc, so every node has a full-duplex
-link of --gbit each way: netem with the rate and delay_ms where the kernel has sch_netem, else tbf at the rate and
-no added delay (the latency the bench measures is then the stack's own; `Net.shaping` says which).
+  PREFIX-sw      a namespace holding the switch: bridge br0 and a veth port vKrJ per node K and rail J;
+  PREFIX-nK      node K: loopback up (its ranks talk over it) and per rail J an interface ethJ, the other end of vKrJ,
+                 at 10.77.J.(K+1)/24.
+A rail is a NIC: as on GPU clusters, local rank J of every node has its own (`rails` = ranks per node; 1: one NIC a
+node's ranks share). Each rail is its own subnet, so a message to local rank J of another node leaves through rail J.
+Addresses exist only inside these namespaces; the machine's own namespace is never touched. Shaping: a node's ethJ
+(what it sends) and the switch's vKrJ (what it receives) each get a root qdisc, so every NIC is a full-duplex link
+of --gbit each way: netem with the rate and delay_ms where the kernel has sch_netem, else tbf at the rate and no
+added delay (the latency the bench measures is then the stack's own; `Net.shaping` says which).
 A rank is a device of its own, as a GPU is: with `ranks`, each gets a cgroup capping it at its share of the machine's
 cores (cgroup v1's CFS quota, PREFIX/rankR under /sys/fs/cgroup/cpu; a rank joins its own with `join_cpu_share`).
 Without it, ranks outnumbering the cores would lend each other the cycles one spends waiting on the network, and a
@@ -27,7 +30,7 @@ import subprocess
 import time
 from pathlib import Path
 
-SUBNET = "10.77.0"
+SUBNET = "10.77"
 NAME_RE = re.compile(r"^npc(\d+)x[0-9a-f]+(-|$)")
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 2_000  # the quota's period: a rank runs its share of every 2 ms (a peer is never throttled long)
@@ -123,15 +126,15 @@ def join_cpu_share(folder, rank):
 class Net:
     """K namespaces joined by shaped links; a context manager that always removes what it made."""
 
-    def __init__(self, nodes=2, gbit=1.0, delay_ms=0.2, ranks=0):
-        self.nodes, self.gbit, self.delay_ms, self.ranks = nodes, gbit, delay_ms, ranks
+    def __init__(self, nodes=2, gbit=1.0, delay_ms=0.2, ranks=0, rails=1):
+        self.nodes, self.gbit, self.delay_ms, self.ranks, self.rails = nodes, gbit, delay_ms, ranks, rails
         self.prefix = f"npc{os.getpid()}x{secrets.token_hex(2)}"
         self.switch = f"{self.prefix}-sw"
         self.names = [f"{self.prefix}-n{k}" for k in range(nodes)]
         self.made, self.shaping, self.cgroups, self.cpu_share = [], None, None, None
 
-    def addr(self, node):
-        return f"{SUBNET}.{node + 1}"
+    def addr(self, node, rail=0):
+        return f"{SUBNET}.{rail}.{node + 1}"
 
     def ns(self, name, *cmd):
         return sh(["ip", "netns", "exec", name, *cmd])
@@ -171,14 +174,16 @@ class Net:
             self.ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
             self.ns(self.switch, "ip", "link", "set", "br0", "up")
             for k, name in enumerate(self.names):
-                self._add(name)
-                self.ns(self.switch, "ip", "link", "add", f"v{k}", "type", "veth", "peer", "name", "eth0",
-                        "netns", name)
-                self.ns(self.switch, "ip", "link", "set", f"v{k}", "master", "br0", "up")
-                self.ns(name, "ip", "addr", "add", f"{self.addr(k)}/24", "dev", "eth0")
-                self.ns(name, "ip", "link", "set", "eth0", "up")
-                self._shape(name, "eth0")
-                self._shape(self.switch, f"v{k}")
+                self._add(name)  # each NIC answers ARP for its own address only, so rail J's traffic stays on rail J
+                self.ns(name, "sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=1", "net.ipv4.conf.all.arp_announce=2")
+                for j in range(self.rails):
+                    port, nic = f"v{k}r{j}", f"eth{j}"
+                    self.ns(self.switch, "ip", "link", "add", port, "type", "veth", "peer", "name", nic, "netns", name)
+                    self.ns(self.switch, "ip", "link", "set", port, "master", "br0", "up")
+                    self.ns(name, "ip", "addr", "add", f"{self.addr(k, j)}/24", "dev", nic)
+                    self.ns(name, "ip", "link", "set", nic, "up")
+                    self._shape(name, nic)
+                    self._shape(self.switch, port)
         except BaseException:
             self.close()
             raise
@@ -195,11 +200,12 @@ class Net:
             remove_cgroup(self.cgroups)
 
     def sent_bytes(self):
-        """Bytes each node has sent over its link so far (its eth0 qdisc's counter)."""
+        """Bytes each node has sent over its NICs so far (their qdiscs' counters)."""
         out = []
         for name in self.names:
-            text = self.ns(name, "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
-            out.append(int(re.search(r"Sent (\d+) bytes", text).group(1)))
+            text = self.ns(name, "tc", "-s", "qdisc", "show").stdout
+            out.append(sum(int(n) for dev, n in re.findall(r"dev (\S+) root.*?\n Sent (\d+) bytes", text)
+                           if dev.startswith("eth")))
         return out
 
     def popen(self, node, cmd, **kw):

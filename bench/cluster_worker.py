@@ -4,14 +4,12 @@
         bench/cluster_worker.py --spec SPEC.json --out RESULT.json
 
 The spec (JSON) names the tasks, in order, and rank 0 writes every result to --out:
-  "rate"         each rank's matmul FLOP/s while every rank runs one at once (the cores are shared, as the
-                 ranks share them in training): one (t, d) @ (d, f) of the model's microbatch, and its backward
-                 shapes; the median rank's best.
   "collectives"  bench/collectives.py's sweep over the intra-node groups (a node's ranks) and the inter-node groups
                  (local rank i of every node), all groups of a kind at once.
   "train"        each layout (train.py flags) for `steps` steps of train.train_step on random tokens, `rounds`
                  times, the layouts alternating: per step the slowest rank's seconds and the most seconds a rank
-                 spent blocked in collectives (parallel/comm.py's wait_s: the exposed communication).
+                 spent blocked in collectives (parallel/comm.py's wait_s: the exposed communication); just before
+                 them, the rank's rates (device_rates) at the load the steps will see.
 "order": "interleaved" is the one ablation of placement: rank = local_rank * nodes + node instead of torchrun's
 node * nproc + local_rank, so consecutive ranks (a tp group) land on different nodes.
 """
@@ -51,7 +49,7 @@ def gather(value):
     return out
 
 
-def shared_rate(fn, work, trials=3, trial_s=1.0):
+def shared_rate(fn, work, trials, trial_s=0.5):
     """work / seconds of fn() while every rank runs its own at the same time, the median of a few trials that start
     together: the rate a rank gets of cores it shares (a best-of of short trials would catch the moments when the
     other ranks happen to be descheduled)."""
@@ -81,22 +79,23 @@ def matmuls(cfg, t):
     return [(torch.randn(a), torch.randn(b)) for a, b in pairs]
 
 
-def device_rates(spec):
+def device_rates(spec, trials):
     """What one rank attains while every rank runs the same at once (the cores are shared, as in training), the
-    median over ranks and trials of each: matmul FLOP/s over a block's linears at the microbatch's rows (forward and
-    both backward shapes: all their FLOPs over all their time), causal attention fwd + bwd FLOP/s counted as the
-    planner counts it (12 d T per token), and memory bytes/s of a large elementwise add."""
+    median over ranks and trials of each, at the workload's own sizes: matmul FLOP/s over a block's linears at the
+    microbatch's rows (forward and both backward shapes: all their FLOPs over all their time), causal attention
+    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), and memory bytes/s of an add of two
+    (rows, d + f) activations into a new one, as the model's elementwise ops make theirs."""
     cfg = config.model_config(config.parse_args(spec["model"]), 0)
     t, d, T, hd = spec["rate_rows"], cfg.d_model, cfg.seq_len, cfg.head_dim
     mm = matmuls(cfg, t)
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in mm)
     q, kv = torch.randn(1, cfg.n_head, T, hd), torch.randn(1, cfg.n_kv_head, T, hd)
-    a, b, c = torch.randn(2 ** 22), torch.randn(2 ** 22), torch.empty(2 ** 22)
-    mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops),
-            "attention": shared_rate(lambda: attention(q, kv, kv), 12 * d * T * T),
-            "memory": shared_rate(lambda: torch.add(a, b, out=c), 3 * 4 * a.numel())}
+    a, b = torch.randn(t, d + cfg.ffn_dim), torch.randn(t, d + cfg.ffn_dim)
+    mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops, trials),
+            "attention": shared_rate(lambda: attention(q, kv, kv), 12 * d * T * T, trials),
+            "memory": shared_rate(lambda: a + b, 3 * 4 * a.numel(), trials)}
     ranks = gather(mine)
-    return {k: statistics.median(r[k] for r in ranks) for k in mine} | {"per_rank": ranks, "rows": t}
+    return {k: statistics.median(r[k] for r in ranks) for k in mine}
 
 
 def layout_args(spec, flags):
@@ -144,17 +143,18 @@ def main(argv=None):
     rank, world = placed_rank(spec.get("order", "node")), int(os.environ["WORLD_SIZE"])
     if spec.get("cgroups"):
         join_cpu_share(spec["cgroups"], rank)  # a rank is a device: its share of the cores, lent to no one
+    if spec.get("rails", 1) > 1:  # a rank is a GPU with its own NIC: local rank J talks through rail J
+        os.environ["GLOO_SOCKET_IFNAME"] = f"eth{int(os.environ['LOCAL_RANK']) % spec['rails']}"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {"world": world, "order": spec.get("order", "node"), "per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
            "nodes": gather(os.readlink("/proc/self/ns/net"))}  # each rank's network namespace, in rank order
-    if "rate" in spec["tasks"]:
-        out["rate"] = device_rates(spec)
     if "collectives" in spec["tasks"]:
         out["collectives"] = bench_rank(rank, world, out["per_node"], spec["sizes"], spec["ops"], spec["target_s"])
     if "train" in spec["tasks"]:
-        out["train"] = {name: {"steps": [], "sent": 0.0} for name in spec["layouts"]}
+        out["train"] = {name: {"steps": [], "sent": 0.0, "rates": []} for name in spec["layouts"]}
         for _ in range(spec["rounds"]):
             for name, flags in spec["layouts"].items():
+                out["train"][name]["rates"].append(device_rates(spec, trials=1))  # at the load its steps see
                 steps, sent = train_layout(spec, flags, world, rank)
                 out["train"][name]["steps"] += steps
                 out["train"][name]["sent"] = sent
