@@ -57,6 +57,14 @@ def main(argv=None):
     ap.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--intra-gbs", type=positive_float, default=450.0, help="NVLink GB/s per direction per GPU")
     ap.add_argument("--inter-gbs", type=positive_float, default=50.0, help="network GB/s per GPU (400 Gb/s)")
+    ap.add_argument("--hbm-tbs", type=positive_float, default=3.35, help="memory TB/s per GPU (H100 SXM: 3.35)")
+    ap.add_argument("--lat-intra-us", type=positive_float, default=1.0, help="latency per ring step inside a node")
+    ap.add_argument("--lat-inter-us", type=positive_float, default=5.0, help="latency per ring step across nodes")
+    ap.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="gloo: reduce-scatter = all-reduce")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (fp32: a CPU cluster)")
+    ap.add_argument("--measured", action="store_true", help="the rates were measured on this cluster at these sizes "
+                    "(bench/cluster.py): no H100 efficiency factors")
+    ap.add_argument("--attn-tflops", type=positive_float, help="with --measured: the measured attention rate")
     ap.add_argument("--seq-len", type=positive_int, help="default: the preset's")
     ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
     ap.add_argument("--top", type=positive_int, default=10)
@@ -81,7 +89,12 @@ def main(argv=None):
         print(f"error: {problem[0]}: {problem[1]}", file=sys.stderr)
         return 2
     seq = args.seq_len or cfg.seq_len
-    cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs)
+    if args.measured and not args.attn_tflops:
+        print("error: --measured: needs --attn-tflops, the attention rate measured with the others", file=sys.stderr)
+        return 2
+    cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs,
+                 args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
+                 args.measured, args.attn_tflops or 0.0)
     batch = max(1, (args.global_batch_tokens or default_batch_tokens(cfg)) // seq)
     total, non_emb = param_counts(cfg)
     print(f"{args.model}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), seq {seq}, batch "

@@ -33,6 +33,15 @@ class Cluster:
     intra_gbs: float = 450.0    # NVLink 4, per direction per GPU
     inter_gbs: float = 50.0     # one 400 Gb/s NIC per GPU
     hbm_tbs: float = 3.35       # HBM3, H100 SXM
+    lat_intra_us: float = 1.0   # per ring step over NVLink
+    lat_inter_us: float = 5.0   # per ring step over the network
+    backend: str = "nccl"       # gloo: a reduce-scatter takes as long as an all-reduce of its whole input
+    dtype_bytes: int = 2        # the compute dtype's: bf16 on GPUs; 4 on a CPU, which trains in fp32
+    # measured=True: the rates above (and attn_tflops) were measured on this cluster at the workload's own sizes
+    # (bench/cluster.py), so plan_time.py's H100 factors (GEMM and attention efficiency, NCCL's bus efficiency)
+    # do not apply to them
+    measured: bool = False
+    attn_tflops: float = 0.0    # measured attention fwd + bwd rate (12*d*T FLOPs per token), measured clusters
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,8 @@ class Layout:
     overlap: bool = True    # collectives overlap compute (train.py --no-overlap: overlap=0, every one blocks)
     accumulate: str = "sharded"  # fsdp/hsdp micro-batch gradients (train.py --accumulate): sharded | unsharded
     fp8: bool = False       # train.py --dtype fp8 (--fp8-all-gather under fsdp/hsdp): block matmuls and gathers in fp8
+    order: str = "node"     # node: a node holds consecutive ranks (torchrun); interleaved: rank r on node r % nodes,
+    #                         bench/cluster.py's ablation that puts tp across nodes
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
@@ -62,6 +73,7 @@ class Layout:
         s += ",overlap=0" if not self.overlap else ""
         s += f",accumulate={self.accumulate}" if self.accumulate != "sharded" else ""
         s += ",fp8=1" if self.fp8 else ""
+        s += f",order={self.order}" if self.order != "node" else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
@@ -110,6 +122,7 @@ def invalid(cfg, cl, lay, seq, batch):
         (lay.cp_mode not in ("ring", "ulysses", "allgather"), "cp_mode: ring | ulysses | allgather"),
         (lay.accumulate not in ("sharded", "unsharded"), "accumulate: sharded | unsharded"),
         (lay.accumulate != "sharded" and lay.dp_mode == "ddp", "accumulate=unsharded needs dp_mode fsdp or hsdp"),
+        (lay.order not in ("node", "interleaved"), "order: node | interleaved"),
     ]:
         if bad:
             return why

@@ -8,8 +8,8 @@ Each script runs in its own process group with --out set to the results folder (
 bench/results); its output goes to logs/NAME.log there, and the lines `ANSWER Lk: text` it prints
 (bench/common.answer) are the headline answers. INDEX.md lists L1-L28: the question, the scripts and
 tests that answer it, and the latest measured answer (kept in answers.json across partial runs). Scripts
-that need a GPU are skipped on a CPU machine with a message; a script that has not landed yet is
-reported as missing.
+that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster.py) without root
+(CAP_NET_ADMIN) likewise; a script that has not landed yet is reported as missing.
 
 Budgets guard against hangs; they are not a pass mark. Each is generous (several times what the script
 takes on an idle machine; --budget-scale stretches them all). A script still running at its budget is
@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
+from bench.cluster_net import can_admin_net  # noqa: E402
 
 QUESTIONS = {
     "L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
@@ -101,6 +102,7 @@ class Script:
     budget_s: int                # over budget past this (stopped if it wrote something); hung at HANG_FACTOR x
     args: list = field(default_factory=list)
     gpu_only: bool = False
+    net_admin: bool = False      # makes network namespaces (needs root or CAP_NET_ADMIN)
     name: str = ""               # log name (defaults to the file name)
     takes_out: bool = True       # accepts --out DIR (run_all passes its results folder)
 
@@ -125,6 +127,8 @@ REGISTRY = [
     Script("bench/ddp_buckets.py", ["L9", "L10"], 240),
     Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 300),
     Script("bench/pp_bubble.py", ["L26"], 900),  # five schedules, M = 8 and 16
+    # L12 and L15 across emulated nodes (network namespaces, shaped links); its answers replace the loopback ones
+    Script("bench/cluster.py", ["L12", "L15"], 600, net_admin=True),
     Script("bench/ring_vs_sdpa.py", ["L25"], 240, gpu_only=True),  # the bf16 flash kernels
     Script("bench/gpu.py", ["L22"], 1080, gpu_only=True),  # one GPU: ours vs Hugging Face, kernels, ring (< 8 min)
     # GPU only: the small preset with and without full checkpointing (L20 on real hardware).
@@ -305,6 +309,10 @@ def main(argv=None):
                 print(f"{head}: SKIPPED, needs a GPU (none visible); answers {', '.join(s.items)} on a GPU node",
                       flush=True)
                 statuses.append((s, "skipped: needs a GPU", 0.0))
+                continue
+            if s.net_admin and not can_admin_net():
+                print(f"{head}: SKIPPED, needs root (CAP_NET_ADMIN) for network namespaces", flush=True)
+                statuses.append((s, "skipped: needs root (CAP_NET_ADMIN)", 0.0))
                 continue
             if not (common.REPO / s.path).exists():
                 print(f"{head}: MISSING, not on main yet", flush=True)

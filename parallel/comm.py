@@ -7,8 +7,11 @@ Bytes are "sent by this rank" in ring terms, for a group of g ranks and a payloa
 - all-reduce: 2(g-1)/g · N  (a reduce-scatter then an all-gather);
 - all-gather (N = the gathered output) and reduce-scatter (N = the full input): (g-1)/g · N;
 - all-to-all (N = the local input): (g-1)/g · N;  send: N.
-A group of one rank communicates nothing and counts nothing.
+A group of one rank communicates nothing and counts nothing. `wait_s` is the exposed part: the seconds this
+rank's thread spent blocked in a collective (a blocking call, or Pending.wait); p2p requests (send_recv) are
+waited by their callers and not timed.
 """
+import time
 from collections import defaultdict
 
 import torch
@@ -30,12 +33,14 @@ class CommStats:
         self.bytes = defaultdict(float)
         self.log = []  # (kind, group name, bytes) in launch order, for tests that check ordering
         self.timeline = []  # ("launch" | "wait", index into log): when collectives start and finish (p2p: no wait)
+        self.wait_s, self.launched_at = 0.0, 0.0  # seconds blocked in collectives; when the last one was launched
 
     def add(self, kind, group, nbytes):
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
         self.log.append((kind, group, nbytes))
         self.timeline.append(("launch", len(self.log) - 1))
+        self.launched_at = time.perf_counter()
         return len(self.log) - 1
 
     def in_flight(self):
@@ -57,9 +62,11 @@ class Pending:
 
     def wait(self):
         if self.work is not None:
+            t0 = time.perf_counter()
             self.work.wait()
             self.work = None
             if self.stats is not None:
+                self.stats.wait_s += time.perf_counter() - t0
                 self.stats.timeline.append(("wait", self.index))
             if self.after is not None:
                 self.after()
@@ -93,6 +100,7 @@ class Group:
         if async_op:
             return Pending(work, self.stats, index, after)
         self.stats.timeline.append(("wait", index))  # a blocking call is done when it returns
+        self.stats.wait_s += time.perf_counter() - self.stats.launched_at
         if after is not None:
             after()
         return None

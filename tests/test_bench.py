@@ -2,6 +2,7 @@
 runs a registry, reports what runs over its budget (failing only on a crash or a hang), skips GPU-only
 scripts on CPU and indexes L1-L28. No timings are asserted (numbers belong to the bench, not to tests)."""
 import json
+import os
 
 import pytest
 import torch
@@ -120,17 +121,20 @@ def fake_registry(tmp_path):
     slow.write_text("import time\nprint('ANSWER L4: never', flush=True)\ntime.sleep(60)\n")
     return [run_all.Script(str(ok), ["L3", "L12"], 60), run_all.Script(str(slow), ["L4"], 2),
             run_all.Script(str(tmp_path / "absent.py"), ["L26"], 10),
-            run_all.Script(str(ok), ["L20"], 60, gpu_only=True, name="gpu")]
+            run_all.Script(str(ok), ["L20"], 60, gpu_only=True, name="gpu"),
+            run_all.Script(str(ok), ["L15"], 60, net_admin=True, name="cluster")]
 
 
 def test_run_all_runs_stops_skips_and_indexes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run_all, "REGISTRY", fake_registry(tmp_path))
     monkeypatch.setattr(common, "has_cuda", lambda: False)
+    monkeypatch.setattr(run_all, "can_admin_net", lambda: False)
     results = tmp_path / "results"
     assert run_all.main(["--results", str(results)]) == 0  # the slow one printed its answer: over budget, no failure
     out = capsys.readouterr().out
     assert "ok.py: ok" in out and "slow.py: over budget: stopped at its 2 s budget; kept what it wrote" in out
     assert "absent.py: MISSING" in out and "SKIPPED, needs a GPU" in out
+    assert "SKIPPED, needs root (CAP_NET_ADMIN)" in out and "cluster.log" not in os.listdir(results / "logs")
     answers = json.loads((results / "answers.json").read_text())
     assert answers["L3"]["text"] == "fast enough" and answers["L4"]["text"] == "never"
     index = (results / "INDEX.md").read_text()

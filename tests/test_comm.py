@@ -1,0 +1,41 @@
+"""parallel/comm.py's wait_s, the seconds a rank spends blocked in collectives (bench/cluster.py's exposed
+communication): a blocking call that waits for a late peer counts it; an async collective counts only the part of
+the wait its caller's own work between launch and wait did not cover."""
+import time
+
+import torch
+import torch.distributed as dist
+
+from parallel.launch import run_ranks
+from parallel.mesh import Mesh
+
+LATE_S = 0.4
+
+
+def _rank_one_waits_for_rank_zero(rank, world):
+    """wait_s of rank 1 when rank 0 comes LATE_S late to: a blocking all-reduce; an async one with 2 LATE_S of work
+    between launch and wait (all hidden); one with LATE_S / 4 of work (3/4 of the lateness exposed)."""
+    mesh = Mesh(rank, world)
+    group, t, out = mesh.dp_group, torch.ones(4), []
+    for work_s in (None, 2 * LATE_S, LATE_S / 4):
+        dist.barrier()  # both start together (not counted)
+        mesh.stats.reset()
+        if rank == 0:
+            time.sleep(LATE_S)
+        if work_s is None:
+            group.all_reduce(t)
+        else:
+            pending = group.all_reduce(t, async_op=True)
+            time.sleep(work_s if rank == 1 else 0.0)
+            pending.wait()
+        out.append(mesh.stats.wait_s)
+    return out
+
+
+def test_wait_s_counts_the_time_blocked_in_collectives():
+    late, on_time = run_ranks(_rank_one_waits_for_rank_zero, 2)
+    blocking, hidden, exposed = on_time
+    assert blocking > 0.8 * LATE_S, on_time
+    assert hidden < 0.2 * LATE_S, on_time
+    assert 0.5 * LATE_S < exposed < LATE_S, on_time
+    assert max(late) < 0.2 * LATE_S, late  # the late rank finds its peer waiting
