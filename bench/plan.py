@@ -61,7 +61,9 @@ def main(argv=None):
     ap.add_argument("--lat-intra-us", type=positive_float, default=1.0, help="latency per ring step inside a node")
     ap.add_argument("--lat-inter-us", type=positive_float, default=5.0, help="latency per ring step across nodes")
     ap.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="gloo: reduce-scatter = all-reduce")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype (fp32: a CPU cluster)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp8"),
+                    help="compute dtype: fp32 (a CPU cluster), fp8 (the block matmuls at 2x the bf16 rate, FSDP "
+                    "gathers their weights in fp8)")
     ap.add_argument("--measured", action="store_true", help="the rates were measured on this cluster at these sizes "
                     "(bench/cluster.py): no H100 efficiency factors")
     ap.add_argument("--attn-tflops", type=positive_float, help="with --measured: the measured attention rate")
@@ -69,8 +71,6 @@ def main(argv=None):
     ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
     ap.add_argument("--top", type=positive_int, default=10)
     ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
-                    help="fp8: the block matmuls at 2x the bf16 rate, FSDP gathers their weights in fp8")
     ap.add_argument("--code", default="reference", choices=CODES,
                     help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
     ap.add_argument("--compare-fsdp-scope", action="store_true",
