@@ -53,7 +53,7 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
                                "--metrics", str(tmp_path / "single.jsonl")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = launched.communicate(timeout=180)
+        out, _ = launched.communicate(timeout=360)
         single_out, _ = single.communicate(timeout=120)
     finally:
         for p in (launched, single):
