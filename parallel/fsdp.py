@@ -141,14 +141,15 @@ class FSDP:
         if unit.replica is not None:
             raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
         if self.unsharded:  # allocated once, kept across steps: the first backward of a step overwrites it
-            flat = unit.summed = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype) if unit.summed is None \
-                else unit.summed
+            if unit.summed is None:
+                unit.summed = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype)
+            flat = unit.summed
         else:  # one at a time: the reduce-scatter that read it is done (freed by finish_grad_sync)
-            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype) \
-                if self.flat is None else self.flat
+            if self.flat is None:
+                self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
             flat = self.flat[:unit.padded]
         views = unit.views(flat)
-        if self.unsharded and unit.summing:
+        if unit.summing:  # only ever set under unsharded accumulation
             reached = [(v, g) for v, g in zip(views, grads) if g is not None]
             torch._foreach_add_([v for v, _ in reached], [g for _, g in reached])
         else:
