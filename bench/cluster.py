@@ -1,19 +1,20 @@
-"""L12, L15 and the planner's step time, measured on an emulated cluster: network namespaces as nodes joined by
-shaped links (bench/cluster_net.py), one torchrun per node meeting at node 0 (c10d rendezvous).
+"""L12, L15 and the planner's step time, measured on an emulated cluster: network namespaces as nodes, one shaped
+NIC per rank through a bridge, a cpu-capped cgroup per rank (bench/cluster_net.py), one torchrun per node meeting at
+node 0 (c10d rendezvous).
 
-    python bench/cluster.py                        # 2 nodes x 2 ranks, 1 Gbit/s links: the whole table (< 6 min)
+    python bench/cluster.py                        # 2 nodes x 2 ranks, 1 Gbit/s NICs: the whole table (< 6 min)
     python bench/cluster.py --gbit 0.5 --delay-ms 1 --rounds 3
 
 Needs root (CAP_NET_ADMIN); without it prints one line and exits 0. Three jobs, each a torchrun per node running
-bench/cluster_worker.py: 1 node x 4 ranks (FSDP inside one node), 2 nodes x 2 ranks (the rank rate, the
-collectives, DDP, FSDP and HSDP across nodes, tp inside a node) and 2 x 2 with the ranks interleaved over the
-nodes (tp forced across them). --rounds repeats the jobs, alternating, so load from other jobs on the machine
-falls on every layout alike. Every job has a time limit; whatever happens (an error, a failed rank, Ctrl-C,
-SIGTERM), every namespace, link and qdisc made here is removed before the script exits.
+bench/cluster_worker.py: 1 node x 4 ranks (FSDP inside one node), 2 nodes x 2 ranks (DDP, FSDP and HSDP across
+nodes, tp inside a node) and 2 x 2 with the ranks interleaved over the nodes (tp forced across them); the first two
+also sweep the collectives inside and across nodes (L12). --rounds repeats the jobs, alternating, so load from
+other jobs on the machine falls on every layout alike. Every job has a time limit; whatever happens (an error, a
+failed rank, Ctrl-C, SIGTERM), every namespace, link, qdisc and cgroup made here is removed before the script exits.
 
-The planner (bench/plan.py, --code ours) then prices the same layouts from this cluster's own measured constants:
-the ranks' matmul rate as the peak, the intra- and inter-node bus bandwidths and latencies of the collectives
-sweep, the node link shared by its ranks (bench/results/cluster.md).
+The planner (bench/plan.py --code ours --measured) then prices the same layouts from this cluster's own measured
+constants, never a step time: the ranks' matmul, attention and memory rates, the links' bus bandwidths and
+latencies (bench/cluster_report.py; results in bench/results/cluster.md).
 """
 import argparse
 import json

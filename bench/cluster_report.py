@@ -142,7 +142,7 @@ def report(results, args, shaping, cpu_share, out):
         f"The planner's constants, measured by the ranks themselves, all ranks at once, medians over the run: the "
         f"rates sampled before every layout of every round, matmul {const['peak_tflops'] * 1e3:.1f} "
         f"GFLOP/s over a block's linears (its peak), causal attention fwd+bwd {const['attn_tflops'] * 1e3:.1f} "
-        f"GFLOP/s, memory {const['hbm_tbs'] * 1e3:.1f} GB/s at an activation's size; the links' from the sweeps of "
+        f"GFLOP/s, memory {const['hbm_tbs'] * 1e3:.1f} GB/s (a 16 MB add); the links' from the sweeps of "
         f"every round: inside a node {const['intra_gbs']:.3f} GB/s and {const['lat_intra_us']:.0f} us per ring step, "
         f"across nodes {const['inter_gbs']:.3f} GB/s and {const['lat_inter_us']:.0f} us (all-reduce bus bandwidth of "
         "the largest messages, latency of the smallest). The latencies are mostly the scheduler's: a rank woken by "
@@ -156,8 +156,9 @@ def report(results, args, shaping, cpu_share, out):
     text = (out / "cluster.md").read_text().rstrip() + "\n\n" + "\n".join([
         "#### L12: peak bus bandwidth per rank, GB/s (bench/collectives.py's sweep, 16 B to 16 MB)", "",
         common.markdown_table(["collective", "inside a node", "across nodes", "ratio"], l12), "",
-        "Across nodes both ranks of a node send at once, so each gets half the link. gloo's reduce-scatter takes as "
-        "long as an all-reduce of its whole input: half the all-reduce's bus bandwidth.", "",
+        f"Across nodes every rank has its own {args.gbit:g} Gbit/s NIC ({args.gbit / 8:.3f} GB/s). gloo's "
+        "reduce-scatter takes as long as an all-reduce of its whole input (half the bus bandwidth), its all-gather "
+        "reaches about half the all-reduce's.", "",
         "#### Commands", "", common.markdown_table(["layout", "measured (one launcher per node)", "predicted"], cmds),
         ""])
     (out / "cluster.md").write_text(text)

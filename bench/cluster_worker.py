@@ -83,14 +83,14 @@ def device_rates(spec, trials):
     """What one rank attains while every rank runs the same at once (the cores are shared, as in training), the
     median over ranks and trials of each, at the workload's own sizes: matmul FLOP/s over a block's linears at the
     microbatch's rows (forward and both backward shapes: all their FLOPs over all their time), causal attention
-    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), and memory bytes/s of an add of two
-    (rows, d + f) activations into a new one, as the model's elementwise ops make theirs."""
+    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), and memory bytes/s of a 16 MB add, past
+    the caches as a step's weights, gradients and optimizer state are."""
     cfg = config.model_config(config.parse_args(spec["model"]), 0)
     t, d, T, hd = spec["rate_rows"], cfg.d_model, cfg.seq_len, cfg.head_dim
     mm = matmuls(cfg, t)
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in mm)
     q, kv = torch.randn(1, cfg.n_head, T, hd), torch.randn(1, cfg.n_kv_head, T, hd)
-    a, b = torch.randn(t, d + cfg.ffn_dim), torch.randn(t, d + cfg.ffn_dim)
+    a, b = torch.randn(2 ** 22), torch.randn(2 ** 22)
     mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops, trials),
             "attention": shared_rate(lambda: attention(q, kv, kv), 12 * d * T * T, trials),
             "memory": shared_rate(lambda: a + b, 3 * 4 * a.numel(), trials)}

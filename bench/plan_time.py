@@ -16,7 +16,9 @@ with --measured (a cluster that measured its own rates at this workload's sizes,
 factors go: 6*N_layer/tp / peak + 12*d*T/tp / --attn-tflops; ELEM_BYTES counts bf16 tensors (x2 in fp32).
 N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the norms); R = FP8_RATE under fp8
 (the block matmuls at Hopper's dense fp8 peak, 2x bf16's; their casts assumed fused into the neighbouring
-elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16. The head:
+elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16.
+The optimizer's update, --code ours: OPT_BYTES per parameter the rank updates / HBM (ddp.py updates the whole
+replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible). The head:
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
@@ -64,6 +66,8 @@ BUS_EFF = 0.80       # NCCL bus bandwidth / link bandwidth (nccl-tests)
 TP_EXPOSED = 0.6     # 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
 OVERLAP_TAX = 0.25   # compute slowdown per second of hidden communication (NCCL uses ~16-32 of 132 SMs)
 FP8_RATE = 2.0       # dense fp8 over dense bf16 tensor-core peak, H100/H200 SXM: 1979 / 989 TFLOP/s
+OPT_BYTES = 40       # memory bytes per parameter of an update, --code ours: the clip reads the fp32 gradient twice
+#                      and writes it once, fused AdamW reads weight, gradient and both moments and writes three
 
 
 # ---------------------------------------------------------------- links
@@ -216,9 +220,11 @@ def shape_step_time(s, cl):
     chunk = max(1, math.ceil(cfg.n_layer / (lay.pp * lay.V)))  # layers per virtual stage
     P = lay.pp
     idle = {"zb1": max(P - 1, 2 * P - 1 - s.M) / 3, "zbv": max(P - 1, 3 * P - 3 - s.M) / 3}.get(lay.schedule, P - 1)
+    updated = s.p_gpu / (shard_size(lay) if lay.dp_mode != "ddp" else 1)  # parameters this rank's optimizer updates
     out = {"compute": s.M * ideal * s.t * t_layer, "recompute": s.M * ideal * s.t * redo,
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": idle * chunk / most * t_stage,
-           "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0}
+           "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0,
+           "optimizer": (s.code == "ours") * OPT_BYTES * updated / hbm}
     if lay.pp > 1:
         hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage, tax(cl, lay, "pp"))

@@ -8,8 +8,8 @@ Bytes are "sent by this rank" in ring terms, for a group of g ranks and a payloa
 - all-gather (N = the gathered output) and reduce-scatter (N = the full input): (g-1)/g · N;
 - all-to-all (N = the local input): (g-1)/g · N;  send: N.
 A group of one rank communicates nothing and counts nothing. `wait_s` is the exposed part: the seconds this
-rank's thread spent blocked in a collective (a blocking call, or Pending.wait); p2p requests (send_recv) are
-waited by their callers and not timed.
+rank's thread spent blocked in a collective: a blocking call, an async one's launch (gloo's reduce-scatter does
+much of its work there) and Pending.wait; p2p requests (send_recv) are waited by their callers and not timed.
 """
 import time
 from collections import defaultdict
@@ -97,10 +97,10 @@ class Group:
 
     def _started(self, work, index, async_op, after=None):
         """An async launch returns its Pending handle; a blocking one has finished: run `after` now."""
+        self.stats.wait_s += time.perf_counter() - self.stats.launched_at  # the whole call, or an async launch
         if async_op:
             return Pending(work, self.stats, index, after)
         self.stats.timeline.append(("wait", index))  # a blocking call is done when it returns
-        self.stats.wait_s += time.perf_counter() - self.stats.launched_at
         if after is not None:
             after()
         return None

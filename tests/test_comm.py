@@ -1,8 +1,9 @@
 """parallel/comm.py's wait_s, the seconds a rank spends blocked in collectives (bench/cluster.py's exposed
-communication): a blocking call that waits for a late peer counts it; an async collective counts only the part of
-the wait its caller's own work between launch and wait did not cover."""
+communication): a blocking call that waits for a late peer counts it; an async collective counts its launch (gloo's
+reduce-scatter does much of its work there) and the part of the wait its caller's own work did not cover."""
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,23 @@ def _rank_one_waits_for_rank_zero(rank, world):
             pending.wait()
         out.append(mesh.stats.wait_s)
     return out
+
+
+def _launch(rank, world):
+    """(wait_s right after an async reduce-scatter's launch, the launch's own seconds)."""
+    mesh = Mesh(rank, world)
+    inp, out = torch.ones(4 << 20), torch.empty(2 << 20)
+    t0 = time.perf_counter()
+    pending = mesh.dp_group.reduce_scatter(out, inp, async_op=True)
+    launch = time.perf_counter() - t0
+    counted = mesh.stats.wait_s
+    pending.wait()
+    return counted, launch
+
+
+def test_wait_s_counts_an_async_launch():
+    for counted, launch in run_ranks(_launch, 2):
+        assert counted == pytest.approx(launch, rel=0.2, abs=2e-3)
 
 
 def test_wait_s_counts_the_time_blocked_in_collectives():
