@@ -1,15 +1,13 @@
 """A Llama-architecture decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head.
 
-Parameter names follow the Hugging Face Llama checkpoint (embed_tokens, layers.i.self_attn.q_proj,
-mlp.gate_proj, input_layernorm, ...), so exporting (saves/export.py) is a rename.
-
-Parallel files plug in without subclassing:
-- `pp` deletes the parts a stage does not own (embed_tokens/norm/lm_head may be None, layers is a
-  ModuleDict keyed by the global layer index, so names never change);
-- `tp` swaps Linear/Embedding modules for sharded ones and `loss_fn` for a vocab-parallel loss;
-- `cp` swaps each attention's `attend` function; `ckpt` swaps `run_layers`;
+Parameter names follow the Hugging Face Llama checkpoint (embed_tokens, layers.i.self_attn.q_proj, mlp.gate_proj,
+input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel files plug in without subclassing:
+- `pp` deletes the parts a stage does not own (embed_tokens/norm/lm_head may be None, layers is a ModuleDict keyed
+  by the global layer index, so names never change);
+- `tp` swaps Linear/Embedding modules for sharded ones (attention reads its head count from the tensor, so a
+  head-sharded q_proj just works) and `loss_fn` for a vocab-parallel loss;
+- `cp` swaps each attention's `attend`; `ckpt` swaps `run_layers` or recomputes the norms' and SwiGLU's outputs;
 - the zero-bubble pipeline (`pp_bw_split`) swaps each Linear's forward and each norm's `scale`.
-Attention reads its head count from the tensor, so a head-sharded q_proj just works.
 """
 import hashlib
 import math
@@ -59,18 +57,15 @@ class ModelConfig:
         return None
 
 
+LLAMA3 = dict(vocab_size=128256, seq_len=8192, rope_theta=500000.0)
 PRESETS = {
     "tiny": ModelConfig(n_layer=4, d_model=128, n_head=8, n_kv_head=4, ffn_dim=384, seq_len=256),
     "small": ModelConfig(n_layer=12, d_model=768, n_head=12, n_kv_head=12, ffn_dim=2048, seq_len=1024),
     "medium": ModelConfig(n_layer=24, d_model=1024, n_head=16, n_kv_head=16, ffn_dim=2816, seq_len=1024),
-    "1b": ModelConfig(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_dim=8192, vocab_size=128256,
-                      seq_len=2048, rope_theta=500000.0),
-    "llama3-8b": ModelConfig(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336,
-                             vocab_size=128256, seq_len=8192, rope_theta=500000.0),
-    "llama3-70b": ModelConfig(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_dim=28672,
-                              vocab_size=128256, seq_len=8192, rope_theta=500000.0),
-    "llama3-405b": ModelConfig(n_layer=126, d_model=16384, n_head=128, n_kv_head=8, ffn_dim=53248,
-                               vocab_size=128256, seq_len=8192, rope_theta=500000.0),
+    "1b": ModelConfig(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_dim=8192, **{**LLAMA3, "seq_len": 2048}),
+    "llama3-8b": ModelConfig(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, **LLAMA3),
+    "llama3-70b": ModelConfig(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_dim=28672, **LLAMA3),
+    "llama3-405b": ModelConfig(n_layer=126, d_model=16384, n_head=128, n_kv_head=8, ffn_dim=53248, **LLAMA3),
 }
 
 
@@ -85,7 +80,11 @@ class ScaledRMSNorm(torch.autograd.Function):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (gradcheck)
         rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)  # (..., 1) fp32
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return ScaledRMSNorm.output(x, weight, rstd)
+
+    @staticmethod
+    def output(x, weight, rstd):  # also --ckpt selective's recomputation, from what backward keeps
+        return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -116,6 +115,10 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
+        return SwiGLU.output(gate, up)
+
+    @staticmethod
+    def output(gate, up):  # also --ckpt selective's recomputation
         return F.silu(gate) * up
 
     @staticmethod
@@ -293,9 +296,7 @@ class GPT(nn.Module):
 
 def init_std(name, cfg):
     """The std of each weight; the residual projections shrink with depth (GPT-2)."""
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.02 / math.sqrt(2 * cfg.n_layer)
-    return 0.02
+    return 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
 
 
 INIT_TILE = 1024  # the initial values are drawn tile by tile over a fixed grid of (1024, 1024) tiles
@@ -309,8 +310,7 @@ def init_tile(name, tile_rows, tile_cols, shape, cfg, seed):
 
 
 def full_init(name, shape, cfg, seed):
-    """The full initial tensor of one parameter (tests, and one process)."""
-    return local_init(name, torch.empty(shape, device="meta"), cfg, seed)
+    return local_init(name, torch.empty(shape, device="meta"), cfg, seed)  # the whole tensor: tests, one process
 
 
 def local_init(name, param, cfg, seed, flat=None, out=None):

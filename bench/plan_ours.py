@@ -24,9 +24,9 @@ per reader when autocast casts it (r != e: q, k, v read the first norm, gate and
 Attention (SDPA with enable_gqa: K,V with their own kv heads, never repeated per query head): q, K, V, the output
 and the fp32 lse, e*(2d/tp + 2*hd*kv_local) + 4a/tp; under cp the output laid out again for o_proj, + e*d/tp, and
 allgather keeps the whole sequence's K,V (cp*kv_local heads), ulysses the whole sequence for lcm(kv_local, cp)/cp
-heads. The MLP: gate, up and their product, 3e*f/tp (model.SwiGLU recomputes silu(gate)). selective: r*d/sh +
-e*(2d/tp + 2*hd*kv_local + 2d + 2f/tp) + 4a/tp (the matmuls' outputs, o and down unreduced, and the attention's);
-full: r*d/sh. The head's rank keeps the final norm (one reader) and model.CrossEntropy's logits in e plus 13
+heads. The MLP: gate, up and their product, 3e*f/tp (model.SwiGLU recomputes silu(gate)). selective: the same
+without the norms' outputs and the product (parallel/ckpt.py remakes them in backward); full: r*d/sh. The head's
+rank keeps the final norm (one reader; selective: its input) and model.CrossEntropy's logits in e plus 13
 bytes per token (fp32 lse, int64 shifted target, bool mask): no (t, V/tp) fp32 tensor, only one chunk of
 model.loss_chunks at a time.
 Peak = model state + the fullest moment of the step. Model state: 12 B/param of fp32 master and Adam (/S sharded);
@@ -87,7 +87,7 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     term by term what the comm counters of tests/test_plan_measured.py read."""
     cfg, lay, d, M, t = s.cfg, s.lay, s.cfg.d_model, s.M, s.t
     tp, cp, g = lay.tp, lay.cp, lay.dp * lay.cp
-    redo = lay.ckpt != "none"  # a recomputed block repeats its forward collectives (but tp's last one)
+    redo = lay.ckpt == "full"  # a recomputed block repeats its forward collectives (but tp's last one)
     out = {}
     for layers, params, embed, head, sends in s.stages():
         mine = {}
@@ -128,15 +128,15 @@ def residual_bytes(s, a_bytes):
     return 4 if s.lay.dp_mode == "ddp" else a_bytes
 
 
-def norm_per_token(s, users, a_bytes):
+def norm_per_token(s, users, a_bytes, output=True):
     """Bytes per token one RMSNorm keeps: model.ScaledRMSNorm's input (the residual, in r) and fp32 1/rms, and its
     output as the `users` matmuls reading it save it: under tp once, in its own dtype r (parallel/tp.py's
     ColumnParallel; sp: its shard, gathered again in backward); else in the compute dtype e, one copy per matmul when
-    autocast casts it (r != e), one when it is in that dtype already."""
+    autocast casts it (r != e), one when it is in that dtype already. output=False: --ckpt selective remakes it."""
     d, e, r, tp = s.cfg.d_model, a_bytes, residual_bytes(s, a_bytes), s.lay.tp
     if tp > 1:
-        return (4 + 2 * r * d) / (tp if s.lay.sp else 1)
-    return 4 + r * d + e * d * (users if r != e else 1)
+        return (4 + (1 + output) * r * d) / (tp if s.lay.sp else 1)
+    return 4 + r * d + output * e * d * (users if r != e else 1)
 
 
 def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
@@ -144,20 +144,19 @@ def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
     cfg, lay, e = s.cfg, s.lay, a_bytes
     d, f, tp = cfg.d_model, cfg.ffn_dim, lay.tp
     x = residual_bytes(s, a_bytes) * d / (tp if lay.sp else 1)  # the block's input; sp shards it
-    kv = cfg.head_dim * s.kv_local  # one of K, V: never repeated per query head (SDPA's enable_gqa)
     lse = 4 * cfg.n_head / tp  # the attention kernel's fp32 log-sum-exp per head
     if ckpt == "full":
         return x  # backward recomputes the rest
-    if ckpt == "selective":  # and the outputs of q, k, v, attention, o (unreduced), gate, up, down (unreduced)
-        return x + e * (2 * d / tp + 2 * kv + 2 * d + 2 * f / tp) + lse
     # attention keeps q, K and V as its kernel reads them, its output and fp32 lse; under cp also the output laid out
     # again for o_proj. K,V keep their kv heads: ring its own block, allgather the whole sequence's (cp blocks),
     # ulysses the whole sequence for lcm(kv_local, cp)/cp heads (cp.py repeats them only until cp divides them)
     mode = lay.cp_mode if lay.cp > 1 else "sdpa"
     kv_heads = {"allgather": s.kv_local * lay.cp, "ulysses": math.lcm(int(s.kv_local), lay.cp)}.get(mode, s.kv_local)
     attention = e * ((2 + (mode != "sdpa")) * d / tp + 2 * cfg.head_dim * kv_heads) + lse
-    # the two norms (q, k, v read the first, gate and up the second); the MLP: gate, up, their product
-    return norm_per_token(s, 3, e) + norm_per_token(s, 2, e) + attention + e * 3 * f / tp
+    # the two norms (q, k, v read the first, gate and up the second); the MLP: gate, up, their product (selective
+    # remakes the norms' outputs and the product in backward: parallel/ckpt.py)
+    kept = ckpt != "selective"
+    return norm_per_token(s, 3, e, kept) + norm_per_token(s, 2, e, kept) + attention + e * (2 + kept) * f / tp
 
 
 
@@ -194,7 +193,8 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     for layers, params, embed, head, _ in s.stages():
         flight = 1 if P == 1 else last_flight if head else inflight
         acts = layers * t * keep + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ the output sent)
-        norm, logp = (t * norm_per_token(s, 1, e), t * (e * vocab + 4 + 8 + 1)) if head else (0.0, 0.0)
+        norm = t * norm_per_token(s, 1, e, lay.ckpt != "selective") if head else 0.0
+        logp = t * (e * vocab + 4 + 8 + 1) if head else 0.0
         stage = (layers, params, embed, head, acts, norm, logp)
         if not sharded:  # ddp: autocast's bf16 weight copies; the .grads are views into its buckets, kept all along
             cases = [({"weights": w_bytes * params, "grads": G_B * params}, flight, [

@@ -135,7 +135,7 @@ def ours_tp(s, cl, flop):
     seconds per matmul FLOP of t rows on one GPU."""
     cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
     unit = seconds(cl, lay, "tp", seq_collective_bytes(t, d, tp, cl.dtype_bytes), tp - 1)  # a (t, d) gather or RS
-    n = activation_collectives(1, False, False, lay.sp, lay.ckpt != "none")  # per layer; an all-reduce is 2
+    n = activation_collectives(1, False, False, lay.sp, lay.ckpt == "full")  # per layer; an all-reduce is 2
     lost = tax(cl, lay, "tp")
     block = flop / (FP8_RATE if lay.fp8 else 1.0)  # seconds per block-matmul FLOP
     head_units, mm = 2 + lay.sp, 6 * (s.p_layer - 2 * d) * (1 + (lay.ckpt == "full") / 3) * t * block

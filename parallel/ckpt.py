@@ -6,29 +6,27 @@ Policies: full      every block alone: N boundaries stored, N blocks recomputed;
           every:K   the blocks whose global index is a multiple of K alone; the others keep everything;
           segment:C C consecutive blocks per segment: ceil(N/C) boundaries, plus one segment's activations
                     while it is recomputed: O(N/C + C); sqrt is C = ceil(sqrt N), O(sqrt N) (L18 sweeps C);
-          selective every block, saving matmul and attention outputs (torch's selective checkpointing policy):
-                    only elementwise ops (norms, rope, silu·up, dropout) are recomputed, no matmul FLOPs.
+          selective nothing is checkpointed, but the outputs of the norms and of SwiGLU, which only matmuls read,
+                    are not kept by those matmuls: backward makes them again from what the norm (its input and
+                    1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer 2·d·r/sh + f·e/tp fewer bytes
+                    (sh = tp under sp; r the residual's bytes, e the compute dtype's), for three elementwise
+                    passes and no matmul: Megatron's selective recomputation, in spirit.
 Costs:    one more forward of each recomputed block: counted in HFU, not in MFU (L20, L23); under tp it repeats
           the block's collectives. Nothing is communicated by this file; nothing overlaps.
 RNG:      torch.utils.checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
           draws the same masks again (L19). Memory: see bench/results/ckpt_memory.md (L17).
 """
 import math
-from functools import partial
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
 
 import model as M
 from parallel.mesh import LayoutError
 
 POLICIES = "none, full, every:K, segment:C, sqrt or selective"
-_aten = torch.ops.aten
-_SAVED_BY_SELECTIVE = {getattr(_aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(_aten, name)}
+RECOMPUTABLE = (M.ScaledRMSNorm, M.SwiGLU)  # autograd Functions with an output(*saved_tensors) that remakes theirs
 
 
 def parse(policy):
@@ -47,14 +45,14 @@ def segments(keys, policy):
     """The plan for one chunk's blocks (their global indices as ModuleDict keys, in order):
     a list of (keys of consecutive blocks, checkpointed?)."""
     kind, k = parse(policy)
-    if kind == "none":
+    if kind in ("none", "selective"):
         return [(list(keys), False)] if keys else []
     if kind in ("sqrt", "segment"):
         c = k if kind == "segment" else math.ceil(math.sqrt(len(keys)))
         return [(list(keys[i:i + c]), True) for i in range(0, len(keys), c)]
     if kind == "every":
         return [([key], int(key) % k == 0) for key in keys]
-    return [([key], True) for key in keys]  # full, selective
+    return [([key], True) for key in keys]  # full
 
 
 def recomputed_layers(cfg, policy):
@@ -69,8 +67,49 @@ def recomputed_layers(cfg, policy):
     return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / M.layer_flops_per_token(cfg)
 
 
-def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+def keep_saved(chunk, pack, unpack):
+    """Adds a rule for the tensors the chunk's forward saves for backward: pack(t) returns t itself when t is not
+    its kind, else what to keep instead, and unpack(kept) gives the tensor back in backward. The first rule wraps the
+    chunk's forward in one saved_tensors_hooks context that tries the rules in order: such contexts do not nest (the
+    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one."""
+    if "saved_rules" not in vars(chunk):
+        chunk.saved_rules, forward = [], chunk.forward
+
+        def pack_saved(t):
+            for i, (rule_pack, _) in enumerate(chunk.saved_rules):
+                kept = rule_pack(t)
+                if kept is not t:
+                    return i, kept
+            return t
+
+        def unpack_saved(saved):
+            return chunk.saved_rules[saved[0]][1](saved[1]) if isinstance(saved, tuple) else saved
+
+        def run_chunk(*args, **kwargs):
+            with saved_tensors_hooks(pack_saved, unpack_saved):
+                return forward(*args, **kwargs)
+        chunk.forward = run_chunk
+    chunk.saved_rules.append((pack, unpack))
+
+
+def pack_recomputable(t):
+    """A saved view of a norm's or SwiGLU's output, or autocast's cast of one, kept as how to make it again."""
+    base = t if t._base is None else t._base
+    fn, cast = base.grad_fn, None
+    if type(fn).__name__ == "ToCopyBackward0":  # autocast's copy of it in the compute dtype
+        fn, cast = fn.next_functions[0][0], t.dtype
+    if getattr(type(fn), "_forward_cls", None) not in RECOMPUTABLE:
+        return t
+    return fn, cast, t.size(), t.stride(), t.storage_offset() - base.storage_offset()
+
+
+def unpack_recomputable(kept):
+    """The output again, bit for bit, made once per Function call and shared by its readers until its backward."""
+    fn, cast, size, stride, offset = kept
+    if getattr(fn, "output_again", None) is None:
+        fn.output_again = type(fn)._forward_cls.output(*fn.saved_tensors)
+    out = fn.output_again if cast is None else fn.output_again.to(cast)
+    return out.as_strided(size, stride, offset)
 
 
 def run_blocks(blocks, x, cos, sin):
@@ -84,7 +123,6 @@ class CheckpointedLayers:
 
     def __init__(self, policy):
         self.policy = policy
-        self.selective = parse(policy)[0] == "selective"
 
     def __repr__(self):
         return f"CheckpointedLayers({self.policy!r})"
@@ -95,16 +133,17 @@ class CheckpointedLayers:
             if not checkpointed or not torch.is_grad_enabled():
                 x = run_blocks(blocks, x, cos, sin)
                 continue
-            extra = {}
-            if self.selective:
-                extra["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
             # Only x (B, T, d) and cos/sin are kept; everything inside is recomputed in backward.
-            x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False, preserve_rng_state=True, **extra)
+            x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False, preserve_rng_state=True)
         return x
 
 
 def apply(chunk, policy):
-    """Swaps the chunk's run_layers for the checkpointed one; modules and parameter names are untouched."""
-    if parse(policy)[0] != "none":
+    """Swaps the chunk's run_layers for the checkpointed one, or (selective) adds the rule that recomputes the norms'
+    and SwiGLU's outputs; modules and parameter names are untouched."""
+    kind = parse(policy)[0]
+    if kind == "selective":
+        keep_saved(chunk, pack_recomputable, unpack_recomputable)
+    elif kind != "none":
         chunk.run_layers = CheckpointedLayers(policy)
     return chunk

@@ -18,9 +18,9 @@ Memory:   16·P/M bytes of fp32 state (+ padding; the shard gradients persist, w
 from collections import Counter
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
+from parallel.ckpt import keep_saved
 from parallel.fsdp_unit import GatherUnit, SavedWeight, Unit
 
 
@@ -79,12 +79,12 @@ class FSDP:
     # ---------------------------------------------------------------- forward
     def _wrap_chunk_forward(self, chunk):
         """In a chunk's forward, weights of gathered units that autograd saves become SavedWeight records."""
+        keep_saved(chunk, self._pack, self._unpack)
         forward = chunk.forward
 
         def run_chunk(*args, **kwargs):
             self.phase = "forward"
-            with saved_tensors_hooks(self._pack, self._unpack):
-                return forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         chunk.forward = run_chunk
 
     def _wrap_forward(self, unit, modules):

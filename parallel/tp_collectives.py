@@ -27,8 +27,8 @@ def reduce_scatter_seq(group, x):
 
 
 def all_reduce(group, x):
-    """g's sum of the row-parallel matmul output x. Not in place: selective checkpointing keeps every matmul output
-    and hands it back on recompute, which would then reduce the sum again. (f's, in ColumnParallel.backward, is.)"""
+    """The sum of x over tp, in a new tensor: a gradient autograd hands over may be shared by another path (a
+    residual add passes the same tensor to both branches)."""
     out = x.contiguous().clone()
     group.all_reduce(out)
     return out
@@ -38,8 +38,10 @@ class ReduceFromTP(Function):
     """Megatron's g: all-reduce in forward (sum the row-parallel partial outputs), identity in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(group, x)
+    def forward(ctx, x, group):  # x: a row-parallel matmul's fresh output, which no backward reads: summed in place
+        ctx.mark_dirty(x)
+        group.all_reduce(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

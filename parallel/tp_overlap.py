@@ -116,7 +116,7 @@ def multiply_then_scatter(ring, h, weight):
         (arriving,), hop = ring.hop([acc])  # rank r-1's accumulator for block r-s-1
         mine = F.linear(h[:, block(r - s - 1, t, n)], weight)  # (B, T/t, d), while it travels
         hop.wait()
-        acc = arriving + mine  # never in place: selective checkpointing keeps `mine`, a matmul output
+        acc = arriving + mine  # (B, T/t, d)
     ring.finish(index)
     return acc  # block r - t = r: the sum over every rank
 

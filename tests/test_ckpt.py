@@ -111,6 +111,37 @@ def test_sqrt_stores_only_segment_boundaries(n_layer):
     assert stored_hidden_states(cfg, "none") > 3 * n_layer  # norms, residuals, attention inputs, ...
 
 
+def saved_bytes(cfg, policy, autocast):
+    """Bytes of the distinct storages a GPT's forward saves for backward, seen by a last saved-tensor rule (after
+    selective's own), and the parameters' gradients."""
+    m = build(cfg, policy)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def count(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ckpt.keep_saved(m, count, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = m(ids[:, :-1], ids[:, 1:])
+    kept = sum(seen.values())
+    loss.backward()
+    return kept, [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_selective_keeps_no_norm_or_swiglu_output(autocast):
+    """Selective keeps exactly the norms' outputs (fp32; under bf16 autocast the 3 + 2 + 1 copies q, k, v, gate, up
+    and the head cast) and SwiGLU's product fewer, and its gradients are bit-identical to keeping them."""
+    (none, none_grads), (selective, grads) = (saved_bytes(CFG, p, autocast) for p in ("none", "selective"))
+    d, f, tokens = CFG.d_model, CFG.ffn_dim, 2 * CFG.seq_len
+    per_layer = (5 * d + f) * 2 if autocast else (2 * d + f) * 4
+    assert none - selective == tokens * (CFG.n_layer * per_layer + d * (2 if autocast else 4))
+    for a, b in zip(grads, none_grads):
+        assert torch.equal(a, b)
+
+
 class ForwardFlops(TorchDispatchMode):
     """Counts matmul calls and the FLOPs of forward matmuls and forward attention that run inside it."""
 
