@@ -116,6 +116,7 @@ def invalid(cfg, cl, lay, seq, batch):
         ((lay.schedule in ("interleaved", "zbv")) != (lay.V > 1 and lay.pp > 1),
          "V > 1 iff interleaved or zbv, with pp > 1"),
         (lay.schedule == "zbv" and lay.V != 2, "zbv runs V = 2 chunks per rank"),
+        (lay.fp8 and lay.pp > 1 and lay.schedule in ("zb1", "zbv"), "zb1 and zbv do not run with fp8 (train.py)"),
         (lay.dp_mode == "hsdp" and not (1 < lay.shard < g and g % lay.shard == 0), "hsdp: shard in (1, dp*cp)"),
         (lay.dp_mode not in ("ddp", "fsdp", "hsdp"), "dp_mode: ddp | fsdp | hsdp"),
         (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
