@@ -10,8 +10,9 @@ Stages hold L/P layers; the first and last take one fewer when P does not divide
 the embedding, the last the head and the final norm; all / tp. A layer on one GPU holds model.layer_param_count's
 parameters with every matmul / tp, except the kv heads (kv_local per rank) and the two norms (whole on every rank).
 Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a layer's slot, Llama 3). zbv runs V = 2
-chunks per rank in a V, which puts the embedding and the head both on rank 0; the sizes here keep them on the first
-and last rank (an approximation for zbv).
+chunks per rank in a V (parallel/pp_schedule.py): rank 0 holds the first and the last of 2P chunks, so the embedding
+and the head, and sends 2 activations per microbatch, as does rank P-1 (its two chunks meet on the rank); stages()
+places them so, while the time model's stage loads (layers) keep 1F1B's placement.
 """
 from dataclasses import dataclass, fields
 
@@ -115,6 +116,7 @@ def invalid(cfg, cl, lay, seq, batch):
         ((lay.schedule in ("interleaved", "zbv")) != (lay.V > 1 and lay.pp > 1),
          "V > 1 iff interleaved or zbv, with pp > 1"),
         (lay.schedule == "zbv" and lay.V != 2, "zbv runs V = 2 chunks per rank"),
+        (lay.fp8 and lay.pp > 1 and lay.schedule in ("zb1", "zbv"), "zb1 and zbv do not run with fp8 (train.py)"),
         (lay.dp_mode == "hsdp" and not (1 < lay.shard < g and g % lay.shard == 0), "hsdp: shard in (1, dp*cp)"),
         (lay.dp_mode not in ("ddp", "fsdp", "hsdp"), "dp_mode: ddp | fsdp | hsdp"),
         (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
@@ -173,6 +175,10 @@ class Shape:
             self.p_first = self.p_last = cfg.n_layer * self.p_layer + 2 * self.p_embed + d
         else:
             self.p_first, self.p_last = first * self.p_layer + self.p_embed, last * self.p_layer + self.p_embed + d
+        if lay.schedule == "zbv" and lay.pp > 1:  # rank 0 the first and last of 2P chunks, rank P-1 two middle ones
+            c_first, c_most, c_last = stage_layers(cfg.n_layer, 2 * lay.pp)
+            self.p_first = (c_first + c_last) * self.p_layer + 2 * self.p_embed + d
+            self.p_last = 2 * c_most * self.p_layer
         self.p_gpu = max(self.p_first, self.p_last)
         gpu_layers = cfg.n_layer if lay.pp == 1 else first if self.p_first >= self.p_last else last
         self.p_fp8 = gpu_layers * (self.p_layer - norms) if lay.fp8 else 0.0  # p_gpu's block matmul weights
@@ -183,5 +189,9 @@ class Shape:
         (first, most, last), P, V = self.layers, self.lay.pp, self.lay.V
         if P == 1:
             return [(first, self.p_first, True, True, 0)]
+        if self.lay.schedule == "zbv":
+            c_first, c_most, c_last = stage_layers(self.cfg.n_layer, 2 * P)
+            return [(c_first + c_last, self.p_first, True, True, 2), (2 * c_most, self.p_last, False, False, 2)] + [
+                (2 * c_most, self.p_last, False, False, 4)] * (P > 2)
         ends = [(first, self.p_first, True, False, 2 * V - 1), (last, self.p_last, False, True, 2 * V - 1)]
         return ends + [(most, most * self.p_layer, False, False, 2 * V)] * (P > 2)

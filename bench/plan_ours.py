@@ -40,6 +40,8 @@ as the head's, then its reduction), a block's backward (two more (t, f/tp) MLP g
 recompute; sp: the input gathered again, tp: the input cast to e; fsdp: the block's grads in w, it and the prefetched
 previous one; for the first block, the next microbatch's embedding instead, and no later block's activations) or the
 embedding's (its dense grad in w, the next microbatch's embedding prefetched).
+zb1 and zbv (deferred_per_token, zb_sets): a stage keeps forward sets and sets awaiting their W, which hold each
+matmul's input and output gradient (about 1.3 forward sets); the set in B is counted as one awaiting its W.
 At 405B Llama 3's published meshes predict 38.2, 35.8 and 29.0% MFU with our code (plan_time.py), fitting 80 GB
 only with full checkpointing (accumulate=unsharded, V=8); without it they would predict 50.4, 46.9 and 38.7% but keep
 70-82 GB of activations (ckpt=none: a block's norm inputs and outputs, q, K, V, the attention output, gate, up and
@@ -181,6 +183,29 @@ def transients(s, a_bytes):
     return keep, block_bwd, t * e * vocab + 3 * 4 * (chunk.stop - chunk.start) * vocab
 
 
+def deferred_per_token(s, a_bytes):
+    """zb1, zbv (parallel/pp_bw_split.py): per token, (what a layer's norms keep beyond ScaledRMSNorm's, what a layer
+    holds from its B to its W, what the final norm and the head hold from B to W). A deferred norm keeps x in fp32
+    and x̂ (+4d each); from B to W every matmul keeps its input and its output's gradient, every norm gain x̂ and
+    its output's gradient, the head the logits' gradient (e*vocab/tp)."""
+    cfg, lay, e, r = s.cfg, s.lay, a_bytes, residual_bytes(s, a_bytes)
+    d, f, tp, sh = cfg.d_model, cfg.ffn_dim, lay.tp, lay.tp if lay.sp else 1
+
+    def read(users):  # a norm's output as the matmuls reading it save it (norm_per_token)
+        return r * d / sh if tp > 1 else e * d * (users if r != e else 1)
+    grads = e * (d / tp + 2 * cfg.head_dim * s.kv_local + 2 * d + 2 * f / tp)  # q, k, v, o, gate, up, down outputs
+    layer = 2 * 2 * r * d / sh + read(3) + read(2) + e * (d + f) / tp + grads
+    return 2 * 4 * d / sh * (lay.ckpt == "none"), layer, 2 * r * d / sh + read(1) + e * cfg.padded_vocab / tp
+
+
+def zb_sets(M, P, stage):
+    """zb1, zbv: (forward sets, sets awaiting their W) at the fullest moment of the first, the last and a middle
+    stage of s.stages(): stage r keeps P-r forwards and r sets between B and W (zb1 runs W r micro-batches late;
+    zbv's cooldown runs r pairs of B before their W's), the middle at r = P-2, the fullest of them."""
+    n = min(M, P)
+    return [(n, 0), (1, n - 1), (2, n - 2)][stage]
+
+
 def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     """Model state plus the fullest moment of a step, on the fullest rank of s.stages() (the module docstring lists
     what each moment holds)."""
@@ -189,12 +214,16 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     r, (keep, block_bwd, loss_bwd) = residual_bytes(s, a_bytes), transients(s, a_bytes)
     inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
+    zb = lay.schedule in ("zb1", "zbv") and P > 1
+    extra, held, held_head = deferred_per_token(s, a_bytes) if zb else (0.0, 0.0, 0.0)
     best = None
-    for layers, params, embed, head, _ in s.stages():
+    for i, (layers, params, embed, head, _) in enumerate(s.stages()):
         flight = 1 if P == 1 else last_flight if head else inflight
-        acts = layers * t * keep + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ the output sent)
-        norm = t * norm_per_token(s, 1, e, lay.ckpt != "selective") if head else 0.0
+        flight, waiting = zb_sets(M, P, i) if zb else (flight, 0)
+        acts = layers * t * (keep + extra) + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ output sent)
+        norm = t * (norm_per_token(s, 1, e, lay.ckpt != "selective") + extra / 2) if head else 0.0
         logp = t * (e * vocab + 4 + 8 + 1) if head else 0.0
+        held_acts = (waiting + zb) * t * (layers * held + head * held_head)  # with the set in B, as at its end
         stage = (layers, params, embed, head, acts, norm, logp)
         if not sharded:  # ddp: autocast's bf16 weight copies; the .grads are views into its buckets, kept all along
             cases = [({"weights": w_bytes * params, "grads": G_B * params}, flight, [
@@ -209,8 +238,8 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
                      fsdp_moments(s, stage, w_bytes, a_bytes, flight - 1, True)]
         else:
             cases = [fsdp_moments(s, stage, w_bytes, a_bytes, flight, M > 1)]
-        for held, n, moments in cases:
-            base = dict(held, activations=n * acts + (n - 1) * norm, logits=(n - 1) * logp)
+        for kept, n, moments in cases:
+            base = dict(kept, activations=(n - zb) * acts + (n - 1) * norm + held_acts, logits=(n - 1) * logp)
             moment = max(moments, key=lambda m: sum(m.values()))
             m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
             m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)

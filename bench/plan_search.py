@@ -1,6 +1,7 @@
 """The planner's search: every layout of a cluster, each priced (plan_memory.py, plan_time.py), the best kept.
 
 tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V powers of two;
+--code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py;
 hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024 tokens are skipped; per
 layout the lightest checkpointing that fits is kept (more recompute is never faster), and a micro-batch that
 fits with no policy stops the larger ones. The table shows the best layout of each dp x tp x pp x cp mesh;
@@ -48,8 +49,8 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
     """Every valid layout, pruned: tp, cp, micro and hsdp shard powers of two, hsdp shards no smaller than
     a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
     (ascending), each a list of one layout per checkpoint policy (CKPTS order). Under code="ours" fsdp and hsdp
-    come with both gradient accumulations (parallel/fsdp.py), the reference's reduces once per step. fp8: train.py
-    --dtype fp8."""
+    come with both gradient accumulations (parallel/fsdp.py) and the zero-bubble schedules, the reference's reduces
+    once per step. fp8: train.py --dtype fp8."""
     for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
         for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
             for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:
@@ -62,6 +63,7 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
                     ("hsdp", k) for k in shards] for a in ("sharded", "unsharded")[:1 + (code == "ours")]]
                 scheds = [("gpipe", 1), ("1f1b", 1)] if pp > 1 else [("1f1b", 1)]
                 scheds += [("interleaved", v) for v in pow2((cfg.n_layer + 2) // pp) if v > 1 and pp > 1]
+                scheds += zero_bubble(cfg, pp) if code == "ours" else []
                 for mode, shard, acc in modes:
                     for sched, V in scheds:
                         for cp_mode in ("ring", "ulysses", "allgather") if cp > 1 else ("ring",):
@@ -71,6 +73,13 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
                             family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch)]
                             if family:
                                 yield family
+
+
+def zero_bubble(cfg, pp):
+    """The zero-bubble schedules train.py runs (parallel/pp_schedule.py; the simulator accepts every M >= P for
+    both): zb1, and zbv's two chunks per rank where the model has a layer for each of the 2P chunks; not for the
+    reference, which has none. Under fp8, which train.py refuses with them, invalid() drops them."""
+    return [("zb1", 1)] * (pp > 1) + [("zbv", 2)] * (1 < pp and 2 * pp <= cfg.n_layer)
 
 
 def rank_key(p):

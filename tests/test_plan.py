@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import config
 from bench import plan as P
 from model import PRESETS, flops_per_token, param_counts
+from parallel.pp import layer_counts
+from parallel.pp_schedule import theoretical_utilization
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = replace(PRESETS["tiny"], vocab_size=50257)
@@ -108,6 +111,38 @@ def test_pipeline_bubble_matches_the_notes():
         t = P.step_time(replace(TINY, n_layer=8), cl, lay, 256, 4)
         busy = t["total"] - t["pp"] - t["dp"]
         assert (busy - t["bubble"]) / busy == pytest.approx(want)
+
+
+def test_zb1_bubble_is_1f1b_s_by_the_theory_ratio():
+    """P = 4, M = 8: zb1's bubble (P-1 passes of F, B or W) over 1F1B's (P-1 forward-and-backwards), as the utilization
+    formulas of parallel/pp_schedule.py give it: (1/u - 1) per schedule, a third."""
+    cfg, cl = replace(TINY, n_layer=8), P.Cluster(4)
+    bubble = {s: P.step_time(cfg, cl, P.Layout(pp=4, micro=1, schedule=s), 256, 8)["bubble"] for s in ("1f1b", "zb1")}
+    idle = {s: 1 / theoretical_utilization(4, 8, 1, s) - 1 for s in bubble}
+    assert bubble["zb1"] < bubble["1f1b"]
+    assert bubble["zb1"] / bubble["1f1b"] == pytest.approx(idle["zb1"] / idle["1f1b"])
+
+
+def test_search_proposes_zero_bubble_schedules_only_where_train_py_runs_them():
+    """Few micro-batches on many stages: the zero-bubble schedules win every pipelined mesh under --code ours. The
+    reference (Llama 3, Megatron) has none, and no search proposes one in fp8, which train.py refuses. Every zb layout
+    the search tries is one train.py accepts: at 6 layers zbv runs on 2 stages, not on 4 (2P chunks > L)."""
+    cfg, cl = replace(PRESETS["tiny"], n_layer=8), P.Cluster(4)
+    ours = {p.layout.schedule for p in P.plan(cfg, cl, 256, 8, top=100, code="ours") if p.layout.pp > 1}
+    assert ours == {"zb1", "zbv"}
+    for code, fp8 in (("reference", False), ("ours", True)):
+        found = {p.layout.schedule for p in P.plan(cfg, cl, 256, 8, top=100, code=code, fp8=fp8)}
+        assert not found & {"zb1", "zbv"}, (code, fp8)
+    assert "fp8" in P.invalid(cfg, cl, P.Layout(pp=4, micro=1, schedule="zb1", fp8=True), 256, 8)
+    cfg = replace(cfg, n_layer=6)
+    tried = [lay for family in P.candidates(cfg, cl, 256, 8, code="ours") for lays in family for lay in lays
+             if lay.schedule in ("zb1", "zbv")]
+    assert {(lay.schedule, lay.pp) for lay in tried} == {("zb1", 2), ("zb1", 4), ("zbv", 2)}
+    for lay in tried:
+        args = config.parse_args(["--pp", str(lay.pp), "--tp", str(lay.tp), "--dp-mode", lay.dp_mode, "--micro-batch",
+                                  str(lay.micro), "--global-batch", "8", "--pp-schedule", lay.schedule]
+                                 + ["--dp-shard", str(lay.shard)] * (lay.dp_mode == "hsdp"))
+        layer_counts(cfg, lay.pp, lay.V, 8 // (lay.dp * lay.micro), schedule=args.pp_schedule)  # or LayoutError
 
 
 def test_mfu_is_model_flops_over_peak_time():
