@@ -6,7 +6,8 @@ group with k members per node drives k NICs: min(intra, k*inter), --inter-gbs 50
 single ring crosses a node boundary on one NIC: min(intra, inter). Collectives reach BUS_EFF of that (1 with
 --measured: the bandwidths are measured bus bandwidths) and pay the cluster's latency per ring step (--lat-intra-us
 1, --lat-inter-us 5; g-1 steps for all-gather, reduce-scatter, all-to-all; 2*log2 g for an all-reduce, NCCL's
-tree; 1 per send). On gloo a reduce-scatter takes as long as an all-reduce of its whole input: twice its ring bytes.
+tree; 1 per send). On gloo a reduce-scatter takes as long as an all-reduce of its whole input: twice its ring bytes,
+an all-reduce's steps.
 Bytes are in the cluster's compute dtype (--dtype: bf16; fp32 on a CPU cluster), gradients fp32.
 
 Time per step. One token through one layer on one GPU:
@@ -18,7 +19,8 @@ N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the n
 (the block matmuls at Hopper's dense fp8 peak, 2x bf16's; their casts assumed fused into the neighbouring
 elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16.
 The optimizer's update, --code ours: OPT_BYTES per parameter the rank updates / HBM (ddp.py updates the whole
-replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible). The head:
+replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible), and the
+clip's blocking all-reduce of two floats over the world, 2*log2(world) latency steps. The head:
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
@@ -36,8 +38,9 @@ microbatch's backward but its last bucket (BUCKET_MB, or the whole gradient if s
 fsdp / hsdp per round (a microbatch with P = 1, the step
 with P > 1), under that round except one layer's share; --code ours follows parallel/fsdp.py: each microbatch's
 gathers and reduce-scatters under its compute (under pp: the step's one gather of a unit under the first forward,
-the reduce-scatters under each backward), the first gather and the last reduce-scatter of one unit exposed, hsdp's
-replica all-reduce under the last backward but its last unit. overlap=0 (train.py --no-overlap): every TP and DP
+the reduce-scatters under each backward), the first gather and the last reduce-scatter of one unit exposed; hsdp's
+replica all-reduces are a chain through the last backward, each under one unit's, the last units' exposed
+(replica_chain). overlap=0 (train.py --no-overlap): every TP and DP
 collective blocks.
 Hidden communication still costs compute: OVERLAP_TAX of its duration on NCCL (its kernels take SMs and HBM
 bandwidth); on gloo a rank's own threads copy its bytes on its own cores at the loopback rate, so all of an
