@@ -3,11 +3,19 @@
 The planner (bench/plan.py --code ours --measured) gets only what the cluster measured about itself, never a step
 time: the rank's matmul rate over a block's linears (its peak), its attention and memory rates, and per kind of
 link (inside a node: loopback; across nodes: the shaped link, shared by the node's ranks) the bus bandwidth of the
-largest messages and the latency per ring step of the smallest, each the median over all-reduce, all-gather and
-send/recv (gloo's reduce-scatter is an all-reduce in disguise: the planner's --backend gloo).
+largest messages and the latency per ring step of the smallest, both of the all-reduce (gloo's reduce-scatter is an
+all-reduce in disguise: the planner's --backend gloo).
+
+    python -m bench.cluster_report [bench/results/logs/cluster.json]
+
+prints, from a run's raw results, the measured step and exposed communication of every layout beside the planner's
+bill term by term, without running the cluster again: the time model can be changed and checked in seconds.
 """
+import json
 import shlex
 import statistics
+import sys
+from pathlib import Path
 
 from bench import common
 from bench.plan_layout import Cluster, parse_layout
@@ -73,6 +81,13 @@ def planner(name, const, world, per_node):
     for k, v in const.items():
         cmd += [f"--{k.replace('_', '-')}", f"{v:.4g}"]
     return bill, shlex.join(cmd + ["--layout", layout])
+
+
+def replan(results, ranks=2):
+    """{layout: (measured step s, measured exposed comm s, the planner's bill)} of a run's raw results (cluster.json),
+    the planner fed the constants the run measured."""
+    const, meas, world = constants(results), measured(results), len(results["two nodes"][0]["nodes"])
+    return {name: (meas[name][0], meas[name][1], planner(name, const, world, ranks)[0]) for name in LAYOUTS}
 
 
 def measured(results):
@@ -171,3 +186,15 @@ def report(results, args, shaping, cpu_share, out):
                          f"across 2 nodes x 2 ({f2[0] / f1[0]:.2f}x; exposed comm {f1[1]:.3f} vs {f2[1]:.3f} s); "
                          f"HSDP with a node as shard group {h[0]:.3f} s (bench/results/cluster.md)")
     return claims
+
+
+def main(argv=None):
+    path = (argv if argv is not None else sys.argv[1:]) or ["bench/results/logs/cluster.json"]
+    for name, (step, wait, bill) in replan(json.loads(Path(path[0]).read_text())).items():
+        terms = " ".join(f"{k} {v:.3f}" for k, v in bill.items() if v and k not in ("total", "mfu", "hfu"))
+        print(f"{name:30} measured {step:.3f} s (exposed comm {wait:.3f}), planner {bill['total']:.3f} s "
+              f"({bill['total'] / step - 1:+.0%}): {terms}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,8 @@ group with k members per node drives k NICs: min(intra, k*inter), --inter-gbs 50
 single ring crosses a node boundary on one NIC: min(intra, inter). Collectives reach BUS_EFF of that (1 with
 --measured: the bandwidths are measured bus bandwidths) and pay the cluster's latency per ring step (--lat-intra-us
 1, --lat-inter-us 5; g-1 steps for all-gather, reduce-scatter, all-to-all; 2*log2 g for an all-reduce, NCCL's
-tree; 1 per send). On gloo a reduce-scatter takes as long as an all-reduce of its whole input: twice its ring bytes.
+tree; 1 per send). On gloo a reduce-scatter takes as long as an all-reduce of its whole input: twice its ring bytes,
+an all-reduce's steps.
 Bytes are in the cluster's compute dtype (--dtype: bf16; fp32 on a CPU cluster), gradients fp32.
 
 Time per step. One token through one layer on one GPU:
@@ -18,7 +19,8 @@ N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the n
 (the block matmuls at Hopper's dense fp8 peak, 2x bf16's; their casts assumed fused into the neighbouring
 elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16.
 The optimizer's update, --code ours: OPT_BYTES per parameter the rank updates / HBM (ddp.py updates the whole
-replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible). The head:
+replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible), and the
+clip's blocking all-reduce of two floats over the world, 2*log2(world) latency steps. The head:
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
@@ -36,8 +38,9 @@ microbatch's backward but its last bucket (BUCKET_MB, or the whole gradient if s
 fsdp / hsdp per round (a microbatch with P = 1, the step
 with P > 1), under that round except one layer's share; --code ours follows parallel/fsdp.py: each microbatch's
 gathers and reduce-scatters under its compute (under pp: the step's one gather of a unit under the first forward,
-the reduce-scatters under each backward), the first gather and the last reduce-scatter of one unit exposed, hsdp's
-replica all-reduce under the last backward but its last unit. overlap=0 (train.py --no-overlap): every TP and DP
+the reduce-scatters under each backward), the first gather and the last reduce-scatter of one unit exposed; hsdp's
+replica all-reduces are a chain through the last backward, each under one unit's, the last units' exposed
+(replica_chain). overlap=0 (train.py --no-overlap): every TP and DP
 collective blocks.
 Hidden communication still costs compute: OVERLAP_TAX of its duration on NCCL (its kernels take SMs and HBM
 bandwidth); on gloo a rank's own threads copy its bytes on its own cores at the loopback rate, so all of an
@@ -55,6 +58,7 @@ from bench.plan_layout import BUCKET_MB, G_B, GB, Shape, shard_size
 from bench.plan_ours import fsdp_parts
 from model import flops_per_token
 from parallel.ddp import all_reduce_bytes
+from parallel.hsdp import replica_bytes
 from parallel.tp import activation_collectives, loss_bytes, seq_collective_bytes
 
 MM_EFF = 0.65        # sustained GEMM fraction of peak in training (an 8k GEMM alone ~0.8; clocks drop under load)
@@ -124,10 +128,20 @@ def hide(t_comm, window, lost=OVERLAP_TAX):
     return max(t_comm - window, 0.0) + lost * min(t_comm, window)
 
 
-def gloo_rs(cl):
-    """A reduce-scatter's bytes on the wire over its ring bytes: 2 on gloo, whose reduce-scatter takes as long as an
-    all-reduce of its whole input (bench/results/cluster.md: at half the ring bytes, half the bus bandwidth)."""
-    return 2 if cl.backend == "gloo" else 1
+def gloo_rs(cl, S):
+    """(bytes on the wire, ring steps) of a reduce-scatter over S ranks, each over its ring terms': on gloo, whose
+    reduce-scatter is an all-reduce of its whole input, 2 and an all-reduce's 2*log2 S steps over S-1
+    (bench/results/cluster.md: at half the ring bytes, half the bus bandwidth; its smallest as slow as an
+    all-reduce's); else 1, 1."""
+    return (2, 2 * math.ceil(math.log2(S)) / (S - 1)) if cl.backend == "gloo" and S > 1 else (1, 1)
+
+
+def clip_norm(cl, lay):
+    """The clip's all-reduce of two floats over the world, blocking, once per step (optim.global_grad_norm): 2*log2
+    of the world latency steps, over the network once the world spans nodes."""
+    world = lay.tp * lay.cp * lay.pp * lay.dp
+    lat = cl.lat_intra_us if world <= cl.gpus_per_node else cl.lat_inter_us
+    return 2 * math.ceil(math.log2(world)) * lat * 1e-6
 
 
 def ours_tp(s, cl, flop):
@@ -159,23 +173,42 @@ def ours_tp(s, cl, flop):
     return worst
 
 
-def ours_dp(s, cl, t_stage):
-    """Exposed FSDP/HSDP seconds per step on the busiest stage, --code ours with overlap (parallel/fsdp.py, hsdp.py)."""
+def replica_chain(s, cl, layers, params, embed, head, t_layer, h):
+    """Exposed seconds of one stage's hsdp replica all-reduces (parallel/fsdp.py's _finish_reduction). In the step's
+    last backward, unit i's all-reduce is launched once its reduce-scatter is waited for, as unit i+1's backward
+    ends, and waited for as unit i+2's ends, before unit i+1's is launched: a chain, each under one unit's backward.
+    The last two units' have none (waited in finish_grad_sync), nor has the one under the embedding, whose backward
+    is an index add. Backward in the units' reverse order: head (h layers), blocks, embedding; 2/3 of a layer's
+    t_layer seconds each."""
+    lay, S, d = s.lay, shard_size(s.lay), s.cfg.d_model
+    R = lay.dp * lay.cp // S
+    block = (params - s.p_embed * embed - (s.p_embed + d) * head) / layers
+    units = [(s.p_embed + d, h)] * head + [(block, 1.0)] * layers + [(s.p_embed, 0.0)] * embed  # (params, layers)
+    steps, lost = 2 * math.ceil(math.log2(R)), tax(cl, lay, "replica")
+    sums = [seconds(cl, lay, "replica", replica_bytes(n, S, R, G_B), steps) for n, _ in units]
+    windows = [2 / 3 * t_layer * w for _, w in units[2:]] + [0.0, 0.0]
+    return sum(hide(r, w, lost) for r, w in zip(sums, windows))
+
+
+def ours_dp(s, cl, t_stage, t_layer, h):
+    """Exposed FSDP/HSDP seconds per step on the busiest stage, --code ours with overlap (parallel/fsdp.py, hsdp.py);
+    t_layer: one layer's seconds per microbatch, h: the head in layers."""
     lay, M, worst = s.lay, s.M, 0.0
     for layers, params, embed, head, _ in s.stages():
         parts, units = fsdp_parts(s, layers, params, embed, head, w_bytes=cl.dtype_bytes)
         (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
         group = "dp" if lay.dp_mode == "fsdp" else "shard"
         lost = tax(cl, lay, group)
-        gather, reduce = seconds(cl, lay, group, gb, gs), seconds(cl, lay, group, rb * gloo_rs(cl), rs)
-        replica = seconds(cl, lay, "replica", *parts["replica"]) if "replica" in parts else 0.0
+        wire, steps = gloo_rs(cl, shard_size(lay))
+        gather, reduce = seconds(cl, lay, group, gb, gs), seconds(cl, lay, group, rb * wire, rs * steps)
         if lay.pp > 1:  # each unit gathered once, under the first forward; reduce-scattered under each backward
             exp = (hide(gather, t_stage / 3, lost) + M * hide(reduce / M, t_stage * 2 / 3, lost)
                    + (gather + reduce / M) / units)
         else:  # every microbatch gathers and reduce-scatters under its own forward and backward
             exp = M * hide((gather + reduce) / M, t_stage, lost) + (gather + reduce) / M / units
-        # hsdp: once per step, under the last backward, but the last unit's
-        worst = max(worst, exp + hide(replica, t_stage * 2 / 3, tax(cl, lay, "replica")) + replica / units)
+        if lay.dp_mode == "hsdp":  # once per step, a chain through the last backward
+            exp += replica_chain(s, cl, layers, params, embed, head, t_layer, h)
+        worst = max(worst, exp)
     return worst
 
 
@@ -224,7 +257,7 @@ def shape_step_time(s, cl):
     out = {"compute": s.M * ideal * s.t * t_layer, "recompute": s.M * ideal * s.t * redo,
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": idle * chunk / most * t_stage,
            "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0,
-           "optimizer": (s.code == "ours") * OPT_BYTES * updated / hbm}
+           "optimizer": (s.code == "ours") * (OPT_BYTES * updated / hbm + clip_norm(cl, lay))}
     if lay.pp > 1:
         hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage, tax(cl, lay, "pp"))
@@ -235,7 +268,7 @@ def shape_step_time(s, cl):
         last = comm["dp"] / math.ceil(G_B * s.p_gpu / (BUCKET_MB * 1e6))
         out["dp"] = hide(comm["dp"] - last, t_stage * 2 / 3, tax(cl, lay, "dp")) + last
     elif g > 1 and s.code == "ours":
-        out["dp"] = ours_dp(s, cl, t_stage)
+        out["dp"] = ours_dp(s, cl, t_stage, t_stage / load, h)
     elif g > 1:  # per round (a microbatch, or the step when P > 1): under it, except one layer's share
         rounds = s.M if lay.pp == 1 else 1
         t_round = sum(comm.get(k, 0.0) for k in ("dp", "shard", "replica")) / rounds

@@ -1,0 +1,89 @@
+"""The planner's time terms that the emulated cluster (bench/cluster.py) checks: which link a group gets, what hidden
+communication costs compute, the optimizer's update and the clip, gloo's reduce-scatter, and hsdp's replica
+all-reduces as parallel/fsdp.py chains them. Closed formulas only: fast, no cluster."""
+import pytest
+
+from bench import plan_time as T
+from bench.plan_layout import Cluster, Layout, Shape
+from model import PRESETS, param_counts
+from parallel.hsdp import replica_bytes
+
+TINY = PRESETS["tiny"]
+# a 2-node CPU cluster as bench/cluster.py measures one: loopback 6x the NIC
+GLOO = dict(gpus=4, gpus_per_node=2, hbm_gb=1000.0, peak_tflops=0.04, attn_tflops=0.015, hbm_tbs=0.005,
+            intra_gbs=0.7, inter_gbs=0.12, lat_intra_us=1000.0, lat_inter_us=1700.0, backend="gloo", dtype_bytes=4,
+            measured=True)
+
+
+def bill(lay, batch=4, **cluster):
+    return T.step_time(TINY, Cluster(**{**GLOO, **cluster}), lay, TINY.seq_len, batch, code="ours")
+
+
+def test_ddp_updates_the_whole_replica_fsdp_and_hsdp_their_shard():
+    no_clip = dict(lat_intra_us=0.0, lat_inter_us=0.0)
+    ddp = bill(Layout(dp=4, micro=1), **no_clip)["optimizer"]
+    fsdp = bill(Layout(dp=4, dp_mode="fsdp", micro=1), **no_clip)["optimizer"]
+    hsdp = bill(Layout(dp=4, dp_mode="hsdp", shard=2, micro=1), **no_clip)["optimizer"]
+    assert ddp == pytest.approx(T.OPT_BYTES * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
+    assert (fsdp, hsdp) == (pytest.approx(ddp / 4), pytest.approx(ddp / 2))
+    ref = T.step_time(TINY, Cluster(**GLOO), Layout(dp=4, micro=1), TINY.seq_len, 4, code="reference")
+    assert ref["optimizer"] == 0.0  # Megatron's distributed optimizer: sharded, negligible
+
+
+def test_the_clip_all_reduces_over_the_world_and_crosses_nodes_once_the_world_does():
+    assert T.clip_norm(Cluster(**GLOO), Layout(dp=2)) == pytest.approx(2 * 1000e-6)  # 2 ranks inside a node
+    assert T.clip_norm(Cluster(**GLOO), Layout(dp=4)) == pytest.approx(4 * 1700e-6)  # 4 ranks over 2 nodes
+    assert T.clip_norm(Cluster(**GLOO), Layout()) == 0.0
+
+
+def test_gloo_crosses_a_node_on_one_nic_nccl_stripes_over_the_nodes_nics():
+    lay = Layout(dp=8, dp_mode="fsdp")  # 4 ranks of the group per node, 2 nodes
+    wide = dict(gpus=8, gpus_per_node=4, intra_gbs=100.0, inter_gbs=1.0)
+    gloo, nccl = Cluster(**{**GLOO, **wide}), Cluster(**{**GLOO, **wide, "backend": "nccl"})
+    assert T.link(gloo, lay, "dp") == (pytest.approx(1e9), pytest.approx(1700e-6))
+    assert T.link(nccl, lay, "dp") == (pytest.approx(4e9), pytest.approx(1700e-6))  # min(intra, 4 NICs)
+    inside = Layout(dp=4, tp=2, dp_mode="hsdp", shard=2)  # tp and the shard group fill a node of 4
+    assert T.link(gloo, inside, "shard") == T.link(nccl, inside, "shard") == (pytest.approx(100e9), 1000e-6)
+
+
+def test_gloo_hidden_communication_costs_its_copy_time_nccl_a_fixed_share():
+    gloo, nccl = Cluster(**GLOO), Cluster(**{**GLOO, "backend": "nccl"})
+    hsdp = Layout(dp=4, dp_mode="hsdp", shard=2)  # shard group inside a node, replicas across
+    assert T.tax(gloo, hsdp, "shard") == 1.0  # loopback: the rank's own core copies every byte
+    assert T.tax(gloo, hsdp, "replica") == pytest.approx(0.12 / 0.7)  # the copies at loopback speed, the wire slower
+    assert T.tax(nccl, hsdp, "shard") == T.tax(nccl, hsdp, "replica") == T.OVERLAP_TAX
+
+
+def test_gloo_reduce_scatter_is_an_all_reduce_in_bytes_and_steps():
+    assert T.gloo_rs(Cluster(**GLOO), 4) == (2, pytest.approx(4 / 3))  # 2 log2 4 steps for 3
+    assert T.gloo_rs(Cluster(**{**GLOO, "backend": "nccl"}), 4) == (1, 1)
+
+
+def replica_seconds(cl, lay, s):
+    """Each unit's replica all-reduce in backward order: head, blocks, embedding."""
+    d, S, R = TINY.d_model, lay.shard, lay.dp // lay.shard
+    block = s.p_layer
+    units = [s.p_embed + d] + [block] * TINY.n_layer + [s.p_embed]
+    return [T.seconds(cl, lay, "replica", replica_bytes(n, S, R), 2) for n in units]
+
+
+def test_hsdp_replica_all_reduces_chain_each_under_one_units_backward():
+    cl, lay = Cluster(**GLOO), Layout(dp=4, dp_mode="hsdp", shard=2, micro=1)
+    s = Shape(TINY, lay, TINY.seq_len, 4, "ours")
+    (layers, params, embed, head, _), = s.stages()
+    r = replica_seconds(cl, lay, s)
+    lost = T.tax(cl, lay, "replica")
+
+    def chain(t_layer):
+        return T.replica_chain(s, cl, layers, params, embed, head, t_layer, h=0.5)
+    assert chain(0.0) == pytest.approx(sum(r))  # no compute: all exposed
+    # however long the backward, the last block's, the one before (under the embedding's index add) and the
+    # embedding's are waited for with nothing left to hide under; each other one hides under one unit's backward
+    assert chain(1e3) == pytest.approx(sum(r[-3:]) + lost * sum(r[:-3]))
+    # one unit's backward a little shorter than a block's all-reduce: every block's shows its excess
+    t = 1.5 * 0.9 * r[1]  # 2/3 of t_layer is 0.9 of a block's all-reduce
+    assert chain(t) > sum(r[-3:]) + 2 * 0.1 * r[1]
+    # through step_time: hsdp's dp term is the shard group's (an fsdp over 2 ranks with the same per-rank work)
+    # plus the chain
+    fsdp_in_a_node = bill(Layout(dp=2, dp_mode="fsdp", micro=1), batch=2)["dp"]
+    assert bill(lay)["dp"] - fsdp_in_a_node > sum(r[-3:])
