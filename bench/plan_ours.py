@@ -157,8 +157,9 @@ def ours_act_per_token(s, ckpt, a_bytes=ACT_B):
     attention = e * ((2 + (mode != "sdpa")) * d / tp + 2 * cfg.head_dim * kv_heads) + lse
     # the two norms (q, k, v read the first, gate and up the second); the MLP: gate, up, their product (selective
     # remakes the norms' outputs and the product in backward: parallel/ckpt.py)
-    kept = ckpt != "selective"
-    return norm_per_token(s, 3, e, kept) + norm_per_token(s, 2, e, kept) + attention + e * (2 + kept) * f / tp
+    kept = ckpt != "selective"  # zb1 / zbv's norms (pp_bw_split.py) are not the Function selective remakes
+    norms = kept or (lay.schedule in ("zb1", "zbv") and lay.pp > 1)
+    return norm_per_token(s, 3, e, norms) + norm_per_token(s, 2, e, norms) + attention + e * (2 + kept) * f / tp
 
 
 
@@ -169,6 +170,8 @@ def transients(s, a_bytes):
     r, sh, vocab = residual_bytes(s, a_bytes), lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     keep = ours_act_per_token(s, lay.ckpt, a_bytes)
     redo = (ours_act_per_token(s, "none", a_bytes) - keep) * t  # a block recomputed in backward
+    if lay.ckpt == "selective":  # one remade output at a time: a norm's for one reader, or SwiGLU's
+        redo = t * max(r * d / (lay.tp if lay.sp else 1), e * cfg.ffn_dim / lay.tp)
     # sp: the (t, d) tensors a column-parallel backward holds: the output grad all-gathered from the next block,
     # the norm output gathered again (in r, and cast to e) and its grad; tp without sp: the norm output cast to e
     regather = (lay.sp and lay.tp > 1) * t * d * (r + (e if e != r else 0) + 2 * e)
@@ -221,7 +224,7 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
         flight = 1 if P == 1 else last_flight if head else inflight
         flight, waiting = zb_sets(M, P, i) if zb else (flight, 0)
         acts = layers * t * (keep + extra) + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ output sent)
-        norm = t * (norm_per_token(s, 1, e, lay.ckpt != "selective") + extra / 2) if head else 0.0
+        norm = t * (norm_per_token(s, 1, e, lay.ckpt != "selective" or zb) + extra / 2) if head else 0.0
         logp = t * (e * vocab + 4 + 8 + 1) if head else 0.0
         held_acts = (waiting + zb) * t * (layers * held + head * held_head)  # with the set in B, as at its end
         stage = (layers, params, embed, head, acts, norm, logp)

@@ -50,11 +50,14 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
     "tp2": (2, LONG + ["--tp", "2"], 2, 2),
     "tp2 sp": (2, LONG + ["--tp", "2", "--sp"], 2, 2),
     "tp2 sp ckpt selective": (2, ["--tp", "2", "--sp", "--ckpt", "selective"], 2, 2),
+    "fsdp2 long": (2, LONG + ["--dp-mode", "fsdp"], 2, 2),
+    "fsdp2 long ckpt selective": (2, LONG + ["--dp-mode", "fsdp", "--ckpt", "selective"], 2, 2),
     "tp4 sp": (4, LONG + ["--tp", "4", "--sp", "--n-kv-head", "4"], 2, 2),
     "pp2 1f1b": (2, LONG + ["--pp", "2"], 1, 4),
     "pp2 1f1b wide ffn": (2, LONG + ["--pp", "2", "--ffn-dim", "1024"], 1, 4),
     "pp2 gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe"], 1, 4),
     "pp2 zb1": (2, LONG + ["--pp", "2", "--pp-schedule", "zb1"], 1, 4),
+    "pp2 zb1 ckpt selective": (2, LONG + ["--pp", "2", "--pp-schedule", "zb1", "--ckpt", "selective"], 1, 4),
     "pp2 zb1 wide vocab": (2, WIDE_VOCAB + ["--pp", "2", "--pp-schedule", "zb1"], 1, 4),
     "pp2 zbv": (2, LONG + ["--n-layer", "4", "--pp", "2", "--pp-schedule", "zbv"], 1, 4),
     "cp2 ring": (2, ["--cp", "2"], 2, 2),
@@ -134,6 +137,7 @@ def measured(request):
     tests selected (-k runs only theirs)."""
     chosen = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
+    chosen |= {name.removesuffix(" ckpt selective") for name in chosen}  # and the run selective is compared with
     out = {}
     for world in sorted({w for w, *_ in LAYOUTS.values()}):
         layouts = {name: tuple(rest) for name, (w, *rest) in LAYOUTS.items() if w == world and name in chosen}
@@ -183,3 +187,13 @@ def test_predicted_memory_within_15_percent(name, measured):
     print(f"\n{name}: measured {peak / 1e6:.3f} MB, predicted {sum(mem.values()) / 1e6:.3f} MB ({parts}), "
           f"{sum(mem.values()) / peak - 1:+.1%}")
     assert sum(mem.values()) == pytest.approx(peak, rel=0.15)
+
+
+@pytest.mark.parametrize("name", ["fsdp2 long ckpt selective"])
+def test_selective_saves_what_the_planner_says(name, measured):
+    """--ckpt selective's saving at the peak (the norms' and SwiGLU's outputs no matmul keeps), measured against the
+    run without it, is the planner's."""
+    (_, with_outputs), (_, selective) = result(measured, name.removesuffix(" ckpt selective")), result(measured, name)
+    want = sum(predicted(name.removesuffix(" ckpt selective"))[1].values()) - sum(predicted(name)[1].values())
+    print(f"\n{name}: saves {(with_outputs - selective) / 1e6:.3f} MB, predicted {want / 1e6:.3f} MB")
+    assert want == pytest.approx(with_outputs - selective, rel=0.25)
