@@ -39,6 +39,8 @@ class ReduceFromTP(Function):
 
     @staticmethod
     def forward(ctx, x, group):  # x: a row-parallel matmul's fresh output, which no backward reads: summed in place
+        if x._base is not None:  # a view a custom matmul returned (fp8.py): autograd forbids changing it in place
+            return all_reduce(group, x)
         ctx.mark_dirty(x)
         group.all_reduce(x)
         return x
