@@ -202,9 +202,9 @@ def main(argv=None):
         f"{peak_flops / 1e12:.3g} TFLOP/s ({peak_src}). HFU/MFU = 1 + recomputed x layer share; MFU falls with "
         "recompute because the useful work is the same and the step is longer.",
         "- every:K checkpoints the blocks whose index is a multiple of K; sqrt = segment:ceil(sqrt N); selective "
-        "saves matmul and attention outputs and recomputes only elementwise ops (no matmul FLOPs repeated, so "
-        "HFU = MFU); its extra time here is the elementwise recompute plus the Python dispatch mode that torch's "
-        "selective checkpointing runs over every op.",
+        "checkpoints nothing but lets no matmul keep a norm's or SwiGLU's output, remade in backward from what the "
+        "norm and SwiGLU keep anyway (no matmul FLOPs repeated, so HFU = MFU; a norm read by q, k and v is remade "
+        "three times).",
         "- recomputed layers < checkpointed blocks: torch's checkpoint stops recomputing a segment once backward "
         "has every saved tensor back, so each segment's last down_proj is not repeated.",
         f"- Why C=1 beats C=sqrt(N) here: O(N/C + C) counts a stored boundary and a recomputed block's internals "
