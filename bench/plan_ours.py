@@ -215,15 +215,16 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     cfg, lay, P, M, t, d, e = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model, a_bytes
     sharded = lay.dp_mode != "ddp"
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
-    r, (keep, block_bwd, loss_bwd) = residual_bytes(s, a_bytes), transients(s, a_bytes)
-    inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
+    keep, block_bwd, loss_bwd = transients(s, a_bytes)
+    inflight, last_flight = in_flight(lay.schedule, M, P, lay.V, "ours")
     zb = lay.schedule in ("zb1", "zbv") and P > 1
     extra, held, held_head = deferred_per_token(s, a_bytes) if zb else (0.0, 0.0, 0.0)
     best = None
     for i, (layers, params, embed, head, _) in enumerate(s.stages()):
         flight = 1 if P == 1 else last_flight if head else inflight
         flight, waiting = zb_sets(M, P, i) if zb else (flight, 0)
-        acts = layers * t * (keep + extra) + (0.0 if head else t * r * d / sh)  # a microbatch's blocks (+ output sent)
+        acts = layers * t * (keep + extra)  # a microbatch's blocks
+        sending = 0.0 if head else t * residual_bytes(s, a_bytes) * d / sh  # parallel/pp.py frees an output once sent
         norm = t * (norm_per_token(s, 1, e, lay.ckpt != "selective" or zb) + extra / 2) if head else 0.0
         logp = t * (e * vocab + 4 + 8 + 1) if head else 0.0
         held_acts = (waiting + zb) * t * (layers * held + head * held_head)  # with the set in B, as at its end
@@ -242,7 +243,7 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
         else:
             cases = [fsdp_moments(s, stage, w_bytes, a_bytes, flight, M > 1)]
         for kept, n, moments in cases:
-            base = dict(kept, activations=(n - zb) * acts + (n - 1) * norm + held_acts, logits=(n - 1) * logp)
+            base = dict(kept, activations=(n - zb) * acts + (n - 1) * norm + held_acts + sending, logits=(n - 1) * logp)
             moment = max(moments, key=lambda m: sum(m.values()))
             m = {k: v + moment.get(k, 0.0) for k, v in base.items()}
             m.update(master=MASTER_B * params / S, adam=ADAM_B * params / S)

@@ -11,8 +11,9 @@ Sends:    per micro-batch and chunk boundary one activation forward and its grad
 Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
           receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
 Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
-          most P micro-batches in flight under 1F1B (GPipe: all M); each is freed after its backward (zb1,
-          zbv: its W, pp_bw_split.py; every stage holds up to P stages' worth).
+          most P micro-batches in flight under 1F1B and interleaved (GPipe: all M); each is freed after its
+          backward (zb1, zbv: its W, pp_bw_split.py; every stage holds up to P stages' worth). A chunk's
+          output is freed once sent: backward needs it as its graph's root, not its bytes.
 Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches), zb1
           3M/(3M+P-1) and zbv 6M/(6M+P-1) with F = B = W once M fills the warmup (pp_schedule.py).
 Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
@@ -167,14 +168,12 @@ class Pipeline:
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
         self.loss_scale, self.wrapper, self.timed = loss_scale, wrapper, timed
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
-        self.vshape = chunks[0].pipeline.schedule in S.VSHAPED
-        self.last = self.P * len(chunks) - 1
+        self.vshape, self.last = chunks[0].pipeline.schedule in S.VSHAPED, self.P * len(chunks) - 1
         self.device = batches[0][0].device
         T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
         self.inputs, self.outputs, self.input_grads, self.alive = {}, {}, {}, set()
-        self.receives = {}  # (op, chunk, mb) -> (buffer, the Posted batch it arrives in)
-        self.sends = []  # Posted batches with sends in flight
+        self.receives, self.sends = {}, []  # (op, chunk, mb) -> (buffer, its Posted batch); Posted sends in flight
         chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the dtype of the weights
         self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model), activation_dtype)
         self.loss = torch.zeros((), device=self.device)
@@ -271,17 +270,19 @@ class Pipeline:
 
     def post(self, batch):
         """One batch_isend_irecv for a run of consecutive sends and receives."""
-        sends, receives = [], []
+        sends, receives, spent = [], [], []
         for a in batch:
             key = (a.chunk, a.mb)
             if a.op == "SEND_F":
                 out = self.outputs[key] if torch.is_grad_enabled() else self.outputs.pop(key)
                 sends.append((out.detach().contiguous(), a.peer))
+                spent += [out] * torch.is_grad_enabled()  # backward needs it only as the root of its graph
             elif a.op == "SEND_B":
                 sends.append((self.input_grads.pop(key).contiguous(), a.peer))
             else:
                 receives.append((a, torch.empty(self.activation[0], dtype=self.activation[1], device=self.device)))
-        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]), [t for t, _ in sends])
+        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]), [t for t, _ in sends],
+                        spent)
         for a, buf in receives:
             self.receives[(a.op, a.chunk, a.mb)] = (buf, posted)
         self.sends = [p for p in self.sends if not p.completed()]
@@ -295,20 +296,27 @@ class Pipeline:
 
 
 class Posted:
-    """The works of one batch_isend_irecv (NCCL returns one for the whole batch) and the tensors it
-    sends, kept alive until it completes. Waits once: a second wait on a gloo p2p work blocks."""
+    """One batch_isend_irecv's works (NCCL: one for the batch), the tensors it sends, kept alive until it completes,
+    and the forward outputs whose bytes it then frees. Waits once: gloo blocks on a second wait."""
 
-    def __init__(self, works, tensors):
-        self.works, self.tensors, self.done = works, tensors, False
+    def __init__(self, works, tensors, spent=()):
+        self.works, self.tensors, self.spent, self.done = works, tensors, spent, False
 
     def wait(self):
         if not self.done:
             for w in self.works:
                 w.wait()
-            self.done, self.tensors = True, None
+            self._finish()
 
     def completed(self):
-        return self.done or all(w.is_completed() for w in self.works)
+        if not self.done and all(w.is_completed() for w in self.works):
+            self._finish()
+        return self.done
+
+    def _finish(self):
+        for out in self.spent:
+            out.untyped_storage().resize_(0)
+        self.done, self.tensors, self.spent = True, None, ()
 
 
 def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0, wrapper=None, train=True,

@@ -60,6 +60,8 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
     "pp2 zb1 ckpt selective": (2, LONG + ["--pp", "2", "--pp-schedule", "zb1", "--ckpt", "selective"], 1, 4),
     "pp2 zb1 wide vocab": (2, WIDE_VOCAB + ["--pp", "2", "--pp-schedule", "zb1"], 1, 4),
     "pp2 zbv": (2, LONG + ["--n-layer", "4", "--pp", "2", "--pp-schedule", "zbv"], 1, 4),
+    "pp2 interleaved": (2, LONG + ["--n-layer", "4", "--pp", "2", "--pp-schedule", "interleaved",
+                                   "--pp-virtual", "2"], 1, 4),
     "cp2 ring": (2, ["--cp", "2"], 2, 2),
     "cp2 ring ckpt full": (2, ["--cp", "2", "--ckpt", "full"], 2, 2),
     "cp2 allgather": (2, LONG + ["--cp", "2", "--cp-mode", "allgather"], 2, 2),

@@ -319,6 +319,19 @@ def test_1f1b_keeps_at_most_P_activation_sets_in_flight_on_stage_0_and_gpipe_M(s
     assert all(r[s][1] == 16 and r[s][2] for r in stage_records for s in r)  # 8 forwards + 8 backwards recorded
 
 
+def _interleaved_in_flight(rank, world):
+    mesh = Mesh(rank, world, pp=world)
+    chunks, batches = tiny_pipeline(mesh, "interleaved", 4, virtual=2)
+    return pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0,
+                      DDP(torch.nn.ModuleList(chunks), mesh))[1].max_in_flight
+
+
+def test_interleaved_keeps_1f1b_s_activation_sets():
+    """P = 2, V = 2, M = 4: stage r keeps P·V - r chunk sets (P - r/V stage sets), stage 0 1F1B's P, where
+    Megatron's longer warmup keeps P + (P-1)/V."""
+    assert run_ranks(_interleaved_in_flight, 2, timeout=120) == [4, 3]
+
+
 def test_each_boundary_sends_one_activation_forward_and_one_gradient_back_per_micro_batch(stage_records):
     activation = 1 * 16 * TINY.d_model * 4  # (b, T, d) fp32 bytes
     for rank, r in enumerate(stage_records):
