@@ -131,17 +131,15 @@ def invalid(cfg, cl, lay, seq, batch):
     return None
 
 
-def in_flight(schedule, M, P, V, code="reference"):
-    """Activation sets (a stage's worth each) alive at once on (the first, the last) pipeline stage: gpipe M on both;
-    1f1b min(M, P) and 1; interleaved in this repository's order (parallel/pp_schedule.py) min(M, P) and
-    min(M, P - (P-1)/V), under Megatron's longer warmup min(M, P + (P-1)/V) and 1; zb1 min(M, P) on both (a set
-    lives until its W); zbv at most 2P chunk sets of half a stage, min(M, P), on both."""
+def in_flight(schedule, M, P, V, rank=0):
+    """Activation sets (a stage's worth each) alive at once on (pipeline rank `rank`, the last rank): gpipe M on
+    both; 1f1b min(M, P - rank) and 1; interleaved (Megatron's warmup) min(M, P + (P - 2·rank - 1)/V) and 1; zb1
+    min(M, P) on both (a set lives until its W); zbv at most 2P chunk sets of half a stage, min(M, P), on both."""
     if schedule in ("zb1", "zbv"):
         return min(M, P), min(M, P)
-    if schedule == "interleaved" and code == "ours":  # rank r keeps P - r/V: the last rank holds P - (P-1)/V
-        return min(M, P), min(M, P - (P - 1) / V)
-    interleaved = min(M, P + (P - 1) / V)
-    return {"gpipe": M, "1f1b": min(M, P), "interleaved": interleaved}[schedule], (M if schedule == "gpipe" else 1)
+    interleaved = min(M, P + (P - 2 * rank - 1) / V)
+    last = M if schedule == "gpipe" else 1
+    return {"gpipe": M, "1f1b": min(M, P - rank), "interleaved": interleaved}[schedule], last
 
 
 def stage_layers(n_layer, pp):

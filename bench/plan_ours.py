@@ -216,12 +216,13 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     sharded = lay.dp_mode != "ddp"
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
     keep, block_bwd, loss_bwd = transients(s, a_bytes)
-    inflight, last_flight = in_flight(lay.schedule, M, P, lay.V, "ours")
+    last_flight = in_flight(lay.schedule, M, P, lay.V)[1]
     zb = lay.schedule in ("zb1", "zbv") and P > 1
     extra, held, held_head = deferred_per_token(s, a_bytes) if zb else (0.0, 0.0, 0.0)
     best = None
     for i, (layers, params, embed, head, _) in enumerate(s.stages()):
-        flight = 1 if P == 1 else last_flight if head else inflight
+        rank = min(i, 1)  # s.stages(): the first rank, the last, a middle one (rank 1 keeps the most of those)
+        flight = 1 if P == 1 else last_flight if head else in_flight(lay.schedule, M, P, lay.V, rank)[0]
         flight, waiting = zb_sets(M, P, i) if zb else (flight, 0)
         acts = layers * t * (keep + extra)  # a microbatch's blocks
         sending = 0.0 if head else t * residual_bytes(s, a_bytes) * d / sh  # parallel/pp.py frees an output once sent

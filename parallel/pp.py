@@ -11,7 +11,7 @@ Sends:    per micro-batch and chunk boundary one activation forward and its grad
 Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
           receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
 Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
-          most P micro-batches in flight under 1F1B and interleaved (GPipe: all M); each is freed after its
+          most P micro-batches in flight under 1F1B (interleaved P + (P-1)/V, GPipe all M); each is freed after its
           backward (zb1, zbv: its W, pp_bw_split.py; every stage holds up to P stages' worth). A chunk's
           output is freed once sent: backward needs it as its graph's root, not its bytes.
 Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches), zb1

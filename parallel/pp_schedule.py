@@ -78,11 +78,11 @@ def one_f_one_b(P, M, V=1):
 
 
 def interleaved(P, M, V):
-    """Megatron's interleaved 1F1B order: micro-batches go in groups of P through chunk 0, then chunk 1, ...
-    (backwards through the chunks in reverse); warmup (P-r-1) + (V-1)·P chunk forwards, then 1F1B. Each chunk is 1/V
-    of a stage, so the fill and drain shrink V times: bubble (P-1)/(V·M). Megatron (and torch's
-    ScheduleInterleaved1F1B) warm up (P-r-1)·2 + (V-1)·P; with asynchronous sends the shorter warmup has the same
-    bubble and keeps stage r at P - r/V activation sets, 1F1B's P on stage 0, not P + (P-1)/V."""
+    """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1, ...
+    (backwards through the chunks in reverse); warmup (P-r-1)·2 + (V-1)·P units, then 1F1B, so rank r keeps up to
+    P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a stage, so the fill and drain shrink V times:
+    bubble (P-1)/(V·M). (A warmup of (P-r-1) + (V-1)·P has the same bubble in pp_simulate and keeps 1F1B's P sets on
+    rank 0, but measured 10-15% lower utilization in bench/pp_bubble.py: the second P-r-1 forwards are slack.)"""
     if V == 1:
         return one_f_one_b(P, M)
     fwd, bwd = [], []
@@ -92,7 +92,7 @@ def interleaved(P, M, V):
         bwd += [Action("B", c, i) for c in reversed(range(V)) for i in group]
     orders = []
     for r in range(P):
-        warm = min(P - r - 1 + (V - 1) * P, M * V)
+        warm = min((P - r - 1) * 2 + (V - 1) * P, M * V)
         order = fwd[:warm]
         for k in range(M * V - warm):
             order += [fwd[warm + k], bwd[k]]

@@ -17,6 +17,7 @@ import config
 import model as M
 import train
 from bench import pp_draw
+from bench.plan_layout import in_flight
 from config import UsageError
 from parallel import pp
 from parallel import pp_schedule as S
@@ -326,10 +327,11 @@ def _interleaved_in_flight(rank, world):
                       DDP(torch.nn.ModuleList(chunks), mesh))[1].max_in_flight
 
 
-def test_interleaved_keeps_1f1b_s_activation_sets():
-    """P = 2, V = 2, M = 4: stage r keeps P·V - r chunk sets (P - r/V stage sets), stage 0 1F1B's P, where
-    Megatron's longer warmup keeps P + (P-1)/V."""
-    assert run_ranks(_interleaved_in_flight, 2, timeout=120) == [4, 3]
+def test_interleaved_keeps_the_activation_sets_the_planner_counts():
+    """P = 2, V = 2, M = 4: rank r keeps P·V + P - 2r - 1 chunk sets (P + (P-2r-1)/V stage sets, as
+    bench/plan_layout.in_flight counts them): 5 on rank 0, 3 on rank 1."""
+    want = [2 * in_flight("interleaved", 4, 2, 2, rank=r)[0] for r in range(2)]
+    assert run_ranks(_interleaved_in_flight, 2, timeout=120) == want == [5, 3]
 
 
 def test_each_boundary_sends_one_activation_forward_and_one_gradient_back_per_micro_batch(stage_records):
