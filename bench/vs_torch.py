@@ -40,34 +40,35 @@ except ImportError:
 
 
 def build(impl, cfg, mesh, seed):
-    """(module to call, optimizer params, finish) for one implementation, from the same initial weights."""
+    """(module to call, optimizer params, our wrapper or None) for one implementation, from the same initial
+    weights."""
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     if impl == "ours-fsdp":
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
                        lambda name, p, flat=None, out=None: M.local_init(name, p, cfg, seed, flat, out), "cpu")
-        return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
+        return gpt, wrapper.optim_params(), wrapper
     M.init_weights(gpt, seed, "cpu")
     if impl == "ours-ddp":
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
-        return gpt, wrapper.optim_params(), wrapper.finish_grad_sync
+        return gpt, wrapper.optim_params(), wrapper
     if impl == "torch-ddp":
         ddp = nn.parallel.DistributedDataParallel(gpt)
-        return ddp, list(ddp.parameters()), lambda: None
+        return ddp, list(ddp.parameters()), None
     device_mesh = init_device_mesh("cpu", (mesh.world,))
     for block in gpt.layers.values():
         fully_shard(block, mesh=device_mesh)
     fully_shard(gpt, mesh=device_mesh)
-    return gpt, list(gpt.parameters()), lambda: None
+    return gpt, list(gpt.parameters()), None
 
 
 def _run(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed):
     cfg = M.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world)
     torch.manual_seed(seed)
-    net, params, finish = build(impl, cfg, mesh, seed)
+    net, params, wrapper = build(impl, cfg, mesh, seed)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return peers.timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen)
+    return peers.timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen)
 
 
 PAIRS = {"ddp": ("ours-ddp", "torch-ddp"), "fsdp": ("ours-fsdp", "torch-fsdp2"), "tp": ("ours-tp", "torch-tp"),

@@ -67,7 +67,7 @@ def torch_cross_entropy(logits, targets):
 
 
 def build_tp(impl, cfg, rank, world, seed, sp):
-    """(model, optimizer params, finish, loss context) for ours or torch's tensor parallelism."""
+    """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism."""
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     if impl == "ours-tp":
@@ -75,7 +75,7 @@ def build_tp(impl, cfg, rank, world, seed, sp):
         tp.parallelize(gpt, mesh, sequence_parallel=sp, overlap=True)
         M.init_weights(gpt, seed, "cpu")
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
-        return gpt, wrapper.optim_params(), wrapper.finish_grad_sync, nullcontext
+        return gpt, wrapper.optim_params(), wrapper, nullcontext
     M.init_weights(gpt, seed, "cpu")
     device_mesh = init_device_mesh("cpu", (world,))
     root, block = torch_tp_plan(sp)
@@ -87,20 +87,33 @@ def build_tp(impl, cfg, rank, world, seed, sp):
     gpt.loss_fn = torch_cross_entropy
     if sp:
         gpt.seq_shards = world  # the residual stream holds T/t tokens; rope needs all T positions
-    return gpt, list(gpt.parameters()), lambda: None, loss_parallel
+    return gpt, list(gpt.parameters()), None, loss_parallel
 
 
 def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp):
     cfg = M.ModelConfig(**cfg_fields)
     torch.manual_seed(seed)
-    net, params, finish, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp)
+    net, params, wrapper, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp)
     gen = torch.Generator().manual_seed(seed * 1000)  # tp ranks read the same batch
-    return timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen, loss_ctx)
+    return timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen, loss_ctx)
 
 
-def timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen, loss_ctx=nullcontext):
+def step_and_clear(opt, wrapper):
+    """Ours as train.py runs it (sync, step, the wrapper's zero_grad: grads stay views into its buffers); torch's
+    wrappers sync inside backward, and their gradients are set to None."""
+    if wrapper is not None:
+        wrapper.finish_grad_sync()
+    opt.step()
+    if wrapper is not None:
+        wrapper.zero_grad()
+    else:
+        opt.zero_grad(set_to_none=True)
+
+
+def timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen, loss_ctx=nullcontext):
     """Trains `net` for warmup + steps steps on random batches from `gen`; per step the wall and CPU seconds (after
-    the warmup) and the loss. finish: the wrapper's gradient sync; loss_ctx: around forward and backward."""
+    the warmup) and the loss. wrapper: ours (its gradient sync and zero_grad, as train.py calls them), or None for
+    torch's (zero_grad(set_to_none=True), its idiom); loss_ctx: around forward and backward."""
     opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     losses, times, cpu = [], [], []
     for _ in range(warmup + steps):
@@ -110,9 +123,7 @@ def timed_steps(net, params, finish, cfg, micro_batch, steps, warmup, gen, loss_
         with loss_ctx():
             loss = net(x[:, :-1], x[:, 1:])
             loss.backward()
-        finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step_and_clear(opt, wrapper)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)  # this process's CPU seconds, all threads: robust to a busy host
         losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
@@ -130,7 +141,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
         M.init_weights(chunk, seed, "cpu")
     if impl == "ours-pp":
         wrapper = DDP(nn.ModuleList(chunks), mesh)
-        params, finish = wrapper.optim_params(), wrapper.finish_grad_sync
+        params = wrapper.optim_params()
     else:
         stages = [PipelineStage(c, c.pipeline.virtual_stage, c.pipeline.n_virtual, torch.device("cpu"))
                   for c in chunks]
@@ -139,7 +150,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
         cls = TORCH_SCHEDULES[schedule]
         sched = cls(stages if schedule == "interleaved" else stages[0], n_micro,
                     loss_fn=lambda out, y: M.cross_entropy_loss(out, y) / n_micro, **options)
-        params, finish = [p for c in chunks for p in c.parameters()], lambda: None
+        params, wrapper = [p for c in chunks for p in c.parameters()], None
     opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     gen = torch.Generator().manual_seed(seed * 1000)
     last = rank == world - 1  # holds the last (virtual) stage in every schedule here
@@ -156,9 +167,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
             mb_losses = []
             sched.step(*([inputs] if rank == 0 else []), target=targets if last else None, losses=mb_losses)
             loss = torch.stack(mb_losses).sum() if mb_losses else torch.zeros(())
-        finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step_and_clear(opt, wrapper)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         losses.append(loss.item())
