@@ -5,7 +5,9 @@
 
 Every run uses fp32 on CPU, the offline corpus, dropout off, and a short schedule; `flags` add the layout.
 """
+import io
 import tempfile
+from contextlib import redirect_stderr
 
 import numpy as np
 
@@ -19,6 +21,16 @@ BASE = ["--model", "tiny", "--steps", "10", "--global-batch", "8", "--micro-batc
 
 def _rank_main(rank, world, argv):
     return train.main(argv)
+
+
+def exit_and_stderr(argv):
+    """(train.main's exit status, what it wrote to stderr): 0 when it returns."""
+    with redirect_stderr(io.StringIO()) as err:
+        try:
+            train.main(argv)
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return 0, err.getvalue()
 
 
 def train_losses(world, flags, out_dir=None, timeout=180):

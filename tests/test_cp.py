@@ -1,7 +1,5 @@
 """Context parallel: each attention mode equals full causal attention, training equals one process,
 the ring sends what the theory says, zigzag balances the causal work, bad layouts exit 2."""
-import contextlib
-import io
 import weakref
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
-from tests.layouts import BASE, assert_same_losses, train_losses
+from tests.layouts import BASE, assert_same_losses, exit_and_stderr, train_losses
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS = ((8, 2), (8, 8), (4, 1))  # (H, Hkv): GQA, plain, and fewer kv heads than cp ranks
@@ -224,13 +222,7 @@ def test_cp_only_run_fails_without_grad_sync(layout_runs):
 # ---------------------------------------------------------------- bad input
 
 def _bad_rank(rank, world, argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            train.main(BASE + ["--out", "/nonexistent-never-written"] + argv)
-        except SystemExit as e:
-            return e.code, err.getvalue()
-    return 0, err.getvalue()
+    return exit_and_stderr(BASE + ["--out", "/nonexistent-never-written"] + argv)
 
 
 @pytest.mark.parametrize("world, argv, needle", [

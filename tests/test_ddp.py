@@ -1,7 +1,5 @@
 """DDP overlap from hook ordering (L9, L10), gradients as bucket views, and the data-parallel flag errors (exit
 status 2)."""
-import contextlib
-import io
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import train
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
+from tests.layouts import exit_and_stderr
 
 CFG = M.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
@@ -89,13 +88,7 @@ def test_dp_bad_flags_print_one_line_and_exit_2(flags, flag, capsys, tmp_path):
 
 
 def _main_exit(rank, world, argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            train.main(argv)
-        except SystemExit as e:
-            return e.code, err.getvalue()
-    return 0, err.getvalue()
+    return exit_and_stderr(argv)
 
 
 def test_dp_not_dividing_world_on_two_ranks(tmp_path):

@@ -4,10 +4,9 @@ cost-balanced split and its bad inputs. On gloo ranks: every schedule equals one
 (M = 1, P, 2P), composition with ddp, fsdp, tp, cp and ckpt, at most P activation sets in flight on
 stage 0 under 1F1B (M under GPipe), and a rank that raises mid-schedule ends every rank with an error.
 The layout runs share four launches (module fixtures); each test asserts one property."""
-import io
 import json
 import time
-from contextlib import nullcontext, redirect_stderr
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,7 @@ from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
-from tests.layouts import BASE, assert_same_losses
+from tests.layouts import BASE, assert_same_losses, exit_and_stderr
 from tests.pp_deadlock import check_no_deadlock
 
 GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb1", [1]),
@@ -173,15 +172,7 @@ def test_pp_not_dividing_the_world_is_one_line_and_exit_2(capsys, tmp_path):
 
 
 def _exit_and_stderr(rank, world, argvs):
-    out = []
-    for a in argvs:
-        with redirect_stderr(io.StringIO()) as err:
-            try:
-                train.main(a)
-                out.append((0, err.getvalue()))
-            except SystemExit as e:
-                out.append((e.code, err.getvalue()))
-    return out
+    return [exit_and_stderr(a) for a in argvs]
 
 
 def test_bad_pipeline_flags_through_train_are_one_line_and_exit_2(tmp_path):

@@ -4,21 +4,20 @@ through train.py). On gloo ranks, one launch: the B/W split gives 1f1b's gradien
 dp2 x pp2 (DDP's buckets each launched once, in backward: after the chunk's last W), zb1 keeps at most 1f1b's peak
 activation sets per stage, and a checkpointed block is recomputed once per micro-batch, not twice. Losses against
 one process, resume and the other layouts: tests/test_pp.py and tests/test_checkpoint.py."""
-import io
-from contextlib import nullcontext, redirect_stderr
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 import torch
 
 import model as M
-import train
 from bench import pp_draw
 from parallel import ckpt, pp
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
+from tests.layouts import exit_and_stderr
 from tests.test_pp import argv, fake_mesh, meta_gpt
 
 TINY8 = M.ModelConfig(n_layer=8, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)
@@ -76,12 +75,7 @@ def test_a_pair_the_simulator_refuses_is_a_layout_error(monkeypatch):
 
 def _refused_by_train(rank, world, flags):
     S.SCHEDULES["zb1"] = never_runs  # in this rank's process only
-    with redirect_stderr(io.StringIO()) as err:
-        try:
-            train.main(flags)
-        except SystemExit as e:
-            return e.code, err.getvalue()
-    return 0, err.getvalue()
+    return exit_and_stderr(flags)
 
 
 def test_train_refuses_a_pair_the_simulator_refuses_with_one_line_and_exit_2(tmp_path):
