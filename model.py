@@ -80,11 +80,11 @@ class ScaledRMSNorm(torch.autograd.Function):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (gradcheck)
         rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)  # (..., 1) fp32
         ctx.save_for_backward(x, weight, rstd)
-        return ScaledRMSNorm.output(x, weight, rstd)
+        return ScaledRMSNorm.output(x, weight, rstd, x32)
 
     @staticmethod
-    def output(x, weight, rstd):  # also --ckpt selective's recomputation, from what backward keeps
-        return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
+    def output(x, weight, rstd, x32=None):  # also --ckpt selective's recomputation, from what backward keeps
+        return weight * ((x.to(rstd.dtype) if x32 is None else x32) * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -215,7 +215,7 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
     cfg, lay, P, M, t, d, e = s.cfg, s.lay, s.lay.pp, s.M, s.t, s.cfg.d_model, a_bytes
     sharded = lay.dp_mode != "ddp"
     S, sh, vocab = shard_size(lay) if sharded else 1, lay.tp if lay.sp else 1, cfg.padded_vocab / lay.tp
-    keep, block_bwd, loss_bwd = transients(s, a_bytes)
+    r, (keep, block_bwd, loss_bwd) = residual_bytes(s, a_bytes), transients(s, a_bytes)
     last_flight = in_flight(lay.schedule, M, P, lay.V)[1]
     zb = lay.schedule in ("zb1", "zbv") and P > 1
     extra, held, held_head = deferred_per_token(s, a_bytes) if zb else (0.0, 0.0, 0.0)
@@ -225,7 +225,7 @@ def ours_memory(s, overhead_gb, frag, w_bytes, a_bytes):
         flight = 1 if P == 1 else last_flight if head else in_flight(lay.schedule, M, P, lay.V, rank)[0]
         flight, waiting = zb_sets(M, P, i) if zb else (flight, 0)
         acts = layers * t * (keep + extra)  # a microbatch's blocks
-        sending = 0.0 if head else t * residual_bytes(s, a_bytes) * d / sh  # parallel/pp.py frees an output once sent
+        sending = 0.0 if head else t * r * d / sh  # one output in flight: parallel/pp.py frees it once sent
         norm = t * (norm_per_token(s, 1, e, lay.ckpt != "selective" or zb) + extra / 2) if head else 0.0
         logp = t * (e * vocab + 4 + 8 + 1) if head else 0.0
         held_acts = (waiting + zb) * t * (layers * held + head * held_head)  # with the set in B, as at its end

@@ -81,7 +81,7 @@ def interleaved(P, M, V):
     """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1, ...
     (backwards through the chunks in reverse); warmup (P-r-1)·2 + (V-1)·P units, then 1F1B, so rank r keeps up to
     P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a stage, so the fill and drain shrink V times:
-    bubble (P-1)/(V·M). (A warmup of (P-r-1) + (V-1)·P has the same bubble in pp_simulate and keeps 1F1B's P sets on
+    bubble (P-1)/(V·M). (A warmup of (P-r-1) + (V-1)·P has the same bubble in simulate() and keeps 1F1B's P sets on
     rank 0, but measured 10-15% lower utilization in bench/pp_bubble.py: the second P-r-1 forwards are slack.)"""
     if V == 1:
         return one_f_one_b(P, M)
