@@ -4,6 +4,7 @@ all-reduces as parallel/fsdp.py chains them. Closed formulas only: fast, no clus
 import pytest
 
 from bench import plan_time as T
+from bench.cluster_report import misranked
 from bench.plan_layout import Cluster, Layout, Shape
 from model import PRESETS, param_counts
 from parallel.hsdp import replica_bytes
@@ -87,3 +88,11 @@ def test_hsdp_replica_all_reduces_chain_each_under_one_units_backward():
     # plus the chain
     fsdp_in_a_node = bill(Layout(dp=2, dp_mode="fsdp", micro=1), batch=2)["dp"]
     assert bill(lay)["dp"] - fsdp_in_a_node > sum(r[-3:])
+
+
+def test_a_ranking_miss_counts_only_where_every_round_measured_the_other_order():
+    """cluster_report.misranked: predicted a < b but every round of b faster than every round of a is a miss; when
+    the rounds' spreads overlap the run cannot order the pair, and it is not."""
+    meas = {"a": (1.2, 0.0, (1.15, 1.25), 0.0), "b": (1.0, 0.0, (0.95, 1.05), 0.0), "c": (1.1, 0.0, (1.0, 1.3), 0.0)}
+    preds = {"a": 0.9, "b": 1.0, "c": 1.05}
+    assert misranked(meas, preds) == [("a", "b")]  # a vs c and b vs c overlap: ties
