@@ -12,6 +12,7 @@ prints, from a run's raw results, the measured step and exposed communication of
 bill term by term, without running the cluster again: the time model can be changed and checked in seconds.
 """
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -50,7 +51,8 @@ def constants(results):
     rates = [rate for rounds in results.values() for r in rounds for t in r["train"].values() for rate in t["rates"]]
     out = {"peak_tflops": statistics.median(r["matmul"] for r in rates) / 1e12,
            "attn_tflops": statistics.median(r["attention"] for r in rates) / 1e12,
-           "hbm_tbs": statistics.median(r["memory"] for r in rates) / 1e12}
+           "hbm_tbs": statistics.median(r["memory"] for r in rates) / 1e12,
+           "host_us": 1e6 / statistics.median(r.get("host", math.inf) for r in rates)}  # 0: a run before it was
     for kind, key in (("intra-node", "intra"), ("inter-node", "inter")):
         rows = [row for rounds in results.values() for r in rounds for row in r.get("collectives", [])
                 if row["kind"] == kind and row["op"] in LINK_OPS]
@@ -163,7 +165,8 @@ def report(results, args, shaping, cpu_share, out):
         f"The planner's constants, measured by the ranks themselves, all ranks at once, medians over the run: the "
         f"rates sampled before every layout of every round, matmul {const['peak_tflops'] * 1e3:.1f} "
         f"GFLOP/s over a block's linears (its peak), causal attention fwd+bwd {const['attn_tflops'] * 1e3:.1f} "
-        f"GFLOP/s, memory {const['hbm_tbs'] * 1e3:.1f} GB/s (a 16 MB add); the links' from the sweeps of "
+        f"GFLOP/s, memory {const['hbm_tbs'] * 1e3:.1f} GB/s (a 16 MB add), host {const['host_us']:.1f} us per "
+        "dispatched op (a chain of tiny multiplies, forward and backward); the links' from the sweeps of "
         f"every round: inside a node {const['intra_gbs']:.3f} GB/s and {const['lat_intra_us']:.0f} us per ring step, "
         f"across nodes {const['inter_gbs']:.3f} GB/s and {const['lat_inter_us']:.0f} us (all-reduce bus bandwidth of "
         "the largest messages, latency of the smallest). The latencies are mostly the scheduler's: a rank woken by "

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
@@ -69,6 +70,26 @@ def attention(q, k, v):
     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched under it."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def small_ops(x, n=50):
+    """n multiplies of a 4-element tensor and their backward: ops too small to cost more than their dispatch, half
+    from Python (a step's forward), half from autograd's engine (its backward)."""
+    y = x
+    for _ in range(n):
+        y = y * 1.0001
+    y.sum().backward()
+
+
 def matmuls(cfg, t):
     """(a, b) operand pairs of one block's linears over t token rows: each weight's forward and both backward shapes."""
     d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
@@ -83,17 +104,22 @@ def device_rates(spec, trials):
     """What one rank attains while every rank runs the same at once (the cores are shared, as in training), the
     median over ranks and trials of each, at the workload's own sizes: matmul FLOP/s over a block's linears at the
     microbatch's rows (forward and both backward shapes: all their FLOPs over all their time), causal attention
-    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), and memory bytes/s of a 16 MB add, past
-    the caches as a step's weights, gradients and optimizer state are."""
+    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), memory bytes/s of a 16 MB add, past
+    the caches as a step's weights, gradients and optimizer state are, and host ops/s of ops too small to cost more
+    than their dispatch (small_ops: a CPU runs a step's thousands of dispatches in line with its math)."""
     cfg = config.model_config(config.parse_args(spec["model"]), 0)
     t, d, T, hd = spec["rate_rows"], cfg.d_model, cfg.seq_len, cfg.head_dim
     mm = matmuls(cfg, t)
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in mm)
     q, kv = torch.randn(1, cfg.n_head, T, hd), torch.randn(1, cfg.n_kv_head, T, hd)
     a, b = torch.randn(2 ** 22), torch.randn(2 ** 22)
+    tiny = torch.ones(4, requires_grad=True)
+    with CountOps() as counted:
+        small_ops(tiny)
     mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops, trials),
             "attention": shared_rate(lambda: attention(q, kv, kv), 12 * d * T * T, trials),
-            "memory": shared_rate(lambda: a + b, 3 * 4 * a.numel(), trials)}
+            "memory": shared_rate(lambda: a + b, 3 * 4 * a.numel(), trials),
+            "host": shared_rate(lambda: small_ops(tiny), counted.n, trials)}
     ranks = gather(mine)
     return {k: statistics.median(r[k] for r in ranks) for k in mine}
 

@@ -30,7 +30,7 @@ from bench.plan_layout import CODES, GB, Cluster, Layout, Shape, invalid, parse_
 from bench.plan_memory import memory  # noqa: E402
 from bench.plan_search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan  # noqa: E402
 from bench.plan_time import members_per_node, step_time  # noqa: E402
-from config import OneLineParser, UsageError, one_of, positive_float, positive_int  # noqa: E402
+from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, positive_int  # noqa: E402
 from model import PRESETS, param_counts  # noqa: E402
 
 __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
@@ -67,6 +67,9 @@ def main(argv=None):
     ap.add_argument("--measured", action="store_true", help="the rates were measured on this cluster at these sizes "
                     "(bench/cluster.py): no H100 efficiency factors")
     ap.add_argument("--attn-tflops", type=positive_float, help="with --measured: the measured attention rate")
+    ap.add_argument("--host-us", type=nonnegative_float, default=0.0,
+                    help="host microseconds per dispatched op where the host is the device (a CPU cluster; "
+                    "bench/cluster.py measures it); 0: a GPU hides them")
     ap.add_argument("--seq-len", type=positive_int, help="default: the preset's")
     ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
     ap.add_argument("--top", type=positive_int, default=10)
@@ -94,7 +97,7 @@ def main(argv=None):
         return 2
     cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs,
                  args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
-                 args.measured, args.attn_tflops or 0.0)
+                 args.measured, args.attn_tflops or 0.0, args.host_us)
     batch = max(1, (args.global_batch_tokens or default_batch_tokens(cfg)) // seq)
     total, non_emb = param_counts(cfg)
     print(f"{args.model}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), seq {seq}, batch "

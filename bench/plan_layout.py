@@ -43,6 +43,9 @@ class Cluster:
     # do not apply to them
     measured: bool = False
     attn_tflops: float = 0.0    # measured attention fwd + bwd rate (12*d*T FLOPs per token), measured clusters
+    # host microseconds per dispatched op, paid in line where the host is the device (a CPU cluster measures it);
+    # 0 on GPUs, whose kernels run while the host launches the next ones
+    host_us: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,11 @@ N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the n
 elementwise kernels, as torch.compile does), else 1; attention and the head stay bf16.
 The optimizer's update, --code ours: OPT_BYTES per parameter the rank updates / HBM (ddp.py updates the whole
 replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible), and the
-clip's blocking all-reduce of two floats over the world, 2*log2(world) latency steps. The head:
+clip's blocking all-reduce of two floats over the world, 2*log2(world) latency steps. Gradients, --code ours:
+landing_bytes per parameter of the stage / HBM, the copies that take each micro-batch's weight gradients into
+the buffers the step reduces. Host: where the host is the device (--host-us > 0, a CPU cluster), every
+dispatched op costs host_us in line, HOST_OPS_LAYER per layer and HOST_OPS_REST per micro-batch; a GPU's
+kernels run while the host launches the next ones (--host-us 0). The head:
 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
 forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
 per microbatch t_stage = load*t_layer + layers*(TP + CP exposed), and
@@ -72,6 +76,8 @@ OVERLAP_TAX = 0.25   # compute slowdown per second of hidden communication (NCCL
 FP8_RATE = 2.0       # dense fp8 over dense bf16 tensor-core peak, H100/H200 SXM: 1979 / 989 TFLOP/s
 OPT_BYTES = 40       # memory bytes per parameter of an update, --code ours: the clip reads the fp32 gradient twice
 #                      and writes it once, fused AdamW reads weight, gradient and both moments and writes three
+HOST_OPS_LAYER = 186  # aten ops one block's forward and backward dispatch; the embedding, final norm, head and
+HOST_OPS_REST = 128   # loss another 128 per micro-batch (model.py; tests/test_plan_cluster.py counts both)
 
 
 # ---------------------------------------------------------------- links
@@ -134,6 +140,19 @@ def gloo_rs(cl, S):
     (bench/results/cluster.md: at half the ring bytes, half the bus bandwidth; its smallest as slow as an
     all-reduce's); else 1, 1."""
     return (2, 2 * math.ceil(math.log2(S)) / (S - 1)) if cl.backend == "gloo" and S > 1 else (1, 1)
+
+
+def landing_bytes(cl, lay, M):
+    """Memory bytes per parameter and step that take each micro-batch's fresh weight gradients to where the step
+    sums them (--code ours). ddp.py: autograd adds them into the bucket views (reads both fp32, writes one).
+    fsdp.py: each unit's are copied into its flat fp32 buffer (from the compute dtype), or added under
+    accumulate=unsharded (one fp32 read more); on gloo the reduce-scatter copies that buffer again on the caller's
+    thread, per micro-batch, or once per step under unsharded."""
+    if lay.dp_mode == "ddp":
+        return M * 12
+    unsharded = lay.accumulate == "unsharded"
+    per_rs = 8 * (cl.backend == "gloo")
+    return M * (cl.dtype_bytes + 4 + 4 * unsharded) + (1 if unsharded else M) * per_rs
 
 
 def clip_norm(cl, lay):
@@ -232,9 +251,10 @@ def shape_step_time(s, cl):
         attn = 12 * d * s.seq / tp / (peak * ATTN_EFF * keys / (keys + ATTN_KEYS0))
     mm = 6 * (s.p_layer - 2 * d) * flop / (FP8_RATE if lay.fp8 else 1.0)
     elem = ELEM_BYTES * cl.dtype_bytes / 2 * (d + cfg.ffn_dim) / tp / hbm  # ELEM_BYTES: of bf16 tensors
-    t_layer = mm + attn + elem  # seconds per token per layer on one GPU
+    host = cl.host_us * 1e-6 / s.t  # seconds per token for each op the host dispatches in line (a CPU device)
+    t_layer = mm + attn + elem + HOST_OPS_LAYER * host  # seconds per token per layer on one GPU
     redo = {"none": 0.0, "selective": elem / 3, "full": t_layer / 3}[lay.ckpt]
-    t_head = 6 * s.p_embed * head_flop + 16 * cfg.padded_vocab / tp / hbm
+    t_head = 6 * s.p_embed * head_flop + 16 * cfg.padded_vocab / tp / hbm + HOST_OPS_REST * host
     h = t_head / (t_layer + redo)  # the head in layers
     first, _, last = s.layers
     load = max(first, most, last + h) if lay.pp > 1 else first + h
@@ -257,7 +277,8 @@ def shape_step_time(s, cl):
     out = {"compute": s.M * ideal * s.t * t_layer, "recompute": s.M * ideal * s.t * redo,
            "imbalance": s.M * (load - ideal) * t_mb, "bubble": idle * chunk / most * t_stage,
            "tp": s.M * tp_mb, "cp": s.M * most * cp_exp, "pp": 0.0, "dp": 0.0,
-           "optimizer": (s.code == "ours") * (OPT_BYTES * updated / hbm + clip_norm(cl, lay))}
+           "optimizer": (s.code == "ours") * (OPT_BYTES * updated / hbm + clip_norm(cl, lay)),
+           "grads": (s.code == "ours") * landing_bytes(cl, lay, s.M) * s.p_gpu / hbm}
     if lay.pp > 1:
         hop = seconds(cl, lay, "pp", sent["pp"][0] / sent["pp"][1], 1)  # one send: (t, d/tp under sp) activations
         out["pp"] = 2 * (lay.pp - 1) * hop + hide(comm["pp"], s.M * t_stage, tax(cl, lay, "pp"))

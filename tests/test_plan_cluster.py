@@ -1,12 +1,18 @@
 """The planner's time terms that the emulated cluster (bench/cluster.py) checks: which link a group gets, what hidden
-communication costs compute, the optimizer's update and the clip, gloo's reduce-scatter, and hsdp's replica
-all-reduces as parallel/fsdp.py chains them. Closed formulas only: fast, no cluster."""
+communication costs compute, the optimizer's update and the clip, gloo's reduce-scatter, hsdp's replica
+all-reduces as parallel/fsdp.py chains them, the gradients' copies and the host's dispatches. Closed formulas and
+one tiny model: fast, no cluster."""
+from dataclasses import replace
+
 import pytest
+import torch
 
 from bench import plan_time as T
-from bench.cluster_report import misranked
+from bench.cluster_report import MODEL, misranked
+from bench.cluster_worker import CountOps
 from bench.plan_layout import Cluster, Layout, Shape
-from model import PRESETS, param_counts
+from config import model_config, parse_args
+from model import GPT, PRESETS, param_counts
 from parallel.hsdp import replica_bytes
 
 TINY = PRESETS["tiny"]
@@ -96,3 +102,37 @@ def test_a_ranking_miss_counts_only_where_every_round_measured_the_other_order()
     meas = {"a": (1.2, 0.0, (1.15, 1.25), 0.0), "b": (1.0, 0.0, (0.95, 1.05), 0.0), "c": (1.1, 0.0, (1.0, 1.3), 0.0)}
     preds = {"a": 0.9, "b": 1.0, "c": 1.05}
     assert misranked(meas, preds) == [("a", "b")]  # a vs c and b vs c overlap: ties
+
+
+def dispatched_ops(n_layer):
+    """Aten ops of one forward and backward of the cluster's model with n_layer blocks (its rope cache warm)."""
+    torch.manual_seed(0)
+    model = GPT(replace(model_config(parse_args(MODEL), 0), n_layer=n_layer))
+    x, y = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))
+    model(x, y).backward()
+    with CountOps() as counted:
+        model(x, y).backward()
+    return counted.n
+
+
+def test_the_host_ops_the_planner_prices_are_the_ops_the_model_dispatches():
+    one, three = dispatched_ops(1), dispatched_ops(3)
+    assert (three - one) / 2 == T.HOST_OPS_LAYER
+    assert one - T.HOST_OPS_LAYER == T.HOST_OPS_REST
+
+
+def test_a_cpu_device_pays_every_dispatch_in_line_a_gpu_none():
+    lay = Layout(micro=1)  # one process: no communication
+    cpu, gpu = bill(lay, batch=3, host_us=10.0), bill(lay, batch=3)
+    ops = 3 * (TINY.n_layer * T.HOST_OPS_LAYER + T.HOST_OPS_REST)  # 3 micro-batches
+    assert cpu["total"] - gpu["total"] == pytest.approx(ops * 10e-6)
+
+
+def test_gradients_are_copied_once_per_micro_batch_and_gloo_copies_the_reduce_scatters_input_again():
+    fp32, bf16 = Cluster(**GLOO), Cluster(**{**GLOO, "dtype_bytes": 2, "backend": "nccl"})
+    assert T.landing_bytes(fp32, Layout(dp=4), 3) == 3 * 12  # autograd adds into the bucket views
+    assert T.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * (8 + 8)
+    assert T.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp", accumulate="unsharded"), 3) == 3 * 12 + 8
+    assert T.landing_bytes(bf16, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * 6  # bf16 into fp32, NCCL reads in place
+    lay = Layout(dp=4, dp_mode="fsdp", micro=1)
+    assert bill(lay)["grads"] == pytest.approx(16 * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
