@@ -220,11 +220,15 @@ def ours_dp(s, cl, t_stage, t_layer, h):
         lost = tax(cl, lay, group)
         wire, steps = gloo_rs(cl, shard_size(lay))
         gather, reduce = seconds(cl, lay, group, gb, gs), seconds(cl, lay, group, rb * wire, rs * steps)
+        # the step's first gather and last reduce-scatter, of one unit each, have nothing to hide under: exposed,
+        # and taken out of what hides
         if lay.pp > 1:  # each unit gathered once, under the first forward; reduce-scattered under each backward
-            exp = (hide(gather, t_stage / 3, lost) + M * hide(reduce / M, t_stage * 2 / 3, lost)
-                   + (gather + reduce / M) / units)
+            first, last = gather / units, reduce / M / units
+            exp = (hide(gather - first, t_stage / 3, lost) + (M - 1) * hide(reduce / M, t_stage * 2 / 3, lost)
+                   + hide(reduce / M - last, t_stage * 2 / 3, lost) + first + last)
         else:  # every microbatch gathers and reduce-scatters under its own forward and backward
-            exp = M * hide((gather + reduce) / M, t_stage, lost) + (gather + reduce) / M / units
+            per_mb = (gather + reduce) / M
+            exp = (M - 1) * hide(per_mb, t_stage, lost) + hide(per_mb - per_mb / units, t_stage, lost) + per_mb / units
         if lay.dp_mode == "hsdp":  # once per step, a chain through the last backward
             exp += replica_chain(s, cl, layers, params, embed, head, t_layer, h)
         worst = max(worst, exp)

@@ -11,6 +11,7 @@ from bench import plan_time as T
 from bench.cluster_report import MODEL, misranked
 from bench.cluster_worker import CountOps
 from bench.plan_layout import Cluster, Layout, Shape
+from bench.plan_ours import fsdp_parts
 from config import model_config, parse_args
 from model import GPT, PRESETS, param_counts
 from parallel.hsdp import replica_bytes
@@ -136,3 +137,16 @@ def test_gradients_are_copied_once_per_micro_batch_and_gloo_copies_the_reduce_sc
     assert T.landing_bytes(bf16, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * 6  # bf16 into fp32, NCCL reads in place
     lay = Layout(dp=4, dp_mode="fsdp", micro=1)
     assert bill(lay)["grads"] == pytest.approx(16 * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
+
+
+def test_fsdp_with_nothing_to_hide_under_exposes_each_collective_once():
+    """The step's first gather and last reduce-scatter are exposed; they must not also be charged as hidden."""
+    cl = Cluster(**{**GLOO, "peak_tflops": 1e9, "attn_tflops": 1e9, "hbm_tbs": 1e9})  # no compute to hide under
+    for lay in (Layout(dp=4, dp_mode="fsdp", micro=1), Layout(dp=2, pp=2, dp_mode="fsdp", micro=1)):
+        s = Shape(TINY, lay, TINY.seq_len, 4, "ours")
+        wire, steps = T.gloo_rs(cl, 4 // lay.pp)
+        comm = []
+        for layers, params, embed, head, _ in s.stages():
+            (gb, gs), (rb, rs) = fsdp_parts(s, layers, params, embed, head, w_bytes=4)[0].values()
+            comm.append(T.seconds(cl, lay, "dp", gb, gs) + T.seconds(cl, lay, "dp", rb * wire, rs * steps))
+        assert T.step_time(TINY, cl, lay, TINY.seq_len, 4, code="ours")["dp"] == pytest.approx(max(comm))
