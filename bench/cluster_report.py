@@ -52,7 +52,7 @@ def constants(results):
     out = {"peak_tflops": statistics.median(r["matmul"] for r in rates) / 1e12,
            "attn_tflops": statistics.median(r["attention"] for r in rates) / 1e12,
            "hbm_tbs": statistics.median(r["memory"] for r in rates) / 1e12,
-           "host_us": 1e6 / statistics.median(r.get("host", math.inf) for r in rates)}  # 0: a run before it was
+           "host_us": 1e6 / statistics.median(r.get("host", math.inf) for r in rates)}  # 0: an old log
     for kind, key in (("intra-node", "intra"), ("inter-node", "inter")):
         rows = [row for rounds in results.values() for r in rounds for row in r.get("collectives", [])
                 if row["kind"] == kind and row["op"] in LINK_OPS]
