@@ -144,9 +144,10 @@ def test_fsdp_with_nothing_to_hide_under_exposes_each_collective_once():
     cl = Cluster(**{**GLOO, "peak_tflops": 1e9, "attn_tflops": 1e9, "hbm_tbs": 1e9})  # no compute to hide under
     for lay in (Layout(dp=4, dp_mode="fsdp", micro=1), Layout(dp=2, pp=2, dp_mode="fsdp", micro=1)):
         s = Shape(TINY, lay, TINY.seq_len, 4, "ours")
-        wire, steps = T.gloo_rs(cl, 4 // lay.pp)
+        wire, steps = T.gloo_rs(cl, lay.dp)  # the fsdp group: every dp rank
         comm = []
         for layers, params, embed, head, _ in s.stages():
-            (gb, gs), (rb, rs) = fsdp_parts(s, layers, params, embed, head, w_bytes=4)[0].values()
+            parts = fsdp_parts(s, layers, params, embed, head, w_bytes=4)[0]
+            (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
             comm.append(T.seconds(cl, lay, "dp", gb, gs) + T.seconds(cl, lay, "dp", rb * wire, rs * steps))
         assert T.step_time(TINY, cl, lay, TINY.seq_len, 4, code="ours")["dp"] == pytest.approx(max(comm))
