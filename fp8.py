@@ -29,7 +29,7 @@ Costs. Memory: nothing more is saved for backward (x and W as they came, and the
 bf16 copy of x per linear); transients of 1 byte/element (the casts, column-major copies for backward), FSDP
 --fp8-all-gather 1 byte/element more while a unit arrives. Time: per linear and step 3 amax passes (x, W, dY), 5
 casts (x and W again in backward: no second amax) and 3 transposed fp8 copies, which torch.compile fuses; under tp
-or cp one tiny blocking all-reduce per group in forward and in backward. --sp's rings (tp_overlap.py) are bf16 only:
+or cp one tiny blocking all-reduce per group in forward and in backward. --sp's rings (tp_ring.py) stay off:
 under fp8 each sp gather and reduce-scatter is one call, and backward keeps the gathered input.
 CPU: torch._scaled_mm runs there, but as a reference loop (about 1000x slower than a bf16 matmul of 512x128x384),
 so on CPU scaled_mm upcasts the fp8 operands to fp32 (exact) and multiplies in fp32: exact products, fp32 sums,
@@ -38,7 +38,8 @@ one rounding, the arithmetic of _scaled_mm (tests/test_fp8.py checks one against
 import math
 
 import torch
-from torch import nn
+
+from model import Linear
 
 E4M3, E5M2 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)
 MULTIPLE = 16  # _scaled_mm on a GPU: the inner dimension and the columns of every operand, multiples of 16
@@ -108,7 +109,7 @@ def row_major(t):
     return t.contiguous() if t.is_cuda else t
 
 
-class Linear(torch.autograd.Function):
+class ScaledLinear(torch.autograd.Function):
     """y = x·Wᵀ with x, W in e4m3 and dY in e5m2, each scaled by its amax reduced over `groups` (tp, cp)."""
 
     @staticmethod
@@ -135,26 +136,21 @@ class Linear(torch.autograd.Function):
 
 
 def linear(x, weight, groups=()):
-    return Linear.apply(x, weight, list(groups))
+    return ScaledLinear.apply(x, weight, list(groups))
 
 
 def apply(chunk, groups):
-    """Routes a GPT chunk's block matmuls through fp8, in place; the embedding, attention and lm_head stay as they are.
-    groups: the mesh groups a tensor may be split over (tp, cp). tp.py's modules (NormThenEnter for q, k, v and gate,
-    up; RowParallelLinear for o, down) take an fp8 `linear`; a plain nn.Linear gets an fp8 forward."""
+    """Routes a GPT chunk's block matmuls through fp8, in place, through their matmul hook (parallel/__init__.py): the
+    linears of every block (model.Linear, tp's column and row linears alike); the embedding, attention and lm_head
+    stay as they are. groups: the mesh groups a tensor may be split over (tp, cp)."""
     groups = [g for g in groups if g.size > 1]
 
     def fp8_linear(x, weight):
         return linear(x, weight, groups)
-
-    def forward_of(module):
-        return lambda x: linear(x, module.weight, groups)  # the weight read at call time (FSDP attaches views)
     for block in chunk.layers.values():
         for module in block.modules():
-            if hasattr(module, "linear"):
-                module.linear = fp8_linear
-            elif type(module) is nn.Linear:
-                module.forward = forward_of(module)
+            if isinstance(module, Linear):
+                module.matmul = fp8_linear
     return chunk
 
 

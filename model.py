@@ -7,7 +7,9 @@ input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel file
 - `tp` swaps Linear/Embedding modules for sharded ones (attention reads its head count from the tensor, so a
   head-sharded q_proj just works) and `loss_fn` for a vocab-parallel loss;
 - `cp` swaps each attention's `attend`; `ckpt` swaps `run_layers` or recomputes the norms' and SwiGLU's outputs;
-- the zero-bubble pipeline (`pp_bw_split`) swaps each Linear's forward and each norm's `scale`.
+- optional layers plug into two hooks of every layer that owns a matmul weight (`Linear`, `RMSNorm`; the contract is in
+  parallel/__init__.py): `matmul` replaces how x·Wᵀ is computed (fp8), `weight_grads` defers the weight's gradient (the
+  zero-bubble pipeline's B/W split).
 """
 import hashlib
 import math
@@ -97,16 +99,32 @@ class ScaledRMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
+    weight_grads = None  # the hook that defers the gain's gradient (parallel/__init__.py): None, or its store
+
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.scale = None  # (weight, x̂) -> weight · x̂ with the gain's gradient deferred: pp's zero-bubble split
 
     def forward(self, x):
-        if self.scale is None:  # one Function that recomputes x̂ in backward
+        if self.weight_grads is None:  # one Function that recomputes x̂ in backward
             return ScaledRMSNorm.apply(x, self.weight, self.eps)
-        return self.scale(self.weight, F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype))
+        return self.weight_grads.scale(self.weight, F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype))
+
+
+class Linear(nn.Linear):
+    """x·Wᵀ, no bias, with the two hooks of parallel/__init__.py: `matmul` (None: F.linear) computes the product,
+    and `weight_grads` (None: autograd as usual) defers the weight's gradient."""
+    matmul = None
+    weight_grads = None
+
+    def __init__(self, in_features, out_features, device=None):
+        super().__init__(in_features, out_features, bias=False, device=device)
+
+    def forward(self, x):
+        if self.weight_grads is not None:
+            return self.weight_grads.linear(x, self.weight)
+        return (self.matmul or F.linear)(x, self.weight)
 
 
 class SwiGLU(torch.autograd.Function):
@@ -163,10 +181,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
+        self.q_proj = Linear(cfg.d_model, cfg.n_head * hd)
+        self.k_proj = Linear(cfg.d_model, cfg.n_kv_head * hd)
+        self.v_proj = Linear(cfg.d_model, cfg.n_kv_head * hd)
+        self.o_proj = Linear(cfg.n_head * hd, cfg.d_model)
         self.attend = causal_attention
 
     def forward(self, x, cos, sin):
@@ -181,9 +199,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.ffn_dim)
+        self.up_proj = Linear(cfg.d_model, cfg.ffn_dim)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.d_model)
 
     def forward(self, x):
         return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
@@ -262,7 +280,7 @@ class GPT(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.padded_vocab)
         self.run_layers = run_layers
         self.loss_fn = cross_entropy_loss
         self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions

@@ -43,7 +43,7 @@ from config import (
 )
 from data.loader import DataError, TokenLoader, read_meta
 from data.prepare import prepared_folder
-from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp
+from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
 from saves import SaveError
@@ -76,6 +76,8 @@ def build(cfg, mesh, args, n_micro, device):
     for chunk in chunks:
         if mesh.tp > 1:
             tp.parallelize(chunk, mesh, sequence_parallel=args.sp, overlap=not args.no_overlap)
+            if args.sp and not args.no_overlap and args.dtype != "fp8" and args.pp_schedule not in ("zb1", "zbv"):
+                tp_ring.apply(chunk)  # --sp's collectives as ring hops under the matmuls
         if mesh.cp > 1:
             cp.parallelize(chunk, mesh, mode=args.cp_mode)
         if args.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 import model as M
 import optim
-from parallel import pp, tp
+from parallel import pp, tp, tp_ring
 from parallel.ddp import DDP
 from parallel.mesh import Mesh
 
@@ -73,6 +73,8 @@ def build_tp(impl, cfg, rank, world, seed, sp):
     if impl == "ours-tp":
         mesh = Mesh(rank, world, tp=world)
         tp.parallelize(gpt, mesh, sequence_parallel=sp, overlap=True)
+        if sp:
+            tp_ring.apply(gpt)
         M.init_weights(gpt, seed, "cpu")
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
         return gpt, wrapper.optim_params(), wrapper, nullcontext

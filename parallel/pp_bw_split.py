@@ -2,16 +2,17 @@
 as B, the input gradient the stage before waits for, and later as W, the weight gradients nobody waits for but
 the optimizer, placed by the schedule where the stage would otherwise idle.
 
-Split:    every weight of a chunk but the embedding's: each matmul (nn.Linear; tp's column and row linears) and each
-          norm gain (RMSNorm.scale) runs as a Function without an autograd edge to its weight. In B, autograd goes
-          from the stage output to the stage input only; each such Function returns its input gradient and queues
-          a closure holding what its weight gradient needs (the matmul's input and output gradient). W runs the
-          closures of one (chunk, micro-batch) and hands the results to autograd at the weights the forward used:
-          DDP's bucket hooks and FSDP's reduce-scatter then fire as in any backward, once per chunk after its last
-          W. The embedding has no input to differentiate: its gradient stays in stage 0's B.
+Split:    every weight of a chunk but the embedding's, through the weight_grads hook (parallel/__init__.py) of each
+          layer that owns one (model.Linear, model.RMSNorm and tp's layers): its matmul or gain runs as a Function
+          without an autograd edge to its weight. In B, autograd goes from the stage output to the stage input only;
+          each such Function returns its input gradient and queues a closure holding what its weight gradient needs
+          (the matmul's input and output gradient). W runs the closures of one (chunk, micro-batch) and hands the
+          results to autograd at the weights the forward used: DDP's bucket hooks and FSDP's reduce-scatter then
+          fire as in any backward, once per chunk after its last W. The embedding has no input to differentiate:
+          its gradient stays in stage 0's B.
 Sends:    nothing new: B sends the input gradient, as a full backward did. Under tp, B waits for the reduction of
           the input gradient at once (the weight-gradient matmuls it hid under now run in W), and W all-gathers a
-          sequence-parallel input again: the same collectives, calls and bytes; --sp's ring overlap is off.
+          sequence-parallel input again: the same collectives, calls and bytes; the tp ring layer is not used.
 Overlap:  W fills the fill-and-drain bubble (pp_schedule.py); within a stage nothing runs concurrently.
 Memory:   from its B to its W a micro-batch keeps each matmul's input and output gradient, about its activation
           set: the schedules count a set alive until W. A checkpointed block is recomputed once, in B; W reads
@@ -19,14 +20,14 @@ Memory:   from its B to its W a micro-batch keeps each matmul's input and output
 """
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd import Function
 
-from model import RMSNorm, compute_dtype
+from model import compute_dtype
 
 
 class WeightGrads:
-    """One chunk's deferred weight gradients by micro-batch; the executor sets `mb` before each B."""
+    """One chunk's deferred weight gradients by micro-batch: the store of the weight_grads hook. The executor sets
+    `mb` before each B."""
 
     def __init__(self):
         self.mb, self.pending = None, {}
@@ -95,15 +96,12 @@ class DeferredScale(Function):
 
 
 def apply(chunk):
-    """Defers the weight gradients of a chunk, after tp, cp and checkpointing have swapped its modules and before
-    the data-parallel wrapper wraps their forwards. Returns the chunk's WeightGrads (also `chunk.weight_grads`)."""
+    """Defers the weight gradients of a chunk: sets the weight_grads hook of every layer that has one, after tp, cp
+    and checkpointing have swapped its modules and before the data-parallel wrapper wraps their forwards. Returns
+    the chunk's WeightGrads (also `chunk.weight_grads`)."""
     store = WeightGrads()
     for module in chunk.modules():
-        if isinstance(module, RMSNorm):
-            module.scale = store.scale
-        if hasattr(module, "weight_grads"):  # tp's linears: their own Functions defer (tp.py)
+        if hasattr(module, "weight_grads"):
             module.weight_grads = store
-        elif type(module) is nn.Linear:
-            module.forward = lambda x, linear=module: store.linear(x, linear.weight)
     chunk.weight_grads = store
     return store

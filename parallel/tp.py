@@ -1,123 +1,150 @@
-"""Tensor parallel (Megatron) on mesh.tp_group, with optional sequence parallel (--sp).
+"""Tensor parallel (Megatron-LM) over the tp group of t ranks, with sequence parallel (--sp).
 
-Split:    q/k/v and gate/up by output rows (whole heads, GQA kv heads too; whole ffn columns), o and down by input
-          columns, the embedding and lm_head by (padded) vocab rows. Column then row (L27): φ(X·[A_1 .. A_t])·[B_1;
-          ..; B_t] = Σ_i φ(X·A_i)·B_i for columnwise φ (SwiGLU, per-head attention): one all-reduce (Σ) per sublayer.
-Sends:    per layer per micro-batch, 4 all-reduces of the (b, s, d) activation, after o and down (fwd) and of the input
-          grad of q/k/v and gate/up (bwd): 4 · 2(t-1)/t · 4bsd bytes in fp32; +1 the embedding's (fwd), +1 lm_head's
-          input grad (bwd); the loss all-gathers 2 floats a token. --sp: each all-reduce is a reduce-scatter + an
-          all-gather along the sequence (same bytes), the 2L+1 norm outputs are gathered again in backward (+1/4), the
-          sequence-sharded norm weights' grads all-reduced once a step (tp_partial_grad). Overlap changes no byte.
-Overlap:  (overlap=True) the input-grad all-reduce runs under the weight-grad matmuls of its q/k/v (gate/up, lm_head);
-          --sp: every gather and reduce-scatter next to a matmul goes in ring hops under its chunks (tp_overlap.py).
-          Exposed: the 2 forward all-reduces a layer without --sp; the embedding's collectives; the loss's all-gather.
-Memory:   weights, grads, Adam state, attention and MLP activations / t; --sp: also the residual stream, norms, dropout
-          masks and the matmuls' saved inputs (no (b, s, d) kept for backward). Logits: (tokens, V/t). Rings: +1/t."""
+Split:    q, k, v, gate, up by output features (whole heads, GQA kv heads too; whole ffn columns), o and down by input
+          features, the embedding and lm_head by (padded) vocabulary rows. Column then row (L27): φ(X·[A_1 .. A_t])·
+          [B_1; ..; B_t] = Σ_i φ(X·A_i)·B_i for a columnwise φ (SwiGLU, per-head attention): one sum per sublayer.
+Sends:    Megatron's f enters a sublayer (identity forward, all-reduce of the input gradient backward), g leaves it
+          (all-reduce forward, identity backward): per layer and micro-batch 4 all-reduces of (b, s, d),
+          4·2(t-1)/t·bsd·e bytes; + the embedding's g, the head's f and the loss's all-gather of 2 floats a token.
+          --sp: an all-reduce is a reduce-scatter + an all-gather along the sequence (the same bytes), the column
+          inputs are gathered again in backward (+1/4), and the norm gains' partial gradients summed once a step.
+Overlap:  f's all-reduce of the input gradient runs under the weight-gradient matmuls; the rest blocks (tp belongs on
+          one server's links). tp_ring.py, a layer on top, cuts --sp's collectives into hops under the matmuls.
+Memory:   weights, gradients, Adam state, attention and MLP activations / t; --sp: also the residual stream, norms and
+          the column matmuls' saved inputs. Logits: (tokens, V/t); no (tokens x V) tensor ever exists.
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from model import CrossEntropy, RMSNorm
-from parallel import tag_tp_shard, tp_overlap
+from model import CrossEntropy, Linear, RMSNorm
+from parallel import tag_tp_shard
 from parallel.mesh import LayoutError
-from parallel.tp_collectives import EnterTP, all_gather_seq, all_reduce, leave_tp, reduce_scatter_seq
 
-# ---------------------------------------------------------------- the matmuls fused with the collectives
+# ---------------------------------------------------------------- the collectives along the sequence (--sp)
 
-class ColumnParallel(Function):
-    """y_j = x_full · W_jᵀ for all the column-parallel weights reading one norm output x (q, k, v; gate, up; lm_head):
-    one Function, so that backward sums their input gradients once and reduces that sum over tp while it computes
-    the weight gradients (Megatron's f fused with the matmuls). x: the replicated (B, T, d), or under --sp this
-    rank's block (B, T/t, d): the sequence is gathered in forward, gathered again in backward for the weight
-    gradients (only the block is saved) and the input gradient reduce-scattered. overlap: --sp rings them
-    (tp_overlap.py), and the all-reduce without --sp is async; else one blocking collective each. deferred: the
-    zero-bubble split's (WeightGrads, weights read), which queues the weight gradients and the gather of x for W."""
+def all_gather_seq(group, x):
+    """(B, T/t, d) -> (B, T, d): every tp rank's sequence block, in rank order."""
+    local = x.transpose(0, 1).contiguous()  # (T/t, B, d): the collective concatenates along dim 0
+    out = local.new_empty((local.shape[0] * group.size, *local.shape[1:]))  # (T, B, d)
+    group.all_gather(out, local)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(group, x):
+    """(B, T, d) partial sums -> (B, T/t, d): this rank's sequence block of the sum over tp."""
+    full = x.transpose(0, 1).contiguous()  # (T, B, d)
+    out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))  # (T/t, B, d)
+    group.reduce_scatter(out, full)
+    return out.transpose(0, 1).contiguous()
+
+
+def all_reduce(group, x):
+    """The sum of x over tp, in a new tensor: a gradient autograd hands over may be shared by another path (a residual
+    add passes the same tensor to both branches)."""
+    out = x.contiguous().clone()
+    group.all_reduce(out)
+    return out
+
+
+# ---------------------------------------------------------------- Megatron's f and g
+
+class EnterTP(Function):
+    """f: identity forward (--sp: gather the sequence), the input gradient summed over tp backward (--sp: reduce-
+    scattered). Used on its own where the matmuls are autograd ops of their own (the matmul hook); otherwise
+    ColumnParallel fuses it with them."""
 
     @staticmethod
-    def forward(ctx, x, ring, sequence_parallel, overlap, deferred, *weights):
-        ctx.ring, ctx.sp, ctx.overlap, ctx.deferred = ring, sequence_parallel, overlap, deferred
+    def forward(ctx, x, group, sequence_parallel):
+        ctx.group, ctx.sp = group, sequence_parallel
+        return all_gather_seq(group, x) if sequence_parallel else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(ctx.group, grad) if ctx.sp else all_reduce(ctx.group, grad), None, None
+
+
+class ReduceFromTP(Function):
+    """g: all-reduce forward (sum the row-parallel partial outputs), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # x: a row-parallel matmul's fresh output, which no backward reads: summed in place
+        if x._base is not None:  # a view a custom matmul returned (fp8.py): autograd forbids changing it in place
+            return all_reduce(group, x)
+        ctx.mark_dirty(x)
+        group.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ScatterSequence(Function):
+    """g under --sp: reduce-scatter the partial sums along the sequence forward, all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(group, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(ctx.group, grad), None
+
+
+def leave_tp(x, group, sequence_parallel):
+    """Partial sums over tp -> the replicated (or sequence-sharded) residual stream."""
+    return ScatterSequence.apply(x, group) if sequence_parallel else ReduceFromTP.apply(x, group)
+
+
+def input_grad(grads, weights, dtype):
+    """Σ_j dy_j · W_j summed in `dtype` (the input's): this rank's part of the gradient of the shared input."""
+    parts = [(g @ w.to(g.dtype)).to(dtype) for g, w in zip(grads, weights)]  # (B, T, d) each
+    return sum(parts[1:], parts[0])
+
+
+class ColumnParallel(Function):
+    """f fused with the column-parallel matmuls reading one input (q, k, v; gate, up; lm_head): y_j = x · W_jᵀ, each
+    (B, T, out_j/t). One Function, so that backward sums their input gradients once and reduces that sum while the
+    weight gradients are computed. x is the replicated (B, T, d), or under --sp this rank's block (B, T/t, d): gathered
+    in forward and gathered again in backward (only the block is saved), the input gradient reduce-scattered.
+    deferred (the weight_grads hook): (store, the weights forward read); their gradients wait in the store."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, overlap, deferred, *weights):
+        ctx.group, ctx.sp, ctx.overlap, ctx.deferred = group, sequence_parallel, overlap, deferred
         ctx.save_for_backward(x, *weights)
-        if sequence_parallel and overlap:
-            return tuple(tp_overlap.gather_then_multiply(ring, x, weights))
-        full = all_gather_seq(ring.group, x) if sequence_parallel else x  # (B, T, d)
-        return tuple(F.linear(full, w) for w in weights)  # (B, T, out_j/t) each
+        full = all_gather_seq(group, x) if sequence_parallel else x  # (B, T, d)
+        return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
         x, *weights = ctx.saved_tensors
-        group, dtype, flags = ctx.ring.group, grads[0].dtype, (None, None, None, None)
-        if ctx.deferred is not None:
-            grad_x = tp_overlap.input_grad(grads, [w.to(dtype) for w in weights], slice(None), x.dtype)  # (B, T, d)
-            grad_x = reduce_scatter_seq(group, grad_x) if ctx.sp else all_reduce(group, grad_x)
-            def weight_grads():  # in W: dW_j = dy_jᵀ · x_full (out_j/t, d)
-                full = (all_gather_seq(group, x) if ctx.sp else x).flatten(0, 1).to(dtype)
-                return [g.flatten(0, 1).t() @ full for g in grads]
-            ctx.deferred[0].defer(ctx.deferred[1], weight_grads)
-            return grad_x, *flags, *[None] * len(weights)
-        if ctx.sp and ctx.overlap:
-            grad_x, weight_grads = tp_overlap.scatter_input_grads(ctx.ring, x, grads, weights)
-            return grad_x, *flags, *weight_grads
-        full = (all_gather_seq(group, x) if ctx.sp else x).flatten(0, 1).to(dtype)  # (B·T, d)
-        grad_x = tp_overlap.input_grad(grads, [w.to(dtype) for w in weights], slice(None), x.dtype)  # (B, T, d)
+        group = ctx.group
+
+        def gathered():  # x over the whole sequence (B, T, d): under --sp gathered again from the saved block
+            return all_gather_seq(group, x) if ctx.sp else x
+
+        def weight_grads(full):  # dW_j = dy_jᵀ · x_full: (out_j/t, d)
+            return [g.flatten(0, 1).t() @ full.flatten(0, 1).to(g.dtype) for g in grads]
+        full = None if ctx.deferred else gathered()
+        grad_x = input_grad(grads, weights, x.dtype)  # (B, T, d)
         pending = None
         if ctx.sp:
             grad_x = reduce_scatter_seq(group, grad_x)  # (B, T/t, d)
         else:  # summed in place, no clone: grad_x was made just now, and nothing else refers to it
             pending = group.all_reduce(grad_x, async_op=ctx.overlap)
-        weight_grads = [g.flatten(0, 1).t() @ full for g in grads]  # (out_j/t, d)
+        if ctx.deferred:  # the weight_grads hook: the schedule's W runs the matmuls (and --sp's gather) later
+            store, read = ctx.deferred
+            store.defer(read, lambda: weight_grads(gathered()))
+            grads_w = [None] * len(weights)
+        else:
+            grads_w = weight_grads(full)
         if pending is not None:
             pending.wait()  # the all-reduce travelled under the weight-gradient matmuls
-        return grad_x, *flags, *weight_grads
-
-
-class SaveForRing(Function):
-    """Saves RowParallelRing's x and W before it runs (passing x on), into `saved`: a checkpointed block's recompute
-    stops once its last saved tensor is back, so before the ring and its matmuls, as before F.linear's."""
-
-    @staticmethod
-    def forward(ctx, x, weight, saved):
-        ctx.save_for_backward(x, weight)
-        saved.append(ctx)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class RowParallelRing(Function):
-    """z = this rank's sequence block of Σ_tp x · Wᵀ under --sp with overlap: the matmul cut by destination block
-    under the ring reduce-scatter; backward gathers the gradient the same way (tp_overlap.py)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, ring, saved):
-        ctx.ring, ctx.saved = ring, saved  # SaveForRing's ctx, holding x and W
-        return tp_overlap.multiply_then_scatter(ring, x, weight)  # (B, T/t, d)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved.saved_tensors
-        return *tp_overlap.gather_then_grads(ctx.ring, grad, x, weight), None, None
-
-
-class ColumnInput:
-    """What NormThenEnter hands the column-parallel linears reading it: their outputs (B, T, out/t), computed
-    together, in `readers` order; `shape` is the full activation's (B, T, d), which attention reads."""
-
-    def __init__(self, shape, outputs):
-        self.shape, self.outputs = shape, outputs
-
-
-def enter_tp(x, ring, sequence_parallel, readers, overlap=True, weight_grads=None):
-    """The norm output (B, T, d), or its block (B, T/t, d) under --sp -> the ColumnInput of the linears `readers`.
-    weight_grads (pp_bw_split.WeightGrads): their weight gradients are deferred; no autograd edge to the weights."""
-    weights, deferred = [m.weight for m in readers], None
-    if weight_grads is not None and torch.is_grad_enabled():
-        weights, deferred = [w.detach() for w in weights], (weight_grads, weights)
-    outputs = ColumnParallel.apply(x, ring, sequence_parallel, overlap, deferred, *weights)
-    B, T, d = x.shape
-    return ColumnInput((B, T * ring.size if sequence_parallel else T, d), outputs)
+        return grad_x, None, None, None, None, *grads_w
 
 
 # ---------------------------------------------------------------- sharded modules
@@ -127,12 +154,20 @@ def shard(param, dim, group):
     return tag_tp_shard(param, dim, group.rank, group.size)
 
 
-class ColumnParallelLinear(nn.Linear):
-    """y_i = x · A_iᵀ, this rank's block of output features (B, T, out/t). The preceding norm (NormThenEnter)
-    computes it, with the other projections reading the same input (q, k, v): x is its ColumnInput."""
+class ColumnInput:
+    """What NormThenEnter hands the column-parallel linears reading it: their outputs (B, T, out/t), computed together,
+    in `readers` order; `shape` is the full activation's (B, T, d)."""
+
+    def __init__(self, shape, outputs):
+        self.shape, self.outputs = shape, outputs
+
+
+class ColumnParallelLinear(Linear):
+    """y_i = x · A_iᵀ, this rank's block of output features (B, T, out/t). The norm in front (NormThenEnter) runs the
+    matmul with the other linears reading the same input; x is its ColumnInput, from which this picks its own."""
 
     def __init__(self, in_features, out_features, group, slot=0):
-        super().__init__(in_features, out_features // group.size, bias=False, device="meta")
+        super().__init__(in_features, out_features // group.size, device="meta")
         shard(self.weight, 0, group)
         self.slot = slot  # its place among the readers of its input
 
@@ -140,51 +175,53 @@ class ColumnParallelLinear(nn.Linear):
         return x.outputs[self.slot]  # (B, T, out/t)
 
 
-class RowParallelLinear(nn.Linear):
-    """z = Σ_i y_i · B_iᵀ: multiplies this rank's input features, then sums over tp (all-reduce, or
-    reduce-scatter along the sequence under --sp). weight_grads: the zero-bubble split's, which defers dW (no ring)."""
-    weight_grads = None
+class RowParallelLinear(Linear):
+    """z = Σ_i y_i · B_iᵀ: multiplies this rank's input features (Linear's forward, hooks included), then g sums over
+    tp (all-reduce, or reduce-scatter along the sequence under --sp)."""
 
-    def __init__(self, in_features, out_features, ring, sequence_parallel, overlap=True):
-        super().__init__(in_features // ring.size, out_features, bias=False, device="meta")
-        self.ring, self.sequence_parallel, self.overlap = ring, sequence_parallel, overlap
-        self.linear = None  # fp8.py's matmul (then no ring); None: F.linear
-        shard(self.weight, 1, ring.group)
+    def __init__(self, in_features, out_features, group, sequence_parallel):
+        super().__init__(in_features // group.size, out_features, device="meta")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        shard(self.weight, 1, group)
 
     def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
-        if self.weight_grads is not None:
-            return leave_tp(self.weight_grads.linear(x, self.weight), self.ring.group, self.sequence_parallel)
-        if self.sequence_parallel and self.overlap and self.linear is None:
-            saved = []
-            x = SaveForRing.apply(x, self.weight, saved)
-            return RowParallelRing.apply(x, self.weight, self.ring, saved[0])
-        return leave_tp((self.linear or F.linear)(x, self.weight), self.ring.group, self.sequence_parallel)
+        return leave_tp(super().forward(x), self.group, self.sequence_parallel)
 
 
 class NormThenEnter(RMSNorm):
-    """The RMSNorm in front of a column-parallel block, then the block's matmuls (enter_tp) for the linears that
-    read it, `readers` (not submodules; in slot order). Same `weight` name. Under --sp it sees only this rank's
-    tokens, so its weight grad is a partial sum over tp."""
-    weight_grads = None  # the zero-bubble split's (pp_bw_split.py): the readers' weight gradients deferred
+    """The RMSNorm in front of column-parallel linears (`readers`, in slot order; not submodules), then f and their
+    matmuls (enter_tp). The same `weight` name as the norm it replaces. Under --sp it sees only this rank's tokens,
+    so its gain's gradient is a partial sum over tp."""
 
-    def __init__(self, norm, ring, sequence_parallel, readers, overlap=True):
+    def __init__(self, norm, group, sequence_parallel, readers, overlap=True):
         super().__init__(norm.weight.shape[0], norm.eps)
         self.weight = nn.Parameter(torch.empty_like(norm.weight, device="meta"))
-        self.ring, self.sequence_parallel, self.readers, self.overlap = ring, sequence_parallel, readers, overlap
+        self.group, self.sequence_parallel, self.readers, self.overlap = group, sequence_parallel, readers, overlap
         self.weight.tp_partial_grad = sequence_parallel
-        self.linear = None  # fp8.py's matmul, one autograd op per reader after f (EnterTP); None: ColumnParallel
 
     def forward(self, x):
-        if self.linear is None:
-            return enter_tp(super().forward(x), self.ring, self.sequence_parallel, self.readers, self.overlap,
-                            self.weight_grads)
-        full = EnterTP.apply(super().forward(x), self.ring.group, self.sequence_parallel)  # (B, T, d)
-        return ColumnInput(full.shape, [self.linear(full, m.weight) for m in self.readers])
+        h = super().forward(x)  # (B, T, d), or this rank's block (B, T/t, d) under --sp
+        return enter_tp(h, self.group, self.sequence_parallel, self.readers, self.overlap)
+
+
+def enter_tp(x, group, sequence_parallel, readers, overlap=True):
+    """f and the matmuls of the column-parallel linears `readers` that read x: their ColumnInput. Readers with a
+    matmul hook (fp8) run it after f, one autograd op each; with a weight_grads hook, their weight gradients wait in
+    its store (no autograd edge to the weights)."""
+    B, T, d = x.shape
+    shape = (B, T * group.size if sequence_parallel else T, d)
+    if any(r.matmul is not None for r in readers):
+        full = EnterTP.apply(x, group, sequence_parallel)  # (B, T, d)
+        return ColumnInput(shape, [r.matmul(full, r.weight) for r in readers])
+    weights, deferred, store = [r.weight for r in readers], None, readers[0].weight_grads
+    if store is not None and torch.is_grad_enabled():
+        weights, deferred = [w.detach() for w in weights], (store, weights)
+    return ColumnInput(shape, ColumnParallel.apply(x, group, sequence_parallel, overlap, deferred, *weights))
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Rows [r·V/t, (r+1)·V/t) of the padded vocab. Each rank looks up the ids it owns (zeros elsewhere);
-    the sum over tp is the full embedding (all-reduce, or reduce-scatter along the sequence under --sp)."""
+    """Rows [r·V/t, (r+1)·V/t) of the padded vocab. Each rank looks up the ids it owns (zeros elsewhere); g sums over
+    tp to the full embedding (all-reduce, or reduce-scatter along the sequence under --sp)."""
 
     def __init__(self, num_embeddings, dim, group, sequence_parallel):
         super().__init__(num_embeddings // group.size, dim, device="meta")
@@ -202,9 +239,9 @@ class VocabParallelEmbedding(nn.Embedding):
 # ---------------------------------------------------------------- vocab-parallel cross-entropy
 
 def combine_over_vocab_shards(group):
-    """The global per-token (lse, target logit) from each rank's over its vocabulary shard: log Σ_r exp(lse_r), and
-    the target logit, which lives on one rank (zeros elsewhere), summed. Both travel in one all-gather of (2, N)
-    fp32 per rank (the comm layer sums; Megatron's MAX all-reduce is not needed)."""
+    """The global per-token (lse, target logit) from each rank's over its vocabulary shard: log Σ_r exp(lse_r), and the
+    target logit, which lives on one rank (zeros elsewhere), summed. Both travel in one all-gather of (2, N) fp32 per
+    rank (the comm layer sums; Megatron's MAX all-reduce is not needed)."""
     def combine(lse, target_logit):
         stats = torch.stack([lse, target_logit])  # (2, N)
         gathered = stats.new_empty((group.size * 2, stats.shape[1]))
@@ -240,44 +277,44 @@ def validate(cfg, tp, cp=1, sequence_parallel=False):
                                   "sequence parallel shards each rank's tokens over tp")
 
 
-def parallelize_attention(attn, cfg, ring, sequence_parallel, overlap=True):
-    """Heads split over tp: q, k, v column-parallel (whole heads), o row-parallel. Attention reads the
-    local head counts H/t and Hkv/t from the tensor shapes, and q head h still meets kv head h·Hkv/H."""
-    d, hd, group = cfg.d_model, cfg.head_dim, ring.group
+def parallelize_attention(attn, cfg, group, sequence_parallel):
+    """Heads split over tp: q, k, v column-parallel (whole heads), o row-parallel. Attention reads the local head
+    counts H/t and Hkv/t from the tensor shapes, and q head h still meets kv head h·Hkv/H."""
+    d, hd = cfg.d_model, cfg.head_dim
     attn.q_proj = ColumnParallelLinear(d, cfg.n_head * hd, group)
     attn.k_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group, slot=1)
     attn.v_proj = ColumnParallelLinear(d, cfg.n_kv_head * hd, group, slot=2)
-    attn.o_proj = RowParallelLinear(cfg.n_head * hd, d, ring, sequence_parallel, overlap)
+    attn.o_proj = RowParallelLinear(cfg.n_head * hd, d, group, sequence_parallel)
     return [attn.q_proj, attn.k_proj, attn.v_proj]  # the readers of the norm in front, in slot order
 
 
-def parallelize_mlp(mlp, cfg, ring, sequence_parallel, overlap=True):
+def parallelize_mlp(mlp, cfg, group, sequence_parallel):
     """SwiGLU: gate and up column-parallel, silu(gate)·up elementwise on the local columns, down row-parallel."""
-    mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, ring.group)
-    mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, ring.group, slot=1)
-    mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, ring, sequence_parallel, overlap)
+    mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
+    mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group, slot=1)
+    mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
     return [mlp.gate_proj, mlp.up_proj]
 
 
 def parallelize(chunk, mesh, sequence_parallel=False, overlap=True):
-    """Swaps a meta-device GPT chunk's modules for tp-sharded ones in place; parameter names do not change.
-    Parts a pipeline stage does not own (embed_tokens, norm, lm_head) may be None. overlap=False (--no-overlap):
-    every collective blocks, as one call."""
-    cfg, ring, sp = chunk.cfg, tp_overlap.Ring(mesh.tp_group), sequence_parallel
-    validate(cfg, ring.size, mesh.cp, sp)
+    """Swaps a meta-device GPT chunk's modules for ones sharded over mesh.tp_group, in place; parameter names do not
+    change. Parts a pipeline stage does not own (embed_tokens, norm, lm_head) may be None. overlap=False
+    (--no-overlap): f's all-reduce blocks too."""
+    cfg, sp, group = chunk.cfg, sequence_parallel, mesh.tp_group
+    validate(cfg, group.size, mesh.cp, sp)
     if chunk.embed_tokens is not None:
-        chunk.embed_tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, ring.group, sp)
+        chunk.embed_tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
     for block in chunk.layers.values():
-        readers = parallelize_attention(block.self_attn, cfg, ring, sp, overlap)
-        block.input_layernorm = NormThenEnter(block.input_layernorm, ring, sp, readers, overlap)
-        readers = parallelize_mlp(block.mlp, cfg, ring, sp, overlap)
-        block.post_attention_layernorm = NormThenEnter(block.post_attention_layernorm, ring, sp, readers, overlap)
+        readers = parallelize_attention(block.self_attn, cfg, group, sp)
+        block.input_layernorm = NormThenEnter(block.input_layernorm, group, sp, readers, overlap)
+        readers = parallelize_mlp(block.mlp, cfg, group, sp)
+        block.post_attention_layernorm = NormThenEnter(block.post_attention_layernorm, group, sp, readers, overlap)
     if chunk.lm_head is not None:  # a pipeline stage holds norm and lm_head together, or neither
-        chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, ring.group)  # logits (B, T, V/t)
-        chunk.loss_fn = VocabParallelLoss(ring.group, cfg.padded_vocab // ring.size)
-        chunk.norm = NormThenEnter(chunk.norm, ring, sp, [chunk.lm_head], overlap)
+        chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)  # logits (B, T, V/t)
+        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size)
+        chunk.norm = NormThenEnter(chunk.norm, group, sp, [chunk.lm_head], overlap)
     if sp:
-        chunk.seq_shards = ring.size  # hidden states carry T/t tokens; rope still needs all T positions
+        chunk.seq_shards = group.size  # hidden states carry T/t tokens; rope still needs all T positions
     return chunk
 
 

@@ -16,12 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
 import train
-from parallel import tp
+from parallel import tp, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
-from parallel.tp_overlap import Ring
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
 
@@ -92,7 +91,6 @@ def test_tp_layout_matches_one_process(name, runs):
 
 def _sharded_mlp_rank(rank, world):
     mesh = Mesh(rank, world, tp=world)
-    ring = Ring(mesh.tp_group)
     torch.manual_seed(0)
     full = M.MLP(CFG)  # the same weights on every rank
     x = torch.randn(2, CFG.seq_len, CFG.d_model, requires_grad=True)
@@ -100,7 +98,7 @@ def _sharded_mlp_rank(rank, world):
     (full(x) * upstream).sum().backward()
     with torch.device("meta"):
         mlp = M.MLP(CFG)
-    readers = tp.parallelize_mlp(mlp, CFG, ring, sequence_parallel=False)
+    readers = tp.parallelize_mlp(mlp, CFG, mesh.tp_group, sequence_parallel=False)
     dims = {name: p.tp_shard[0] for name, p in mlp.named_parameters()}  # 0: column-, 1: row-parallel
     mlp.to_empty(device="cpu")
     with torch.no_grad():
@@ -108,7 +106,7 @@ def _sharded_mlp_rank(rank, world):
             p.copy_(full.get_parameter(name).chunk(world, dims[name])[rank])
     x_local = x.detach().clone().requires_grad_()
     mesh.stats.reset()
-    y = mlp(tp.enter_tp(x_local, ring, False, readers))  # f with gate/up column, down row, g
+    y = mlp(tp.enter_tp(x_local, mesh.tp_group, False, readers))  # f with gate/up column, down row, g
     forward_calls = dict(mesh.stats.calls)
     mesh.stats.reset()
     (y * upstream).sum().backward()
@@ -149,6 +147,8 @@ def _tp_gpt(mesh, cfg, sequence_parallel, seed=0, overlap=True):
         m = M.GPT(cfg)
     if mesh.tp > 1:
         tp.parallelize(m, mesh, sequence_parallel=sequence_parallel, overlap=overlap)
+        if sequence_parallel and overlap:
+            tp_ring.apply(m)  # as train.py: --sp's collectives as ring hops
     return M.init_weights(m, seed, "cpu")
 
 

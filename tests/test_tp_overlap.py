@@ -1,4 +1,4 @@
-"""Tensor parallel's communication overlap (parallel/tp.py, parallel/tp_overlap.py), read from the collective layer.
+"""Tensor parallel's communication overlap (parallel/tp.py, parallel/tp_ring.py), read from the collective layer.
 
 A TorchDispatchMode records every matmul and every p2p send of one forward and backward, each stamped with how many
 entries the comm layer's timeline (launches and waits) had then, so a collective's window (launch to wait) holds
@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
-from parallel import ckpt, has_tp_partial_grad, tp, tp_shard_of
+from parallel import ckpt, has_tp_partial_grad, tp, tp_ring, tp_shard_of
 from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
@@ -48,6 +48,8 @@ def _gpt(mesh, sp, overlap, policy="none"):
         m = M.GPT(CFG)
     if mesh.tp > 1:  # overlap is parallelize's default: passed only to turn it off
         tp.parallelize(m, mesh, sequence_parallel=sp, **({} if overlap else {"overlap": False}))
+        if sp and overlap:
+            tp_ring.apply(m)
     return M.init_weights(ckpt.apply(m, policy), 0, "cpu")
 
 

@@ -1,26 +1,26 @@
-"""Tensor parallel's sequence collectives (--sp) cut into ring hops that travel under the matmuls (tp.py, overlap on).
+"""A layer on tensor parallel (tp.py) under --sp: its sequence collectives cut into ring hops under the matmuls.
 
+Switched in by apply(chunk) after tp.parallelize; off (--no-overlap, or where train.py keeps it off), tp.py runs
+alone. It changes how the tp modules run, not what they hold: same parameters, same names, same bytes.
 Ring:     rank r sends to r+1 and receives from r-1. An all-gather of t sequence blocks is t-1 hops, each passing on
           the chunk in hand; a reduce-scatter is t-1 hops of an accumulator, to which each rank adds its share of the
           block it is bound for. A hop is one async batched p2p, launched before its step's matmuls, waited after
           them: on a GPU the bytes move on the communication stream while the compute stream multiplies.
-Uses:     gather_then_multiply   column forward: each gathered chunk times every weight, while it travels on;
-          multiply_then_scatter  row forward: the partial output for one destination block, while the last one's
-                                 accumulator travels;
-          scatter_input_grads    column backward: the input gradient ring-reduce-scattered and the input ring-gathered
-                                 again in the same hops, under the input-gradient matmul of each block; the weight
-                                 gradients run under the last hop;
-          gather_then_grads      row backward: each chunk of the output gradient times the weight (input gradient)
-                                 and times the saved input (weight gradient) while it travels on.
+Uses:     column forward: each gathered chunk times every weight while the next travels; row forward: the partial
+          output for one destination block while the last one's accumulator travels; column backward: the input
+          gradient reduce-scattered and the input gathered again in the same hops, the weight gradients under the
+          last; row backward: each chunk of the output gradient times the weight and the saved input as it travels.
 Bytes:    t-1 hops of 1/t of the tensor: (t-1)/t of it per rank, the collective's. The comm layer counts each ring
-          once, as that collective (launched before its first hop, waited after its last); the hops go through an
-          uncounted twin of the tp Group and are logged with 0 bytes, so calls and bytes read as the collectives'.
+          once, as that collective; the hops go through an uncounted twin of the tp Group and are logged with 0 bytes.
 Memory:   per ring, a chunk (1/t of the tensor) arriving while one is in use, on top of what the collective held.
 """
 import torch
 import torch.nn.functional as F
+from torch.autograd import Function
 
+from model import RMSNorm
 from parallel.comm import Group, Pending
+from parallel.tp import ColumnInput, NormThenEnter, RowParallelLinear
 
 
 class Uncounted:
@@ -80,7 +80,7 @@ def block(i, t, n):
 
 
 def input_grad(grads, weights, rows, dtype):
-    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's): this rank's part of the input gradient."""
+    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's): this rank's part of the input gradient's block."""
     parts = [(g[:, rows] @ w).to(dtype) for g, w in zip(grads, weights)]  # (B, rows, d) each
     return sum(parts[1:], parts[0])
 
@@ -167,3 +167,81 @@ def gather_then_grads(ring, grad, h, weight):
             chunk = arriving
     ring.finish(index)
     return grad_h, grad_w
+
+
+# ---------------------------------------------------------------- the Functions and modules that use the rings
+
+class RingColumnParallel(Function):
+    """tp.ColumnParallel under --sp with its gathers and reduce-scatter as rings: x, this rank's block (B, T/t, d) ->
+    y_j = x_full · W_jᵀ (B, T, out_j/t) for every weight; only the block is saved."""
+
+    @staticmethod
+    def forward(ctx, x, ring, *weights):
+        ctx.ring = ring
+        ctx.save_for_backward(x, *weights)
+        return tuple(gather_then_multiply(ring, x, weights))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        grad_x, weight_grads = scatter_input_grads(ctx.ring, x, grads, weights)
+        return grad_x, None, *weight_grads
+
+
+class SaveForRing(Function):
+    """Saves RowParallelRing's x and W before it runs (passing x on), into `saved`: a checkpointed block's recompute
+    stops once its last saved tensor is back, so before the ring and its matmuls, as before F.linear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, saved):
+        ctx.save_for_backward(x, weight)
+        saved.append(ctx)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class RowParallelRing(Function):
+    """z = this rank's sequence block of Σ_tp x · Wᵀ: the matmul cut by destination block under the ring
+    reduce-scatter; backward gathers the output gradient the same way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ring, saved):
+        ctx.ring, ctx.saved = ring, saved  # SaveForRing's ctx, holding x and W
+        return multiply_then_scatter(ring, x, weight)  # (B, T/t, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved.saved_tensors
+        return *gather_then_grads(ctx.ring, grad, x, weight), None, None
+
+
+class RingNormThenEnter(NormThenEnter):
+    """tp.NormThenEnter whose column matmuls ride RingColumnParallel."""
+
+    def forward(self, x):
+        h = RMSNorm.forward(self, x)  # this rank's block (B, T/t, d)
+        B, T, d = h.shape
+        weights = [r.weight for r in self.readers]
+        return ColumnInput((B, T * self.ring.size, d), RingColumnParallel.apply(h, self.ring, *weights))
+
+
+class RingRowParallelLinear(RowParallelLinear):
+    """tp.RowParallelLinear whose matmul and reduce-scatter ride RowParallelRing."""
+
+    def forward(self, x):  # (B, T, in/t) -> this rank's block (B, T/t, d)
+        saved = []
+        x = SaveForRing.apply(x, self.weight, saved)
+        return RowParallelRing.apply(x, self.weight, self.ring, saved[0])
+
+
+def apply(chunk):
+    """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place. Like torch's parametrize, it
+    swaps each module's class: the parameters, their names and tags stay. Returns the chunk."""
+    for module in list(chunk.modules()):
+        kind = {NormThenEnter: RingNormThenEnter, RowParallelLinear: RingRowParallelLinear}.get(type(module))
+        if kind is not None and module.sequence_parallel:
+            module.__class__, module.ring = kind, Ring(module.group)
+    return chunk
