@@ -157,7 +157,8 @@ def apply(chunk, groups):
 # ---------------------------------------------------------------- FSDP: block units all-gathered in e4m3
 
 def gather_in_fp8(wrapper, tp_group):
-    """--fp8-all-gather: every block unit of an FSDP/HSDP wrapper all-gathers in e4m3 (parallel/fsdp.py Unit.gather)."""
+    """--fp8-all-gather: every block unit of an FSDP/HSDP wrapper all-gathers in e4m3, through the units' gather hook
+    (parallel/__init__.py)."""
     for unit in wrapper.units:
         if unit.name.startswith("layers."):
             unit.gather = FP8Gather(unit, [g for g in (unit.group, tp_group) if g.size > 1])
@@ -170,7 +171,7 @@ class FP8Gather:
 
     def __init__(self, unit, groups):
         self.groups, n, start = groups, unit.shard_numel, unit.start
-        matrices = [(a, a + k) for (*_, meta), a, k in zip(unit.slots, unit.offsets, unit.sizes) if meta.dim() >= 2]
+        matrices = unit.matrix_ranges()
         self.matrices = matrices  # flat ranges of the matrices, each with its own scale
         self.local = [(max(a, start) - start, min(b, start + n) - start) for a, b in matrices]  # in this shard
         vectors = matrices[-1][1] if matrices else 0, unit.numel  # the flat layout: matrices, then vectors

@@ -1,4 +1,4 @@
-"""The contracts between the parallel modules, train.py and the save package. Every file here refers to them.
+"""The contracts between the parallel modules, the optional layers, train.py and the save package.
 
 1. The data-parallel wrapper (ddp.DDP, fsdp.FSDP, hsdp.HSDP) built by each module's `wrap(...)`. It owns the
    materialized parameters of this rank's model chunks and is the only thing train.py asks about gradients:
@@ -21,6 +21,21 @@
    param `param` (Adam's state maps the same way) are elements [offset, offset + end - start) of this rank's
    tp block of global tensor `name` (the tp_shard chunk, or the whole tensor when tp_shard is None), of shape
    `shape`. `writer`: this rank writes these elements in a save (each element has exactly one writer).
+
+4. Hooks for the optional layers. The plain algorithm runs when a hook is None; a layer sets it, nothing else:
+     matmul        on model.Linear and tp.py's linears: (x, weight) -> x·Wᵀ, an op autograd differentiates, run
+                   instead of F.linear (fp8.py). Under tp a column-parallel reader's matmul runs after f, a row-
+                   parallel one's before g (tp.enter_tp, tp.RowParallelLinear).
+     weight_grads  on model.Linear, model.RMSNorm and tp.py's layers: a store (pp_bw_split.WeightGrads) that defers
+                   the weight's gradient. Backward returns only the input gradient and calls store.defer(weights,
+                   compute); compute() later returns the gradients of `weights`, which the store hands to autograd
+                   (the zero-bubble schedules' W). store.linear(x, W) and store.scale(W, x̂) are the deferred forms
+                   of a linear and of a norm's gain.
+     gather        on each FSDP/HSDP unit (the wrapper's `units`): (unit) -> (full, handle, kept): an all-gather of
+                   its own (fp8.py's in e4m3), into `full`, a (padded,) buffer in the compute dtype, once
+                   handle.wait() returns. What a unit offers it: name, group, local (this rank's fp32 shard of the
+                   flat layout [matrices | vectors | padding]), start, shard_numel, numel, padded, matrix_ranges().
+   tp_ring.py changes how tp.py's sequence-parallel modules run by swapping their class (same parameters).
 """
 from collections import namedtuple
 

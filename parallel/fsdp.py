@@ -15,13 +15,111 @@ Memory:   16·P/M bytes of fp32 state (+ padding; the shard gradients persist, w
           every unit's flat gradient all step (r·P more). Saved weights are (unit, offset) records gathered again in
           backward; under pp the stage's units stay gathered through the step.
 """
-from collections import Counter
+from collections import Counter, namedtuple
 
 import torch
+from torch import nn
 
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
 from parallel.ckpt import keep_saved
-from parallel.fsdp_unit import GatherUnit, SavedWeight, Unit
+
+SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a gathered unit
+
+
+class Unit:
+    """Parameters gathered, used and freed together, stored as one flat padded buffer cut into shards.
+
+    Flat layout: [params with dim >= 2 | 1-D params | padding]. A rank's shard is split at the matrix/vector
+    boundary into two optimizer params, the first viewed as (1, k), so make_adamw's dim >= 2 rule decays
+    exactly the matrices, as in one process."""
+
+    def __init__(self, name, slots, group, device, compute_dtype):
+        self.name, self.group, self.compute_dtype = name, group, compute_dtype
+        # slots: (module, attribute, global name, meta param); matrices first, stable within each kind
+        self.slots = sorted(slots, key=lambda s: s[3].dim() < 2)
+        self.sizes = [s[3].numel() for s in self.slots]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.numel = sum(self.sizes)
+        self.shard_numel = -(-self.numel // group.size)
+        self.padded = self.shard_numel * group.size
+        self.start = group.rank * self.shard_numel  # this rank's shard is flat[start:start + shard_numel]
+        self.local = torch.zeros(self.shard_numel, device=device)  # fp32 master shard
+        n_matrix = sum(n for n, s in zip(self.sizes, self.slots) if s[3].dim() >= 2)
+        k = min(max(n_matrix - self.start, 0), self.shard_numel)
+        self.ranges = [r for r in ((0, k), (k, self.shard_numel)) if r[1] > r[0]]  # shard ranges of the params
+        self.params = [nn.Parameter(self.local[a:b].view(1, -1) if a == 0 and k > 0 else self.local[a:b])
+                       for a, b in self.ranges]
+        self.full, self.pending = None, None  # the gathered (padded,) buffer in use; (it, handle, send) in flight
+        self.gather = None  # the gather hook (parallel/__init__.py): (unit) -> `pending`; None: in the compute dtype
+        self.grad = None  # (shard_numel,) fp32: the gradient shard summed over the group and the step's backwards
+        self.fresh = True  # nothing summed into grad yet this step: the first reduce-scatter overwrites it
+        self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
+        self.summed, self.summing = None, False  # unsharded accumulation: the (padded,) sum of this step's backwards
+
+    def views(self, flat):
+        """The unit's parameters as views of a flat buffer."""
+        return [flat[a:a + n].view(s[3].shape) for s, a, n in zip(self.slots, self.offsets, self.sizes)]
+
+    def matrix_ranges(self):
+        """The flat [start, end) of each matrix (dim >= 2) of the unit, in layout order."""
+        return [(a, a + n) for s, a, n in zip(self.slots, self.offsets, self.sizes) if s[3].dim() >= 2]
+
+    def segments(self):
+        """(optimizer param index, start, end, slot): the pieces of this rank's shard, each inside one slot."""
+        out = []
+        for slot, a, n in zip(self.slots, self.offsets, self.sizes):
+            lo, hi = a - self.start, a + n - self.start  # the slot in shard coordinates
+            for i, (ra, rb) in enumerate(self.ranges):
+                s, e = max(lo, ra), min(hi, rb)
+                if e > s:
+                    out.append((i, s - ra, e - ra, slot))
+        return out
+
+    def start_gather(self):
+        """Launches the all-gather of the shards in the compute dtype; does not wait. False if already there."""
+        if self.full is not None or self.pending is not None:
+            return False
+        if self.gather is not None:
+            self.pending = self.gather(self)
+            return True
+        send = self.local.to(self.compute_dtype)  # bf16 halves the traffic
+        full = torch.empty(self.padded, dtype=self.compute_dtype, device=self.local.device)
+        self.pending = (full, self.group.all_gather(full, send, async_op=True), send)
+        return True
+
+    def wait_gathered(self):
+        """The gathered (padded,) buffer, waiting for the all-gather in flight (or launching one)."""
+        if self.full is None:
+            self.start_gather()
+            full, handle, _ = self.pending
+            handle.wait()
+            self.full, self.pending = full, None
+        return self.full
+
+    def attach(self, views):
+        for (module, attr, _, _), view in zip(self.slots, views):
+            setattr(module, attr, view)
+
+    def release(self, keep_gathered=False):
+        for module, attr, _, _ in self.slots:
+            setattr(module, attr, None)
+        if not keep_gathered:
+            self.full = None
+
+
+class GatherUnit(torch.autograd.Function):
+    """Forward: the unit's full parameters, views of one gathered buffer. Backward: FSDP reduces their gradients."""
+
+    @staticmethod
+    def forward(ctx, fsdp, unit, *shards):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        ctx.set_materialize_grads(False)
+        return tuple(unit.views(unit.wait_gathered()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fsdp.reduce_grads(ctx.unit, grads)
+        return (None, None) + (None,) * len(ctx.unit.params)
 
 
 class FSDP:
@@ -34,7 +132,7 @@ class FSDP:
         self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas; if not, more come
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
         self.all_gathers = Counter()  # {"forward": n, "backward": n} by the pass that uses them; tests read it
-        self.reducing = self.replicating = None  # the unit whose reduce-scatter (all-reduce, HSDP) is in flight
+        self.reducing = None  # the unit whose reduce-scatter is in flight
         self.flat = None  # the flat gradient being reduced: one per step, sized for the largest unit
         self.units, self.next_unit, self.prev_unit, self.in_forward = [], {}, {}, {}
         names = {id(p): global_name(name) for name, p in module.named_parameters()}
@@ -138,8 +236,6 @@ class FSDP:
             unit.full = None
         if self.reducing is not None:  # launched one unit ago, done under this unit's backward: free its buffer
             self._finish_reduction(self.reducing)
-        if unit.replica is not None:
-            raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
         if self.unsharded:  # allocated once, kept across steps: the first backward of a step overwrites it
             if unit.summed is None:
                 unit.summed = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype)
@@ -164,11 +260,10 @@ class FSDP:
         self.reducing = unit
         if not self.overlap:
             self._finish_reduction(unit)
-            self._wait_replicas()
 
     def _finish_reduction(self, unit):
-        """Waits for the unit's reduce-scatter, sums it into the shard gradient and, after the step's last backward
-        of the unit, launches the sum over the replicas (HSDP; waited for one unit later)."""
+        """Waits for the unit's reduce-scatter and sums it into the shard gradient; after the step's last backward of
+        the unit, its step gradient shard is complete (step_grad_ready)."""
         out, handle, last = unit.reduction
         unit.reduction, self.reducing = None, None
         handle.wait()
@@ -177,17 +272,14 @@ class FSDP:
         (unit.grad.copy_ if unit.fresh else unit.grad.add_)(out)
         unit.fresh = False
         if last:
-            self._wait_replicas()
-            unit.replica = self.sum_replicas(unit.grad)
-            self.replicating = unit if unit.replica is not None else None
+            self.step_grad_ready(unit)
 
-    def _wait_replicas(self):  # the all-reduce launched one unit ago
-        if self.replicating is not None:
-            self.replicating.replica.wait()
-            self.replicating = None
+    # ---------------------------------------------------------------- what HSDP (hsdp.py) overrides
+    def step_grad_ready(self, unit):
+        """The unit's gradient shard holds the sum over the group and this step's backwards. FSDP: nothing to add."""
 
-    def sum_replicas(self, shard_grad):  # HSDP launches the sum of a unit's step gradient shard over its replicas
-        return None
+    def finish_step_grads(self, units):
+        """In finish_grad_sync, before the average: the units reduced this step. FSDP: nothing to add."""
 
     def averaged_over(self):  # ranks whose gradients the step averages
         return self.group.size
@@ -202,13 +294,11 @@ class FSDP:
             unit.full = None  # (kept gathered: the step's micro-batches are done with it)
         if self.reducing is not None:
             self._finish_reduction(self.reducing)
-        self._wait_replicas()
-        for unit in (u for u in self.units if not u.fresh):  # reduced this step
-            replica = unit.replica or self.sum_replicas(unit.grad)  # none launched: no backward said sync_grads
-            if replica is not None:
-                replica.wait()
+        reduced = [u for u in self.units if not u.fresh]  # reduced this step
+        self.finish_step_grads(reduced)
+        for unit in reduced:
             unit.grad.div_(self.averaged_over())
-            unit.replica, unit.fresh = None, True
+            unit.fresh = True
             for p, (a, b) in zip(unit.params, unit.ranges):
                 p.grad = unit.grad[a:b].view_as(p)
         self.flat = None

@@ -5,9 +5,9 @@ Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), r
 Sends:    FSDP's traffic inside the shard group, (K-1)/K · A·((2P-E)·c + P·r) per step (fsdp.py), plus, once per
           step, one all-reduce of each unit's fp32 gradient shard, summed over the step's micro-batches, across the
           replicas: 2·(R-1)/R · 4P/K bytes per rank, whatever A. Only that all-reduce, 1/K of DDP's, crosses servers.
-Overlap:  a unit's replica all-reduce is launched as soon as the reduce-scatter of its last backward of the step
-          (sync_grads) is in, at the end of the next unit's backward, and waited for at the end of the one after
-          (the last units' in finish_grad_sync): it runs under backward compute.
+Overlap:  a unit's replica all-reduce is launched as soon as its step gradient shard is complete (the reduce-scatter
+          of its last backward of the step is in, at the end of the next unit's backward), and waited for when the
+          next unit's is launched, one unit later (the last units' in finish_grad_sync): it runs under backward.
 Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
 """
 import torch
@@ -17,8 +17,39 @@ from parallel.fsdp import FSDP
 
 
 class HSDP(FSDP):
-    def sum_replicas(self, shard_grad):
-        return self.mesh.replicate_group.all_reduce(shard_grad, async_op=True)  # a Pending: FSDP waits for it
+    """FSDP over the shard group, plus the chain of replica all-reduces through FSDP's two hooks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replica = {}  # unit -> the all-reduce of its gradient shard over the replicas, launched this step
+        self.in_flight = None  # the unit whose all-reduce was launched last: waited for at the next launch
+
+    def reduce_grads(self, unit, grads):
+        if unit in self.replica:
+            raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
+        super().reduce_grads(unit, grads)
+
+    def step_grad_ready(self, unit):
+        self.wait_in_flight()
+        self.replica[unit] = self.mesh.replicate_group.all_reduce(unit.grad, async_op=True)
+        self.in_flight = unit
+        if not self.overlap:
+            self.wait_in_flight()
+
+    def wait_in_flight(self):
+        if self.in_flight is not None:
+            self.replica[self.in_flight].wait()
+            self.in_flight = None
+
+    def finish_step_grads(self, units):
+        """Every reduced unit's all-reduce over the replicas, done: those launched in backward, and the rest (no
+        backward said sync_grads) launched now, in unit order."""
+        self.wait_in_flight()
+        for unit in units:
+            if unit not in self.replica:
+                self.replica[unit] = self.mesh.replicate_group.all_reduce(unit.grad, async_op=True)
+        for unit in units:
+            self.replica.pop(unit).wait()
 
     def averaged_over(self):
         return self.group.size * self.mesh.replicate_group.size  # the mean over every dp x cp rank
