@@ -43,9 +43,10 @@ from config import (
 )
 from data.loader import DataError, TokenLoader, read_meta
 from data.prepare import prepared_folder
-from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, tp, tp_ring
+from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, pp_bw_split, tp, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
+from parallel.pp_schedule import SPLIT_BACKWARD
 from saves import SaveError
 from saves.hf import init_from, start_from
 from saves.load import find_resume, resume
@@ -83,8 +84,8 @@ def build(cfg, mesh, args, n_micro, device):
         if args.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
             fp8.apply(chunk, [mesh.tp_group, mesh.cp_group])
         ckpt.apply(chunk, args.ckpt)
-        if mesh.pp > 1:
-            pp.split_backward(chunk)  # zb1, zbv: weight gradients deferred to the schedule's W actions
+        if mesh.pp > 1 and args.pp_schedule in SPLIT_BACKWARD:  # zb1, zbv: weight gradients wait for W actions
+            pp_bw_split.apply(chunk)
         if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
                 block.forward = torch.compile(block.forward)

@@ -27,7 +27,6 @@ from functools import lru_cache
 import torch
 
 import model as M
-from parallel import pp_bw_split
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
 
@@ -124,13 +123,6 @@ def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
         chunk.pipeline = Stage(v, P * V, schedule, tuple(keep))
         chunks.append(chunk)
     return chunks
-
-
-def split_backward(chunk):
-    """zb1, zbv: the chunk's weight gradients wait for W actions (pp_bw_split.py). After tp, cp and checkpointing,
-    before the data-parallel wrapper."""
-    if chunk.pipeline.schedule in S.SPLIT_BACKWARD:
-        pp_bw_split.apply(chunk)
 
 
 # ---------------------------------------------------------------- the executor

@@ -12,7 +12,7 @@ import torch
 
 import model as M
 from bench import pp_draw
-from parallel import ckpt, pp
+from parallel import ckpt, pp, pp_bw_split
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.launch import run_ranks
@@ -96,7 +96,8 @@ def one_step(mesh, schedule, n_micro, policy="none"):
     chunks, calls = pp.split(full, mesh, n_micro, schedule), []
     for chunk in chunks:
         ckpt.apply(chunk, policy)
-        pp.split_backward(chunk)
+        if schedule in S.SPLIT_BACKWARD:
+            pp_bw_split.apply(chunk)
         M.init_weights(chunk, 0, "cpu")
         for block in chunk.layers.values():
             block.register_forward_pre_hook(lambda *_: calls.append(1))  # again when checkpointing recomputes
