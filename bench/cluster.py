@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from bench.cluster_net import Net, can_admin_net  # noqa: E402
 from bench.cluster_report import JOBS, LAYOUTS, MODEL, OPS, report  # noqa: E402
-from parallel.launch import free_port  # noqa: E402
+from tests.ranks import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "cluster_worker.py"
 SIZES = [16, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from parallel.comm import CommStats, Group  # noqa: E402
-from parallel.launch import run_ranks  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,

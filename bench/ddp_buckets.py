@@ -24,8 +24,8 @@ import model as M  # noqa: E402
 import optim  # noqa: E402
 from bench import common  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
-from parallel.launch import run_ranks  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 
 def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed=1337):

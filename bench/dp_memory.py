@@ -24,8 +24,8 @@ from bench import common  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
 from parallel.fsdp import FSDP  # noqa: E402
 from parallel.hsdp import HSDP  # noqa: E402
-from parallel.launch import run_ranks  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 
 def storage_bytes(tensors):

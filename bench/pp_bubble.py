@@ -41,8 +41,8 @@ from bench import common  # noqa: E402
 from parallel import pp  # noqa: E402
 from parallel import pp_schedule as S  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
-from parallel.launch import run_ranks  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 FULL = dict(n_layer=8, d_model=512, n_head=8, n_kv_head=8, ffn_dim=1536, vocab_size=257, seq_len=128)
 QUICK = dict(n_layer=8, d_model=64, n_head=4, n_kv_head=4, ffn_dim=128, vocab_size=257, seq_len=32)

@@ -30,8 +30,8 @@ from bench import common  # noqa: E402
 from bench import vs_torch_peers as peers  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
 from parallel.fsdp import FSDP  # noqa: E402
-from parallel.launch import run_ranks  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 try:  # torch >= 2.6 exports it here; older torch keeps it under _composable
     from torch.distributed.fsdp import fully_shard

@@ -23,8 +23,8 @@ import saves.write
 import train
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
-from parallel.launch import run_ranks
 from tests.layouts import BASE
+from tests.ranks import run_ranks
 
 ARGS = BASE + ["--peak-tflops", "1", "--keep", "0"]
 CROSS_ENTROPY = M.cross_entropy_loss  # keep every save: the tests resume from older ones

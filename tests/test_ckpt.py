@@ -14,9 +14,9 @@ import model as M
 import train
 from bench.ckpt_memory import heap_reader, measure_memory
 from parallel import ckpt
-from parallel.launch import run_ranks
 from parallel.mesh import LayoutError
 from tests.layouts import BASE, assert_same_losses
+from tests.ranks import run_ranks
 
 FAST = ["--peak-tflops", "1"]
 POLICIES = ["full", "every:2", "sqrt", "segment:3", "selective"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.ranks import run_ranks
 
 LATE_S = 0.4
 

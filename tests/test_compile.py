@@ -8,8 +8,8 @@ import pytest
 import torch._dynamo
 
 import train
-from parallel.launch import run_ranks
 from tests.layouts import BASE, assert_same_losses
+from tests.ranks import run_ranks
 
 FLAGS = ["--steps", "3", "--n-layer", "10"]
 

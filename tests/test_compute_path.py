@@ -7,8 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
 from parallel import tp
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.ranks import run_ranks
 
 FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

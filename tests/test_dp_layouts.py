@@ -18,9 +18,9 @@ import train
 from config import accumulation_steps
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from tests.layouts import BASE, assert_same_losses
+from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
 
 

@@ -24,10 +24,10 @@ from data.prepare import prepared_folder
 from model import PRESETS
 from parallel import global_name
 from parallel.fsdp import FSDP
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
+from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
 
 FAST = ["--peak-tflops", "1", "--dtype", "fp8"]

@@ -16,8 +16,8 @@ import model as M
 import optim
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh
+from tests.ranks import run_ranks
 from tests.wrapper_state import full_state, load_full_state
 
 # sizes chosen so units do not divide by 4 (padding) and one rank's shard straddles matrices and vectors

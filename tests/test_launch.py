@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from parallel.launch import free_port
 from tests.layouts import BASE
+from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ["--steps", "3", "--peak-tflops", "1"]  # no CPU peak measurement: MFU is not under test

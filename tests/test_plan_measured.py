@@ -25,10 +25,10 @@ import config
 import optim
 import train
 from bench import plan as P
-from parallel.launch import run_ranks
 from parallel.mesh import Mesh, infer_dp
 from parallel.pp_schedule import chunks_per_rank
 from tests.memory import LiveBytes
+from tests.ranks import run_ranks
 
 MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128",
          "--vocab-size", "256", "--seq-len", "64"]

@@ -21,10 +21,10 @@ from config import UsageError
 from parallel import pp
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
-from parallel.launch import run_ranks
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr
 from tests.pp_deadlock import check_no_deadlock
+from tests.ranks import run_ranks
 
 GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb1", [1]),
                                     ("zbv", [2]))
