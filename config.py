@@ -1,21 +1,29 @@
-"""The run's configuration: the command line of train.py, its validation, the model config it implies,
-and the peak FLOP/s that MFU divides by. Every bad flag becomes one UsageError line (exit status 2)."""
+"""The run's configuration, resolved once: train.py's command line and the launcher's environment become one frozen
+Run (resolve), and with the data, the model it trains (model): every check, in one place, before a process group
+forms or a file is written. Bad input is one UsageError or LayoutError line (exit status 2).
+
+    run = resolve(argv)                 # flags, launcher, device, dtypes, layout, compile, schedule, saves
+    model = model_for(run, data_folder) # the ModelConfig (flags, data vocabulary, --init-from), checked to fit
+"""
 import argparse
 import hashlib
 import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import fp8
 import model as M
-from parallel import ckpt
+from data.loader import read_meta
+from parallel import ckpt, cp, pp, tp
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
-from parallel.pp_schedule import SCHEDULES
+from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
+from saves.hf import init_from
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
@@ -51,6 +59,7 @@ def typed(name, parse, ok):
 
 
 positive_int = typed("positive integer", int, lambda v: v >= 1)
+seed_int = typed("integer in [0, 2^63)", int, lambda v: 0 <= v < 2 ** 63)
 nonnegative_int = typed("non-negative integer", int, lambda v: v >= 0)
 positive_float = typed("positive number", float, lambda v: math.isfinite(v) and v > 0)
 nonnegative_float = typed("non-negative number", float, lambda v: math.isfinite(v) and v >= 0)
@@ -85,7 +94,28 @@ def layer_split(text):
     return counts
 
 
-def parse_args(argv=None):
+class Run(argparse.Namespace):
+    """The run, resolved: every flag with its default made concrete, and what the launcher and the machine decide.
+    Frozen: once resolve() returns it, nothing changes it. Beyond the flags (train.py --help):
+      rank, world, local_rank, ranks_here   from torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (else one
+                                            process)
+      device, backend                       "cuda:<local rank>" and nccl, or "cpu" and gloo
+      dtype, compile, tf32                  the defaults: bf16, compiled, TF32 for what stays fp32 on CUDA; fp32,
+                                            eager, no TF32 on CPU (--dtype fp32 never uses TF32 unless --tf32)
+      dp, micro_batches                     world / (tp·pp·cp) unless given; B / (b·dp), also the pipeline's M
+      pp_schedule, cp_mode                  1f1b, ring unless given (given without --pp / --cp: refused)
+      overlap                               not --no-overlap
+      tp_ring                               --sp's collectives as ring hops under the matmuls (tp_ring.py): on NCCL,
+                                            with overlap, bf16/fp16/fp32 and a schedule without the B/W split; on
+                                            gloo the blocking collectives cost less (bench/vs_torch.py)"""
+
+    def __setattr__(self, name, value):
+        if vars(self).get("frozen"):
+            raise AttributeError(f"the run is resolved; {name} cannot change")
+        super().__setattr__(name, value)
+
+
+def parse_args(argv=None, namespace=None):
     p = OneLineParser(description="Train a Llama-style GPT on any (dp x pp x cp x tp) layout.",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
@@ -98,31 +128,34 @@ def parse_args(argv=None):
     a("--micro-batch", type=positive_int, default=8,
       help="sequences per forward per DP rank; accumulation = B / (b*dp)")
     a("--steps", type=positive_int, default=100, help="optimizer steps")
-    a("--lr", type=positive_float, default=3e-3, help="peak learning rate")
+    a("--lr", type=nonnegative_float, default=3e-3, help="peak learning rate (0: measure, or check an import)")
     a("--min-lr", type=nonnegative_float, default=3e-4, help="learning rate at the end of the cosine decay")
     a("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
     a("--weight-decay", type=nonnegative_float, default=0.1)
     a("--grad-clip", type=nonnegative_float, default=1.0, help="clip the global gradient norm (0: off)")
-    a("--seed", type=int, default=1337, help="seeds the weights and the batches")
+    a("--seed", type=seed_int, default=1337, help="seeds the weights and the batches")
     a("--dtype", type=one_of(DTYPES, "dtype"),
-      help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling) | fp8 (bf16, block matmuls in fp8)")
+      help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling) | fp8 (bf16, block matmuls in fp8); "
+           "default bf16 on CUDA, fp32 on CPU")
+    a("--tf32", action=argparse.BooleanOptionalAction,
+      help="TF32 tensor cores for the matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for fp32)")
     a("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
     a("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
     a("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
-    a("--reduce-dtype", default="fp32", type=one_of(("fp32", "bf16"), "dtype"),
-      help="FSDP gradient reduce-scatter dtype: fp32 | bf16")
-    a("--accumulate", default="sharded", type=one_of(("sharded", "unsharded"), "mode"),
-      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch, 4P/M bytes held) | "
-           "unsharded (summed locally, one reduce-scatter per step, 4P bytes held)")
+    a("--reduce-dtype", type=one_of(("fp32", "bf16"), "dtype"),
+      help="FSDP gradient reduce-scatter dtype: fp32 | bf16 (default fp32)")
+    a("--accumulate", type=one_of(("sharded", "unsharded"), "mode"),
+      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch, 4P/M bytes held; the "
+           "default) | unsharded (summed locally, one reduce-scatter per step, 4P bytes held)")
     a("--fp8-all-gather", action="store_true", help="FSDP/HSDP all-gather the block weights in fp8 (--dtype fp8)")
     a("--tp", type=positive_int, default=1, help="tensor parallel degree")
     a("--sp", action="store_true", help="sequence parallel (with --tp)")
     a("--pp", type=positive_int, default=1, help="pipeline parallel degree")
-    a("--pp-schedule", default="1f1b", type=one_of(SCHEDULES, "schedule"), help=" | ".join(SCHEDULES))
+    a("--pp-schedule", type=one_of(SCHEDULES, "schedule"), help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
     a("--pp-virtual", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
     a("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
     a("--cp", type=positive_int, default=1, help="context parallel degree")
-    a("--cp-mode", default="ring", type=one_of(CP_MODES, "mode"), help=" | ".join(CP_MODES))
+    a("--cp-mode", type=one_of(CP_MODES, "mode"), help=f"{' | '.join(CP_MODES)} (default ring)")
     a("--ckpt", default="none", type=recompute_policy,
       help="activation checkpointing, i.e. recompute activations in backward (not a save: see --save-every): "
            f"{ckpt.POLICIES}")
@@ -133,6 +166,11 @@ def parse_args(argv=None):
     a("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")
     a("--peak-tflops", type=positive_float, help="device peak for MFU (default: device table, or measured on CPU)")
+    a("--timeout", type=positive_float, default=600.0,
+      help="seconds a collective may wait, once the first steps are done (a hung rank then stops the job)")
+    a("--startup-timeout", type=positive_float, default=3600.0,
+      help="seconds a collective may wait during set-up, the first two steps and the first evaluation, which "
+           "compile stage after stage")
     a("--out", default="out", help="run folder: saves, metrics, trace")
     a("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
     a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
@@ -147,7 +185,7 @@ def parse_args(argv=None):
     a("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
     a("--metrics", help="append one JSON line per step to this file (rank 0)")
     a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-4 to --out")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv, namespace=namespace)
     check_args(args)
     return args
 
@@ -157,32 +195,57 @@ def check_args(args):
     for problem, flag, needs in (
             (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
-            (args.reduce_dtype != "fp32" and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
-            (args.accumulate != "sharded" and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
+            (args.reduce_dtype and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
+            (args.accumulate and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
             (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"), "--fp8-all-gather",
              "--dtype fp8 and --dp-mode fsdp or hsdp"),
-            ((args.pp_split or args.pp_virtual != 1) and args.pp == 1, "--pp-split/--pp-virtual", "--pp > 1"),
+            ((args.pp_split or args.pp_virtual != 1 or args.pp_schedule) and args.pp == 1,
+             "--pp-split/--pp-virtual/--pp-schedule", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
-             "--pp-schedule interleaved")):
+             "--pp-schedule interleaved"),
+            (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
     if args.dp_mode == "hsdp" and not args.dp_shard:
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
-    if args.dtype == "fp8" and args.pp > 1 and args.pp_schedule in ("zb1", "zbv"):
+    if args.dtype == "fp8" and args.pp_schedule in SPLIT_BACKWARD:
         raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; not with --dtype fp8")
     if args.dtype == "fp8" and fp8.missing():
         raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
 
 
-def check_layout(args, world):
-    """The layout from the flags and the world size alone, before any process group forms: every rank finds the
-    same error and exits 2 on its own. Returns (dp, micro-batches per step)."""
-    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
-    if args.dp_shard and dp % args.dp_shard:
-        raise LayoutError("--dp-shard", f"dp_shard {args.dp_shard} does not divide dp {dp}")
-    return dp, accumulation_steps(args.global_batch, args.micro_batch, dp)
+def resolve(argv=None, environ=None):
+    """The frozen Run of this process: the flags (checked), torchrun's environment, and the device's defaults."""
+    environ = os.environ if environ is None else environ
+    run = parse_args(argv, namespace=Run())
+    rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    run.rank, run.world, run.local_rank = rank, world, int(environ.get("LOCAL_RANK", 0))
+    run.ranks_here = int(environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = (run.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    run.device, run.backend = (f"cuda:{run.local_rank}", "nccl") if cuda else ("cpu", "gloo")
+    run.dtype = run.dtype or ("bf16" if cuda else "fp32")
+    run.compile = cuda if run.compile is None else run.compile
+    run.tf32 = (cuda and run.dtype != "fp32") if run.tf32 is None else run.tf32
+    if cuda and run.dtype == "fp8" and torch.cuda.get_device_capability(run.device) < (8, 9):
+        raise UsageError(f"--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(run.device)} is {torch.cuda.get_device_capability(run.device)}")
+    run.dp = infer_dp(world, run.tp, run.pp, run.cp, run.dp)
+    run.dp_shard = run.dp_shard if run.dp_mode == "hsdp" else None
+    if run.dp_shard and run.dp % run.dp_shard:
+        raise LayoutError("--dp-shard", f"dp_shard {run.dp_shard} does not divide dp {run.dp}")
+    run.micro_batches = accumulation_steps(run.global_batch, run.micro_batch, run.dp)
+    run.pp_schedule, run.cp_mode = run.pp_schedule or "1f1b", run.cp_mode or "ring"
+    run.reduce_dtype, run.accumulate = run.reduce_dtype or "fp32", run.accumulate or "sharded"
+    run.overlap = not run.no_overlap
+    run.tp_ring = (run.sp and run.overlap and run.backend == "nccl" and run.dtype != "fp8"
+                   and not (run.pp > 1 and run.pp_schedule in SPLIT_BACKWARD))
+    check_writable(run.out, "--out", folder=True)
+    if run.metrics:
+        check_writable(run.metrics, "--metrics", folder=False)
+    run.frozen = True
+    return run
 
 
 def check_writable(path, flag, folder):
@@ -203,52 +266,6 @@ def check_writable(path, flag, folder):
         raise UsageError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
 
 
-def check_fits(cfg, args, dp, device):
-    """Refuses a run whose model state alone cannot fit on one device, before anything is built: parameters,
-    gradients and Adam's two moments (16 bytes per parameter) split over tp·pp and, when sharded, over the
-    data-parallel shard group, against the device's memory (on CPU, the machine's RAM over the ranks on it).
-    Also one (tokens, d) activation of a micro-batch, and the step's token ids. Each is a lower bound of what the
-    run needs, so a run that fits is never refused."""
-    if cfg.vocab_size >= 2 ** 31:
-        raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
-    shards = args.tp * args.pp * {"ddp": 1, "fsdp": dp * args.cp, "hsdp": (args.dp_shard or 1) * args.cp}[args.dp_mode]
-    state = 16 * M.param_counts(cfg)[0] / shards
-    activation = 2 * args.micro_batch * cfg.seq_len * cfg.d_model / (args.cp * (args.tp if args.sp else 1))
-    batch = 16 * args.global_batch / dp * cfg.seq_len + 8 * args.global_batch  # int64 inputs and targets, offsets
-    if device.type == "cuda":
-        limit, where = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
-    else:
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_here
-        where = f"this machine's RAM / {ranks_here} rank(s)"
-    for what, need in (("model state (16 bytes per parameter after sharding)", state),
-                       ("one micro-batch activation", activation), ("one step's token batch", batch)):
-        if need > limit:
-            raise UsageError(f"--model: {what} needs {need / 1e9:.4g} GB per rank, more than the {limit / 1e9:.4g} "
-                             f"GB of {where}")
-
-
-def data_identity(meta_path):
-    """What a resume compares to know it reads the same data: a hash of the data folder's meta.json."""
-    return hashlib.sha256(Path(meta_path).read_bytes()).hexdigest()[:16]
-
-
-def device_defaults(args, device):
-    """The fast path is the default on CUDA: bf16 autocast (TF32 for what stays fp32) and torch.compile. CPU: fp32,
-    eager, so that every layout matches one process to float tolerance."""
-    cuda = device.type == "cuda"
-    if args.dtype is None:
-        args.dtype = "bf16" if cuda else "fp32"
-    if args.compile is None:
-        args.compile = cuda
-    if cuda and args.dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise UsageError(f"--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
 def accumulation_steps(global_batch, micro_batch, dp):
     """Micro-batches per rank and step, M = B / (b·dp); the one place the batch sizes are checked together."""
     if global_batch % (micro_batch * dp):
@@ -257,38 +274,111 @@ def accumulation_steps(global_batch, micro_batch, dp):
     return global_batch // (micro_batch * dp)
 
 
-def model_config(args, vocab_size):
-    base = M.PRESETS[args.model]
-    overrides = {f: getattr(args, f) for f in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim",
-                                               "vocab_size", "seq_len") if getattr(args, f) is not None}
-    fields = {**base.__dict__, "dropout": args.dropout, **overrides}
+# ---------------------------------------------------------------- the model, with the data
+
+@dataclass(frozen=True)
+class Model:
+    """What the run trains: the model config (flags, the data's vocabulary, --init-from's config.json), the Hugging
+    Face weights to start from (None: the seeded init), and what a save records to be resumed: `config` must match on
+    --resume (model, data, tokenizer, optimization), `layout` need not."""
+    cfg: M.ModelConfig
+    weights: object
+    config: dict
+    layout: dict
+
+
+def model_for(run, data_folder):
+    """The Model of a run on a prepared data folder, checked: the shape, every parallelism's constraints on it
+    (tp.validate, cp.validate, pp.layer_counts), fp8's dimensions, and that it fits the device."""
+    meta = read_meta(data_folder)
+    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]))  # config.json checked
+    check_layout(cfg, run)
+    check_fits(cfg, run)
+    config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),
+              "train": {k: getattr(run, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay",
+                                                      "grad_clip", "seed", "dtype", "steps")},
+              "tokenizer": meta["tokenizer"], **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
+    layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp, "dp_mode": run.dp_mode,
+              "dp_shard": run.dp_shard or run.dp, "sp": run.sp, "pp_schedule": run.pp_schedule,
+              "pp_virtual": run.pp_virtual, "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
+              "cp_mode": run.cp_mode}
+    return Model(cfg, weights, config, layout)
+
+
+def model_config(run, vocab_size):
+    base = M.PRESETS[run.model]
+    overrides = {f: getattr(run, f) for f in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim",
+                                              "vocab_size", "seq_len") if getattr(run, f) is not None}
+    fields = {**base.__dict__, "dropout": run.dropout, **overrides}
     if not fields["vocab_size"]:
         fields["vocab_size"] = vocab_size
     if fields["vocab_size"] < vocab_size:
         raise UsageError(f"--vocab-size: {fields['vocab_size']} is below the data's vocabulary of {vocab_size}")
     cfg = M.ModelConfig(**fields)
-    problem = cfg.validate() or (args.dtype == "fp8" and fp8.misfit(cfg, args.tp, args.micro_batch * cfg.seq_len
-                                                                    // args.cp))
+    problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, run.micro_batch * cfg.seq_len
+                                                                   // run.cp))
     if problem:
         raise UsageError(f"{problem[0]}: {problem[1]}")
     return cfg
 
 
-def peak_flops(args, device, cfg):
+def check_layout(cfg, run):
+    """Every parallelism's constraints on this model, through its own check, before anything is built."""
+    if run.tp > 1:
+        tp.validate(cfg, run.tp, run.cp, run.sp)
+    if run.cp > 1:
+        cp.validate(cfg, run.cp, run.tp, run.cp_mode)
+    if run.pp > 1:
+        pp.layer_counts(cfg, run.pp, run.pp_virtual, run.micro_batches, run.pp_split, run.pp_schedule)
+
+
+def check_fits(cfg, run):
+    """Refuses a run whose model state alone cannot fit on one device, before anything is built: parameters,
+    gradients and Adam's two moments (16 bytes per parameter) split over tp·pp and, when sharded, over the
+    data-parallel shard group, against the device's memory (on CPU, the machine's RAM over the ranks on it).
+    Also one (tokens, d) activation of a micro-batch, and the step's token ids. Each is a lower bound of what the
+    run needs, so a run that fits is never refused."""
+    if cfg.vocab_size >= 2 ** 31:
+        raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
+    shards = run.tp * run.pp * {"ddp": 1, "fsdp": run.dp * run.cp, "hsdp": (run.dp_shard or 1) * run.cp}[run.dp_mode]
+    state = 16 * M.param_counts(cfg)[0] / shards
+    activation = 2 * run.micro_batch * cfg.seq_len * cfg.d_model / (run.cp * (run.tp if run.sp else 1))
+    batch = 16 * run.global_batch / run.dp * cfg.seq_len + 8 * run.global_batch  # int64 inputs and targets, offsets
+    if run.backend == "nccl":
+        limit, where = torch.cuda.get_device_properties(run.device).total_memory, torch.cuda.get_device_name(run.device)
+    else:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / run.ranks_here
+        where = f"this machine's RAM / {run.ranks_here} rank(s)"
+    for flag, what, need in (("--model", "model state (16 bytes per parameter after sharding)", state),
+                             ("--micro-batch", "one micro-batch activation", activation),
+                             ("--global-batch", "one step's token batch", batch)):
+        if need > limit:
+            raise UsageError(f"{flag}: {what} needs {need / 1e9:.4g} GB per rank, more than the {limit / 1e9:.4g} "
+                             f"GB of {where}")
+
+
+def data_identity(meta_path):
+    """What a resume compares to know it reads the same data: a hash of the data folder's meta.json."""
+    return hashlib.sha256(Path(meta_path).read_bytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the peak that MFU divides by
+
+def peak_flops(run, cfg):
     """Per-device peak FLOP/s and where it came from: --peak-tflops, the table by the GPU's full name, or on CPU the
     best measured rate of this run's own largest matmul (forward and both backward shapes), on the threads the run
     uses, so that MFU stays at or below 100% on an idle machine."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12, "--peak-tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+    if run.peak_tflops:
+        return run.peak_tflops * 1e12, "--peak-tflops"
+    if run.backend == "nccl":
+        name = torch.cuda.get_device_name(run.device)
         if name in PEAK_TFLOPS:
             return PEAK_TFLOPS[name] * 1e12, f"{name} bf16 dense peak"
         return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
-    m = min(args.micro_batch * cfg.seq_len, 8192)  # the token rows of one micro-batch's matmuls
+    m = min(run.micro_batch * cfg.seq_len, 8192)  # the token rows of one micro-batch's matmuls
     k, n = cfg.d_model, max(cfg.ffn_dim, cfg.padded_vocab)
-    best = max(matmul_rate(a, b, DTYPES[args.dtype]) for a, b in (((m, k), (k, n)), ((m, n), (n, k)), ((k, m), (m, n))))
-    return best, (f"best measured CPU {args.dtype} rate of this run's largest matmul, {m}x{k}x{n} and its backward "
+    best = max(matmul_rate(a, b, DTYPES[run.dtype]) for a, b in (((m, k), (k, n)), ((m, n), (n, k)), ((k, m), (m, n))))
+    return best, (f"best measured CPU {run.dtype} rate of this run's largest matmul, {m}x{k}x{n} and its backward "
                   f"shapes, on {torch.get_num_threads()} threads (no device table for CPU)")
 
 
@@ -303,19 +393,3 @@ def matmul_rate(shape_a, shape_b, dtype, trials=4, trial_s=0.05):
             n += 1
         rates.append(flops * n / (time.perf_counter() - t0))
     return max(rates)
-
-
-def run_layout(args, mesh):
-    """Recorded in each save: a resume in the same layout also restores every rank's RNG states."""
-    return {"world": mesh.world, **mesh.sizes, "dp_mode": args.dp_mode, "dp_shard": mesh.dp_shard, "sp": args.sp,
-            "pp_schedule": args.pp_schedule, "pp_virtual": args.pp_virtual,
-            "pp_split": ",".join(map(str, args.pp_split)) if args.pp_split else None, "cp_mode": args.cp_mode}
-
-
-def run_config(args, cfg, meta, data_id):
-    """What must match on --resume: the model, the data (by the identity of its meta.json) and the optimization,
-    not the layout."""
-    train = {k: getattr(args, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
-                                            "seed", "dtype", "steps")}
-    return {"model": dict(cfg.__dict__), "train": train, "data": data_id, "tokenizer": meta["tokenizer"],
-            **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}  # a .tiktoken file's path, for sample.py

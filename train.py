@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,40 +24,25 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+import config
 import fp8
 import model as M
 import optim
-from config import (
-    DTYPES,
-    UsageError,
-    check_fits,
-    check_layout,
-    check_writable,
-    data_identity,
-    device_defaults,
-    model_config,
-    parse_args,
-    peak_flops,
-    run_config,
-    run_layout,
-)
-from data.loader import DataError, TokenLoader, read_meta
+from config import DTYPES, UsageError
+from data.loader import DataError, TokenLoader
 from data.prepare import prepared_folder
 from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, pp_bw_split, tp, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
-from parallel.pp_schedule import SPLIT_BACKWARD
-from saves import SaveError
-from saves.hf import init_from, start_from
-from saves.load import find_resume, resume
-from saves.restarts import Attempts, NonFiniteLoss, TrainingFailure, restart_store, stop_run
-from saves.write import SaveFailed, Saver, agree_on_run_id, check_fresh_run_folder, remove_incomplete
+from saves import SaveError, TrainingFailure
+from saves.restarts import restart_store
+from saves.run import RunFolder
 
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
 
 @dataclass
-class Run:
+class Trainer:
     """What one training step touches: this rank's model chunks, their data-parallel wrapper, the optimizer."""
     chunks: list
     wrapper: object  # the protocol in parallel/__init__.py
@@ -68,35 +53,49 @@ class Run:
     micro_batch: int
 
 
-def build(cfg, mesh, args, n_micro, device):
-    """The model this rank runs: (its pipeline chunks, the data-parallel wrapper that owns their weights)."""
+def build(cfg, mesh, run):
+    """The model this rank runs: (its pipeline chunks, the data-parallel wrapper that owns their weights). Each
+    parallelism, then each optional layer the run switches on, changes the chunks on the meta device; the wrapper
+    materializes this rank's part of the weights last."""
     with torch.device("meta"):
         full = M.GPT(cfg)  # shapes only: no rank ever holds the whole model
-    chunks = pp.split(full, mesh, n_micro, args.pp_schedule, args.pp_virtual, args.pp_split) if mesh.pp > 1 \
+    chunks = pp.split(full, mesh, run.micro_batches, run.pp_schedule, run.pp_virtual, run.pp_split) if mesh.pp > 1 \
         else [full]
     for chunk in chunks:
         if mesh.tp > 1:
-            tp.parallelize(chunk, mesh, sequence_parallel=args.sp, overlap=not args.no_overlap)
-            if args.sp and not args.no_overlap and args.dtype != "fp8" and args.pp_schedule not in ("zb1", "zbv"):
-                tp_ring.apply(chunk)  # --sp's collectives as ring hops under the matmuls
+            tp.parallelize(chunk, mesh, sequence_parallel=run.sp, overlap=run.overlap)
+        if run.tp_ring:  # --sp's collectives as ring hops under the matmuls
+            tp_ring.apply(chunk)
         if mesh.cp > 1:
-            cp.parallelize(chunk, mesh, mode=args.cp_mode)
-        if args.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
+            cp.parallelize(chunk, mesh, mode=run.cp_mode)
+        if run.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
             fp8.apply(chunk, [mesh.tp_group, mesh.cp_group])
-        ckpt.apply(chunk, args.ckpt)
-        if mesh.pp > 1 and args.pp_schedule in SPLIT_BACKWARD:  # zb1, zbv: weight gradients wait for W actions
+        ckpt.apply(chunk, run.ckpt)
+        if mesh.pp > 1 and run.pp_schedule in ("zb1", "zbv"):  # weight gradients wait for the schedule's W
             pp_bw_split.apply(chunk)
-        if args.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
+        if run.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
             for block in chunk.layers.values():
                 block.forward = torch.compile(block.forward)
-    def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
-        return M.local_init(name, meta, cfg, args.seed, flat, out)
 
-    dp_options = dict(bucket_mb=args.bucket_mb) if args.dp_mode == "ddp" else dict(
-        compute_dtype=DTYPES[args.dtype], reduce_dtype=DTYPES[args.reduce_dtype], accumulate=args.accumulate)
-    wrapper = DATA_PARALLEL[args.dp_mode](nn.ModuleList(chunks), mesh, device, init_param,
-                                          overlap=not args.no_overlap, **dp_options)
-    return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if args.fp8_all_gather else wrapper
+    def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
+        return M.local_init(name, meta, cfg, run.seed, flat, out)
+    dp_options = dict(bucket_mb=run.bucket_mb) if run.dp_mode == "ddp" else dict(
+        compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype], accumulate=run.accumulate)
+    wrapper = DATA_PARALLEL[run.dp_mode](nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
+                                         overlap=run.overlap, **dp_options)
+    return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if run.fp8_all_gather else wrapper
+
+
+def prepare(run, cfg, mesh):
+    """The Trainer of a resolved run: the model built and materialized, AdamW over the wrapper's fp32 tensors, the
+    loss scaler (fp16) and the autocast of the compute dtype."""
+    torch.manual_seed(run.seed)
+    chunks, wrapper = build(cfg, mesh, run)
+    device = torch.device(run.device)
+    autocast = torch.autocast(device.type, dtype=DTYPES[run.dtype]) if run.dtype != "fp32" else nullcontext()
+    opt = optim.make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
+    return Trainer(chunks, wrapper, mesh, opt, optim.LossScaler(run.dtype == "fp16", device), autocast,
+                   run.micro_batch)
 
 
 def split_batch(x, y, micro_batch, mesh):
@@ -105,52 +104,61 @@ def split_batch(x, y, micro_batch, mesh):
     return cp.shard_batches(batches, mesh) if mesh.cp > 1 else (batches, None)
 
 
-def forward_backward(run, x, y):
+def forward_backward(trainer, x, y):
     """Every micro-batch's forward and backward; returns their summed loss. Each micro-batch loss is a local mean
     divided by the accumulation count, and gradients are averaged over dp x cp: the mean over the global batch."""
-    batches, positions = split_batch(x, y, run.micro_batch, run.mesh)
-    if run.mesh.pp > 1:  # the pipeline schedule runs them all (parallel/pp.py)
-        return pp.train_step(run.chunks, run.wrapper, run.mesh, batches, positions, run.autocast, run.scaler.scale)
+    t = trainer
+    batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
+    if t.mesh.pp > 1:  # the pipeline schedule runs them all (parallel/pp.py)
+        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.scaler.scale)
     total = torch.zeros((), device=x.device)
     for i, (xb, yb) in enumerate(batches):
-        run.wrapper.sync_grads = i == len(batches) - 1  # the gradient reduction runs in the last backward
-        with run.autocast:
-            loss = run.chunks[0](xb, yb, positions) / len(batches)
-        (loss * run.scaler.scale).backward()
+        t.wrapper.sync_grads = i == len(batches) - 1  # the gradient reduction runs in the last backward
+        with t.autocast:
+            loss = t.chunks[0](xb, yb, positions) / len(batches)
+        (loss * t.scaler.scale).backward()
         total += loss.detach()
     return total
 
 
-def train_step(run, x, y, lr, grad_clip):
+def train_step(trainer, x, y, lr, grad_clip):
     """One optimizer step with no host sync. Returns, on the device, this rank's share of the loss and the step's
     health: [global gradient norm, 1 if the gradients overflowed (fp16 skips that step), ranks whose loss is not
     finite]."""
-    for group in run.opt.param_groups:
+    for group in trainer.opt.param_groups:
         group["lr"] = lr
-    loss = forward_backward(run, x, y)
-    run.wrapper.finish_grad_sync()  # waits for the reductions still in flight, averages over dp x cp
-    grad_norm, bad_losses = optim.unscale_and_clip(run.wrapper.grads_for_norm(), run.mesh.world_group,
-                                                   run.scaler.scale, grad_clip, (~torch.isfinite(loss)).float())
+    loss = forward_backward(trainer, x, y)
+    return loss, optimizer_step(trainer, loss, grad_clip)
+
+
+def optimizer_step(trainer, loss, grad_clip):
+    """After the last backward: the gradient sync, the clip by the global norm, AdamW (skipped on an fp16 overflow),
+    the loss scale's update, the gradients zeroed. Returns the step's health on the device (see train_step)."""
+    t = trainer
+    t.wrapper.finish_grad_sync()  # waits for the reductions still in flight, averages over dp x cp
+    grad_norm, bad_losses = optim.unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group, t.scaler.scale,
+                                                   grad_clip, (~torch.isfinite(loss)).float())
     overflow = (~torch.isfinite(grad_norm)).float()
-    optim.optimizer_step(run.opt, overflow if run.scaler.enabled else None)
-    run.scaler.update(overflow)
-    run.wrapper.zero_grad()
-    return loss, torch.stack([grad_norm, overflow, bad_losses])
+    optim.optimizer_step(t.opt, overflow if t.scaler.enabled else None)
+    t.scaler.update(overflow)
+    t.wrapper.zero_grad()
+    return torch.stack([grad_norm, overflow, bad_losses])
 
 
 @torch.no_grad()
-def evaluate(run, loader, n_batches):
-    total = torch.zeros((), device=run.scaler.scale.device)
+def evaluate(trainer, loader, n_batches):
+    t = trainer
+    total = torch.zeros((), device=t.scaler.scale.device)
     for step in range(n_batches):
         x, y = loader.get(step)
-        batches, positions = split_batch(x, y, run.micro_batch, run.mesh)
-        if run.mesh.pp > 1:
-            total += pp.eval_step(run.chunks, run.wrapper, run.mesh, batches, positions, run.autocast)
+        batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
+        if t.mesh.pp > 1:
+            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast)
             continue
         for xb, yb in batches:
-            with run.autocast:
-                total += run.chunks[0](xb, yb, positions) / len(batches)
-    return replica_mean(total / n_batches, run.mesh).item()
+            with t.autocast:
+                total += t.chunks[0](xb, yb, positions) / len(batches)
+    return replica_mean(total / n_batches, t.mesh).item()
 
 
 def replica_mean(local_loss, mesh):
@@ -164,113 +172,113 @@ def replica_mean(local_loss, mesh):
     gathered = flat.new_empty(mesh.world * flat.numel())
     ALL_GATHER(gathered, flat, group=mesh.world_group.pg)
     gathered = gathered.view(mesh.world, -1)  # (world, n): row r is rank r's losses
-    owners = [r for r in range(mesh.world) if mesh.coords(r)["tp"] == 0]
+    owners = range(0, mesh.world, mesh.tp)  # tp rank 0 of each tp group: tp is innermost
     total = gathered[owners[0]]
     for r in owners[1:]:
         total = total + gathered[r]
     return (total / mesh.dp_cp_group.size).reshape(local_loss.shape)
 
 
-def train(args):
-    dp, n_micro = check_layout(args, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group forms
-    check_writable(args.out, "--out", folder=True)
-    if args.metrics:
-        check_writable(args.metrics, "--metrics", folder=False)
-    rank, world, device = init_distributed(args)
-    device_defaults(args, device)
-    mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
-    folder = prepared_folder(args.data, rank, world)
-    meta = read_meta(folder)
-    cfg, weights = init_from(args.init_from, model_config(args, meta["vocab_size"]))  # config.json checked
-    check_fits(cfg, args, dp, device)  # before anything is built
-    config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)
-    saved = find_resume(args.out, args.resume, config)  # validated before anything is written
-    if args.resume is None:
-        check_fresh_run_folder(args.out)  # a fresh run never writes into another run's folder
-    attempts = Attempts(args.out, rank, resuming=args.resume is not None)
-    attempts.check()
-    loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,
-                         device)
-    val_loader = TokenLoader(folder, "val", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,
-                             device, prefetch=False) if args.eval_every else None
-    if rank == 0 and world > 1:
-        print(mesh.describe(), flush=True)
-
-    torch.manual_seed(args.seed)
-    chunks, wrapper = build(cfg, mesh, args, n_micro, device)
-    autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext()
-    opt = optim.make_adamw(wrapper.optim_params(), args.lr, args.weight_decay, device)
-    run = Run(chunks, wrapper, mesh, opt, optim.LossScaler(args.dtype == "fp16", device), autocast, args.micro_batch)
-    start = start_from(weights, run.wrapper, opt, rank) if weights and not saved else \
-        resume(saved, run.wrapper, opt, run.scaler, layout, rank)  # a save, once there is one, wins
-    run_id = agree_on_run_id(mesh, device)  # a barrier too: every rank has read the run folder
-    if rank == 0 and args.resume:
-        remove_incomplete(args.out)
-    attempts.begin(start)  # rank 0 writes the record
-    saver = Saver(args.out, mesh, device, keep=args.keep, async_save=args.async_save, run_id=run_id)
-    log = StepLog(args, cfg, mesh, device, start)
-    profiler = start_profiler(args.profile, Path(args.out), rank)
-
-    for step in log.bar:
-        t0 = log.start_step()
-        x, y = loader.get(step)
-        local_loss, health = train_step(run, x, y, scheduled_lr(args, step), args.grad_clip)
-        row = log.end_step(step, local_loss, health, run, t0)  # the step's one host read
-        if row["bad_losses"] or (not run.scaler.enabled and not math.isfinite(row["grad_norm"])):
-            loss = replica_mean(local_loss, mesh).item()
-            raise stop_run(NonFiniteLoss(step + 1, loss, row["grad_norm"]), saver, attempts, args.out)
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            row["val_loss"] = evaluate(run, val_loader, args.eval_batches)
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            row["save_stall_s"] = save(saver, step + 1, run, save_header(config, layout, run.scaler), attempts, args)
-        attempts.progress(step + 1)
-        log.write(row)
-        profiler.step()
-    save(saver, None, run, None, attempts, args)  # waits for the last async save
-    attempts.end("done")
-    profiler.stop()
-    loader.close()
+def train(run):
+    """Trains the resolved run; returns every step's global mean loss."""
+    mesh = start_distributed(run)
+    data = prepared_folder(run.data, run.rank, run.world)
+    model = config.model_for(run, data)  # the model, checked against every constraint and the device
+    cfg = model.cfg
+    folder = RunFolder(run.out, mesh, run.device, model.config, model.layout, run.resume, run.keep, run.async_save)
+    try:
+        loader = TokenLoader(data, "train", cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp,
+                             run.device)
+        val_loader = TokenLoader(data, "val", cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp,
+                                 run.device, prefetch=False) if run.eval_every else None
+        if run.rank == 0 and run.world > 1:
+            print(mesh.describe(), flush=True)
+        trainer = prepare(run, cfg, mesh)
+        start = folder.start(trainer.wrapper, trainer.opt, trainer.scaler, model.weights)
+    except BaseException:
+        folder.close()
+        raise
+    log = StepLog(run, cfg, mesh, start)
+    profiler = start_profiler(run.profile, Path(run.out), run.rank)
+    try:
+        for step in log.bar:
+            t0 = log.start_step()
+            x, y = loader.get(step)
+            local_loss, health = train_step(trainer, x, y, scheduled_lr(run, step), run.grad_clip)
+            row = log.end_step(step, local_loss, health, trainer, t0)  # the step's one host read
+            if row["bad_losses"] or (not trainer.scaler.enabled and not math.isfinite(row["grad_norm"])):
+                raise folder.non_finite(step + 1, replica_mean(local_loss, mesh).item(), row["grad_norm"])
+            if run.eval_every and (step + 1) % run.eval_every == 0:
+                with startup_timeout(mesh, run, first=step + 1 == run.eval_every):
+                    row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
+            if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
+                row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
+            folder.progress(step + 1)
+            log.write(row)
+            profiler.step()
+            if step + 1 - start == STARTUP_STEPS:
+                mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is a real one
+        folder.finish()  # waits for the last async save
+    except KeyboardInterrupt:
+        raise Interrupted(folder.interrupted()) from None
+    finally:
+        profiler.stop()
+        loader.close()
+        folder.close()
     return log.close()
 
 
 # ---------------------------------------------------------------- setup and bookkeeping around the loop
 
-def init_distributed(args):
-    """Reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK; nccl on CUDA, gloo on CPU."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=5),
-                                **restart_store(rank, world))
-    return rank, world, torch.device(device)
+STARTUP_STEPS = 2  # steps that run under --startup-timeout (compiling, stage after stage), before --timeout
 
 
-def save_header(config, layout, scaler):
-    return {"config": config, "layout": layout, "scaler": scaler.state_dict()}
+class Interrupted(Exception):
+    """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
 
 
-def save(saver, step, run, header, attempts, args):
-    """Saves (step None: waits for the save in flight); a failed save (a full disk) stops the run with exit 3,
-    recorded in the attempts, naming the last good save. Returns the seconds training stalled."""
+def start_distributed(run):
+    """The process group (nccl on CUDA, gloo on CPU; under --startup-timeout until the first steps are done) and the
+    mesh. A caller's group (tests) is used as it is."""
+    if run.backend == "nccl":
+        torch.cuda.set_device(run.device)
+    matmul_precision(run)
+    if run.world > 1 and not dist.is_initialized():
+        dist.init_process_group(run.backend, timeout=timedelta(seconds=run.startup_timeout),
+                                **restart_store(run.rank, run.world))
+    return Mesh(run.rank, run.world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp, dp_shard=run.dp_shard,
+                timeout_s=run.startup_timeout)
+
+
+def matmul_precision(run):
+    """fp32 means fp32: the matmuls that stay fp32 use TF32 tensor cores only where the run asks for it (run.tf32:
+    bf16, fp16 and fp8 runs on CUDA, or --tf32)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = run.tf32
+
+
+@contextmanager
+def startup_timeout(mesh, run, first):
+    """Runs a block (the first evaluation, which compiles again) under --startup-timeout when `first`."""
+    if first:
+        mesh.set_timeout(run.startup_timeout)
     try:
-        return saver.wait() if step is None else saver.save(step, run.wrapper, run.opt, header)
-    except SaveFailed as e:
-        raise stop_run(e, saver, attempts, args.out) from None
+        yield
+    finally:
+        if first:
+            mesh.set_timeout(run.timeout)
 
 
-def scheduled_lr(args, step):
-    return optim.lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
+def scheduled_lr(run, step):
+    return optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps)
 
 
 class StepLog:
     """Per-step metrics (one JSON line each with --metrics, rank 0), the tqdm bar and the console lines."""
 
-    def __init__(self, args, cfg, mesh, device, start):
-        self.args, self.mesh, self.device, self.rank = args, mesh, device, mesh.global_rank
-        self.peak, peak_source = peak_flops(args, device, cfg)
+    def __init__(self, run, cfg, mesh, start):
+        self.args, self.mesh, self.device, self.rank = run, mesh, torch.device(run.device), mesh.global_rank
+        args = run
+        self.peak, peak_source = config.peak_flops(run, cfg)
         self.tokens = args.global_batch * cfg.seq_len
         recomputed = ckpt.recomputed_layers(cfg, args.ckpt)
         self.flops_model = M.flops_per_token(cfg) * self.tokens  # MFU: PaLM's 6N + 12·L·d·T per token
@@ -296,23 +304,23 @@ class StepLog:
     def logs(self, step):
         return bool(self.metrics) or bool(self.args.log_every and (step + 1) % self.args.log_every == 0)
 
-    def end_step(self, step, local_loss, health, run, t0):
+    def end_step(self, step, local_loss, health, trainer, t0):
         """Reads the step's scalars in one transfer: the health, the loss scale, and on a step that logs, the loss
         (averaged over replicas on the device first). Other steps keep their loss on the device until the end."""
         self.local_losses.append(local_loss)
         logged = self.logs(step)  # the same on every rank: the all-reduce below is collective
-        values = [health, run.scaler.scale.reshape(1)] + [replica_mean(local_loss, self.mesh).reshape(1)] * logged
+        values = [health, trainer.scaler.scale.reshape(1)] + [replica_mean(local_loss, self.mesh).reshape(1)] * logged
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer step has finished: dt_s covers all of it
         grad_norm, overflow, bad_losses, scale, *loss = torch.cat(values).tolist()
         dt, world = time.perf_counter() - t0, self.mesh.world
-        row = {"step": step + 1, "loss": loss[0] if loss else None, "lr": run.opt.param_groups[0]["lr"],
+        row = {"step": step + 1, "loss": loss[0] if loss else None, "lr": trainer.opt.param_groups[0]["lr"],
                "grad_norm": grad_norm, "tokens": self.tokens, "dt_s": dt, "tok_s": self.tokens / dt,
                "tflops": self.flops_model / dt / world / 1e12,
                "mfu": self.flops_model / dt / world / self.peak if self.peak else None,
                "hfu": self.flops_hw / dt / world / self.peak if self.peak else None,
                **memory_gb(self.device), "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
-        if run.scaler.enabled:
+        if trainer.scaler.enabled:
             row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step's update
         return row
 
@@ -371,11 +379,15 @@ def start_profiler(enabled, out, rank):
 def main(argv=None):
     joined = dist.is_initialized()  # a caller's process group (tests) outlives this run; our own does not
     try:
-        return train(parse_args(argv))
+        return train(config.resolve(argv))
+    except KeyboardInterrupt:
+        code, error = 130, "interrupted before training started; nothing was written"
     except (UsageError, LayoutError, DataError, SaveError) as e:
         code, error = 2, e
     except TrainingFailure as e:
         code, error = 3, e
+    except Interrupted as e:
+        code, error = 130, e
     finally:
         if not joined and dist.is_initialized():
             dist.destroy_process_group()  # a clean exit: no collective thread is left to the interpreter's end

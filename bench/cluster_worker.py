@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,11 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
-import optim  # noqa: E402
 import train  # noqa: E402
 from bench.cluster_net import join_cpu_share  # noqa: E402
 from bench.collectives import bench_rank  # noqa: E402
-from parallel.mesh import Mesh, infer_dp  # noqa: E402
 
 
 def placed_rank(order):
@@ -124,22 +121,19 @@ def device_rates(spec, trials):
     return {k: statistics.median(r[k] for r in ranks) for k in mine}
 
 
-def layout_args(spec, flags):
-    args = config.parse_args(spec["model"] + ["--dtype", "fp32", "--device", "cpu", "--peak-tflops", "1"] + flags)
+def layout_args(spec, flags, rank=0, world=1):
+    args = config.resolve(spec["model"] + ["--dtype", "fp32", "--device", "cpu", "--peak-tflops", "1"] + flags,
+                          environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
     return args, config.model_config(args, 0)
 
 
 def train_layout(spec, flags, world, rank):
-    """[(slowest rank's step seconds, most seconds blocked in collectives)] for each timed step of one layout."""
-    args, cfg = layout_args(spec, flags)
-    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
-    accum = args.global_batch // (args.micro_batch * dp)
-    mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
-    torch.manual_seed(args.seed)
-    chunks, wrapper = train.build(cfg, mesh, args, accum, torch.device("cpu"))
-    opt = optim.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
-    run = train.Run(chunks, wrapper, mesh, opt, optim.LossScaler(False), nullcontext(), args.micro_batch)
-    rows = args.global_batch // dp
+    """[(slowest rank's step seconds, most seconds blocked in collectives)] for each timed step of one layout, each
+    train.py's own train_step."""
+    args, cfg = layout_args(spec, flags, rank, world)
+    mesh = train.start_distributed(args)
+    run = train.prepare(args, cfg, mesh)
+    rows = args.global_batch // mesh.dp
     steps = []
     for step in range(spec["warmup"] + spec["steps"]):
         ids = torch.randint(0, cfg.vocab_size, (args.global_batch, cfg.seq_len + 1),
@@ -155,7 +149,7 @@ def train_layout(spec, flags, world, rank):
         if step >= spec["warmup"]:
             steps.append(took.tolist())
     sent = mesh.stats.total_bytes
-    del run, opt, wrapper, chunks
+    del run
     return steps, sent
 
 

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-import fp8
+import config
 import model as M
-import optim
+import train
 from config import PEAK_TFLOPS
 from data.prepare import prepare
-from parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -202,33 +201,32 @@ def autocast(mode, device):
 
 
 class TrainStep:
-    """One precision mode's model, AdamW and loss scaler, stepping the way train.py does."""
+    """One precision mode's model, AdamW and loss scaler in one process, built and stepped by train.py itself
+    (config.resolve, train.prepare, train.train_step): `model` is the GPT, `step(x, y)` one optimizer step on a
+    batch of len(x) sequences; forward_backward and update are the step's two halves, for benches that look in
+    between."""
 
     def __init__(self, mode, device, preset="tiny", **overrides):
-        self.mode, self.device = mode, device
-        self.model = build_gpt(preset, device=device, **overrides)
-        if mode == "fp8":
-            fp8.apply(self.model, [])
-        self.opt = optim.make_adamw(self.model.parameters(), 3e-4, 0.1, device)
-        self.scaler = optim.LossScaler(mode == "fp16", device)
-        self.world = Mesh().world_group  # one process: norms need no communication
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]
+        self.argv = ["--model", preset, "--dtype", mode, "--device", torch.device(device).type, "--no-compile",
+                     "--lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0", "--peak-tflops", "1",
+                     "--out", str(RESULTS / ".unwritten")] + flags
+        run = config.resolve(self.argv, environ={})
+        cfg = config.model_config(run, overrides.get("vocab_size") or 257)
+        self.trainer = train.prepare(run, cfg, train.start_distributed(run))
+        self.model, self.opt, self.scaler = self.trainer.chunks[0], self.trainer.opt, self.trainer.scaler
+
+    def batch(self, x):
+        """The trainer's micro-batch follows the batch it is handed: one micro-batch of all its rows."""
+        self.trainer.micro_batch = len(x)
 
     def forward_backward(self, x, y):
-        with autocast(self.mode, self.device):
-            loss = self.model(x, y)
-        (loss * self.scaler.scale).backward()
-        return loss
+        self.batch(x)
+        return train.forward_backward(self.trainer, x, y)
 
     def update(self):
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm, _ = optim.unscale_and_clip([(p.grad, 1) for p in params], self.world, self.scaler.scale, 1.0)
-        overflow = (~torch.isfinite(norm)).float()
-        optim.optimizer_step(self.opt, overflow if self.scaler.enabled else None)
-        self.scaler.update(overflow)
-        self.opt.zero_grad(set_to_none=True)
-        return norm
+        return train.optimizer_step(self.trainer, torch.zeros((), device=self.scaler.scale.device), 1.0)[0]
 
     def __call__(self, x, y):
-        loss = self.forward_backward(x, y)
-        self.update()
-        return loss
+        self.batch(x)
+        return train.train_step(self.trainer, x, y, 3e-4, 1.0)[0]

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
 from bench import common  # noqa: E402
-from parallel import pp  # noqa: E402
+from parallel import pp, pp_bw_split  # noqa: E402
 from parallel import pp_schedule as S  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
 from parallel.mesh import Mesh  # noqa: E402
@@ -67,7 +67,8 @@ def _measure(rank, world, cfg_fields, seqs, schedules, micro_counts, steps, min_
             full = M.GPT(cfg)
         chunks = pp.split(full, mesh, max(micro_counts), schedule, V, (cfg.n_layer // (world * V),) * (world * V))
         for chunk in chunks:
-            pp.split_backward(chunk)
+            if schedule in S.SPLIT_BACKWARD:  # zb1, zbv: weight gradients wait for the schedule's W
+                pp_bw_split.apply(chunk)
             M.init_weights(chunk, 1337, "cpu")
         runs[schedule] = (chunks, DDP(torch.nn.ModuleList(chunks), mesh), V)
     out = {}

@@ -25,17 +25,17 @@ from parallel.ring_attention import RingAttention, attend_blocks, attend_blocks_
 MODES = ("ring", "ulysses", "allgather")
 
 
-def validate(cfg, mesh, mode):
+def validate(cfg, cp, tp, mode):
     """Raises LayoutError for a layout cp cannot run (before any work starts)."""
     if mode not in MODES:
         raise LayoutError("--cp-mode", f"unknown mode {mode!r}; choose {', '.join(MODES)}")
-    if cfg.seq_len % (2 * mesh.cp):
-        raise LayoutError("--cp", f"seq_len {cfg.seq_len} is not divisible by 2·cp = {2 * mesh.cp} "
+    if cfg.seq_len % (2 * cp):
+        raise LayoutError("--cp", f"seq_len {cfg.seq_len} is not divisible by 2·cp = {2 * cp} "
                                   "(the zigzag split cuts the sequence into 2·cp chunks)")
-    heads = cfg.n_head // mesh.tp
-    if mode == "ulysses" and heads % mesh.cp:
+    heads = cfg.n_head // tp
+    if mode == "ulysses" and heads % cp:
         raise LayoutError("--cp-mode", f"ulysses needs the heads per rank (n_head/tp = {heads}) "
-                                       f"divisible by cp = {mesh.cp}")
+                                       f"divisible by cp = {cp}")
 
 
 def local_positions(seq_len, rank, cp, device=None, layout="zigzag"):
@@ -191,7 +191,7 @@ def make_attend(mesh, mode):
 
 def parallelize(chunk, mesh, mode="ring"):
     """Swaps every Attention.attend of the chunk for the context-parallel one. Returns the chunk."""
-    validate(chunk.cfg, mesh, mode)
+    validate(chunk.cfg, mesh.cp, mesh.tp, mode)
     attend = make_attend(mesh, mode)
     for block in chunk.layers.values():
         block.self_attn.attend = attend

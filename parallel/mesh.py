@@ -11,10 +11,12 @@ and `replicate` (outer). With dp_shard = K: the dp coordinate is dp_i = rep_i ·
 from datetime import timedelta
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from parallel.comm import CommStats, Group
 
 AXES = ("dp", "pp", "cp", "tp")  # outermost -> innermost
+SET_TIMEOUT = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout  # older torch: the private name
 
 
 class LayoutError(ValueError):
@@ -53,21 +55,33 @@ class Mesh:
         self.stats = CommStats()
         self.sizes = dict(dp=self.dp, pp=pp, cp=cp, tp=tp)
         self.coord = self.coords(rank)
-        timeout = timedelta(seconds=timeout_s)
-        # Every rank must create every group, in the same order (torch.distributed's rule).
-        # They become attributes: dp_group, pp_group, cp_group, tp_group, dp_cp_group, world_group,
-        # shard_group, replicate_group.
+        timeout, self.pgs = timedelta(seconds=timeout_s), []
+        # Every rank creates every group, in the same order (torch.distributed's rule, and what torch's DeviceMesh
+        # does without communicator splitting); a rank outside a group gets a placeholder back at once. They become
+        # attributes: dp_group, pp_group, cp_group, tp_group, dp_cp_group, world_group, shard_group, replicate_group.
         for name, members in self.partitions():
-            mine = next(g for g in members if rank in g)
-            pgs = [self._new_group(g, timeout) for g in members]
-            setattr(self, name + "_group", Group(name, mine, pgs[members.index(mine)], rank, self.stats))
+            mine = None
+            for g in members:
+                pg = self._new_group(g, timeout)
+                if rank in g:
+                    mine = (g, pg)
+            setattr(self, name + "_group", Group(name, mine[0], mine[1], rank, self.stats))
 
     def _new_group(self, ranks, timeout):
         if self.world == 1 or len(ranks) == 1 or not dist.is_initialized():  # a layout to describe, not to run
             return None
         if len(ranks) == self.world:
             return dist.group.WORLD
-        return dist.new_group(ranks, timeout=timeout)
+        pg = dist.new_group(ranks, timeout=timeout)
+        if pg is not dist.GroupMember.NON_GROUP_MEMBER:
+            self.pgs.append(pg)
+        return pg
+
+    def set_timeout(self, seconds):
+        """How long this rank's collectives may wait from now on, in every group it belongs to (--startup-timeout
+        for set-up and the first steps, --timeout after)."""
+        for pg in self.pgs + ([dist.group.WORLD] if self.world > 1 and dist.is_initialized() else []):
+            SET_TIMEOUT(timedelta(seconds=seconds), pg)
 
     def rank_of(self, dp=0, pp=0, cp=0, tp=0):
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
@@ -79,24 +93,22 @@ class Mesh:
         dp = rank // (self.tp * self.cp * self.pp)
         return dict(dp=dp, pp=pp, cp=cp, tp=tp)
 
-    def _group_of(self, rank, varying):
-        """All ranks that share `rank`'s coordinates except along the axes in `varying`."""
-        fixed = {a: v for a, v in self.coords(rank).items() if a not in varying}
-        return [r for r in range(self.world) if all(self.coords(r)[a] == v for a, v in fixed.items())]
+    def groups_along(self, varying):
+        """The ranks that share every coordinate but those in `varying`, as lists: each list ascending, the lists in
+        order of their first rank. O(world): every rank is placed once."""
+        fixed = [a for a in AXES if a not in varying]
+        groups = {}
+        for rank in range(self.world):
+            c = self.coords(rank)
+            groups.setdefault(tuple(c[a] for a in fixed), []).append(rank)
+        return list(groups.values())  # dicts keep insertion order: by first rank
 
     def partitions(self):
         """(name, list of rank lists) for every group kind, in a fixed order."""
-        out = []
-        for name, varying in (("dp", ["dp"]), ("pp", ["pp"]), ("cp", ["cp"]), ("tp", ["tp"]),
-                              ("dp_cp", ["dp", "cp"]), ("world", list(AXES))):
-            seen = []
-            for r in range(self.world):
-                g = self._group_of(r, varying)
-                if g not in seen:
-                    seen.append(g)
-            out.append((name, seen))
-        K = self.dp_shard
-        shard, replicate = [], []
+        out = [(name, self.groups_along(varying)) for name, varying in (
+            ("dp", ["dp"]), ("pp", ["pp"]), ("cp", ["cp"]), ("tp", ["tp"]), ("dp_cp", ["dp", "cp"]),
+            ("world", list(AXES)))]
+        K, shard, replicate = self.dp_shard, [], []
         for g in dict(out)["dp_cp"]:
             # g is ordered by (dp_i, cp_i); dp_i = rep_i·K + shard_i, so a shard group is K·CP
             # consecutive members and a replicate group takes every (K·CP)-th member.

@@ -5,8 +5,10 @@
 - A non-finite loss (or, without fp16's loss scaler, a non-finite gradient norm) stops the run before its
   optimizer step and before any save: exit status 3, the last good save stays the newest.
 - A failure that repeats: rank 0 keeps RUN/attempts.json, one record per attempt with the step it resumed
-  from, the last step it completed and how it ended. When the last two attempts both failed at the same step,
-  the next attempt refuses to start (exit 3) instead of looping until the restarts run out. An attempts.json
+  from, the last step it completed and how it ended. It is written when something changes (the start, each save,
+  the end or a failure), and at most once a minute in between: a killed run's record is at most a minute behind.
+  When the last two attempts both failed at the same step, the next attempt refuses to start (exit 3) instead of
+  looping until the restarts run out. An attempts.json
   that is not a list of such records (hand-edited, or another program's) is refused (exit 2) rather than started
   over: starting over would overwrite the history and forget a repeated failure.
 - A save that fails (a full disk): every rank stops with exit 3 (write.SaveFailed), the previous save intact.
@@ -14,6 +16,7 @@
 """
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from saves.write import SaveFailed, last_good_save
 
 __all__ = ["Attempts", "NonFiniteLoss", "SaveFailed", "TrainingFailure", "restart_store", "stop_run"]
 RECORD = {"attempt": int, "resumed_from": int, "reached": int, "status": str}
+WRITE_EVERY_S = 60  # progress between the events that write the record
 
 
 class NonFiniteLoss(TrainingFailure):
@@ -38,7 +42,7 @@ class Attempts:
 
     def __init__(self, run_dir, rank, resuming):
         self.path, self.rank = Path(run_dir) / "attempts.json", rank
-        self.records = []
+        self.records, self.written_at, self.unwritten = [], 0.0, None
         if resuming and self.path.exists():
             self.records = self._read()
 
@@ -72,29 +76,40 @@ class Attempts:
                     f"then delete {self.path}")
 
     def begin(self, start):
+        """Records a new attempt; False if rank 0 could not write it (a full disk)."""
         self.records.append({"attempt": len(self.records) + 1, "resumed_from": start, "reached": start,
                              "status": "running"})
-        self._write()
+        return self.write()
 
-    def progress(self, step):
+    def progress(self, step, now=False):
+        """The last completed step; written now (after a save) or if the record is a minute old."""
         self.records[-1]["reached"] = step
-        self._write()
+        if now or time.monotonic() - self.written_at >= WRITE_EVERY_S:
+            self.write()
 
     def end(self, status):
         """'done', or 'failed: why'. For a failure, the message says whether it repeats the previous attempt's."""
         record = self.records[-1]
         record["status"] = status
-        self._write()
+        self.write()
         if status != "done" and len(self.records) >= 2 and \
                 self.failed_step(self.records[-2]) == self.failed_step(record):
             return f"; attempt {record['attempt'] - 1} failed at this step too: not retrying"
         return ""
 
-    def _write(self):
+    def write(self):
+        """Rank 0 writes the records (atomically). A disk that cannot take them (full) is noted, not raised: the
+        run's own failure path reports it; returns whether the records are on disk."""
         if self.rank != 0:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, self.records, indent=1)
+            return True
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, self.records, indent=1)
+        except OSError as e:
+            self.unwritten = e
+            return False
+        self.written_at, self.unwritten = time.monotonic(), None
+        return True
 
 
 def stop_run(error, saver, attempts, run_dir):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import config
 import model as M
 import train
 from bench.ckpt_memory import heap_reader, measure_memory
@@ -65,7 +66,7 @@ def test_tp_dropout_recomputes_identically_in_training(runs):
 def test_hfu_counts_the_recomputed_layers(policy, runs):
     _, out = runs
     rows = [json.loads(line) for line in (out / f"{policy}.jsonl").read_text().splitlines()]
-    cfg = train.model_config(train.parse_args(_argv(out, [])), 257)
+    cfg = config.model_config(config.parse_args(_argv(out, [])), 257)
     ratio = M.flops_per_token(cfg, recomputed_layers=ckpt.recomputed_layers(cfg, policy)) / M.flops_per_token(cfg)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in rows)
     assert (ratio > 1) == (policy not in ("selective",))

@@ -6,6 +6,7 @@ import torch
 
 import config
 import model as M
+import train
 
 CFG = M.ModelConfig(vocab_size=257)
 
@@ -16,25 +17,48 @@ CFG = M.ModelConfig(vocab_size=257)
     ("NVIDIA L40S", 362.0), ("NVIDIA H100 80GB HBM3 (unknown variant)", 0.0)])
 def test_the_peak_table_tells_gpus_apart_by_full_name(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    args = config.parse_args(["--device", "cpu"])  # parsing only: the peak lookup below names a cuda device
-    peak, source = config.peak_flops(args, torch.device("cuda", 0), CFG)
+    run = argparse.Namespace(peak_tflops=None, backend="nccl", device="cuda:0")  # the lookup alone
+    peak, source = config.peak_flops(run, CFG)
     assert peak == pytest.approx(tflops * 1e12)
     assert ("--peak-tflops" in source) == (tflops == 0.0)
 
 
 def test_the_cpu_peak_is_measured_on_the_runs_largest_matmul():
-    args = config.parse_args(["--dtype", "fp32", "--micro-batch", "2", "--seq-len", "64"])
-    peak, source = config.peak_flops(args, torch.device("cpu"), M.ModelConfig(seq_len=64, vocab_size=257))
+    run = config.resolve(["--dtype", "fp32", "--micro-batch", "2", "--seq-len", "64", "--device", "cpu"], environ={})
+    peak, source = config.peak_flops(run, M.ModelConfig(seq_len=64, vocab_size=257))
     assert peak > 0 and "128x128x384" in source and f"{torch.get_num_threads()} threads" in source
 
 
-def test_cuda_defaults_to_the_fast_path_and_cpu_to_exact_fp32():
-    for device, dtype, compiled in (("cpu", "fp32", False), ("cuda", "bf16", True)):
-        args = argparse.Namespace(dtype=None, compile=None)
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        config.device_defaults(args, torch.device(device))
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        assert (args.dtype, args.compile) == (dtype, compiled)
-    args = argparse.Namespace(dtype="fp32", compile=False)
-    config.device_defaults(args, torch.device("cpu"))
-    assert (args.dtype, args.compile) == ("fp32", False)  # flags win
+@pytest.fixture
+def a_cuda_machine(monkeypatch):
+    """resolve() on a machine whose torch sees a Hopper GPU (nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_cuda_defaults_to_the_fast_path_and_cpu_to_exact_fp32(a_cuda_machine):
+    for flags, device, dtype, compiled in (([], "cuda:0", "bf16", True), (["--device", "cpu"], "cpu", "fp32", False),
+                                           (["--dtype", "fp32", "--no-compile"], "cuda:0", "fp32", False)):
+        run = config.resolve(flags, environ={"LOCAL_RANK": "0"})
+        assert (run.device, run.dtype, run.compile) == (device, dtype, compiled)  # flags win
+
+
+@pytest.mark.parametrize("flags, tf32", [([], True), (["--dtype", "fp16"], True), (["--dtype", "fp32"], False),
+                                         (["--dtype", "fp32", "--tf32"], True), (["--no-tf32"], False),
+                                         (["--device", "cpu"], False)])
+def test_fp32_means_fp32_tf32_only_where_asked(a_cuda_machine, flags, tf32):
+    """On CUDA the bf16 and fp16 runs let the matmuls that stay fp32 use TF32 tensor cores; --dtype fp32 does not
+    (it used to), unless --tf32 asks."""
+    run = config.resolve(flags, environ={})
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+    train.matmul_precision(run)
+    assert run.tf32 == tf32 == torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32
+
+
+def test_the_resolved_run_is_frozen():
+    run = config.resolve(["--device", "cpu"], environ={})
+    with pytest.raises(AttributeError, match="resolved"):
+        run.dtype = "bf16"

@@ -5,20 +5,17 @@ gradients, the data rows it read and the bytes its collectives sent, then (2) tr
 train.main. The single-process reference runs once for the module.
 """
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+import config
 import model as M
 import optim
 import train
-from config import accumulation_steps
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
-from parallel.mesh import Mesh
 from tests.layouts import BASE, assert_same_losses
 from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
@@ -26,20 +23,18 @@ from tests.wrapper_state import full_grads
 
 def _first_step_and_losses(rank, world, flags, out_dir):
     argv = BASE + ["--out", out_dir, "--metrics", f"{out_dir}/metrics.jsonl"] + flags
-    args = train.parse_args(argv)
-    mesh = Mesh(rank, world, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
-    dp = mesh.dp
+    args = config.resolve(argv)
+    mesh = train.start_distributed(args)
+    dp, n_micro = mesh.dp, args.micro_batches
     folder = prepared_folder(args.data, rank, world)
-    cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
+    cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp,
                          prefetch=False)
-    torch.manual_seed(args.seed)
-    n_micro = accumulation_steps(args.global_batch, args.micro_batch, dp)
-    chunks, wrapper = train.build(cfg, mesh, args, n_micro, torch.device("cpu"))
+    trainer = train.prepare(args, cfg, mesh)
+    wrapper = trainer.wrapper
     x, y = loader.get(0)
     mesh.stats.reset()
-    train.forward_backward(train.Run(chunks, wrapper, mesh, None, optim.LossScaler(False), nullcontext(),
-                                     args.micro_batch), x, y)
+    train.forward_backward(trainer, x, y)
     launched_in_backward = getattr(wrapper, "launched_in_backward", None)
     wrapper.finish_grad_sync()
     calls, sent, all_gathers = dict(mesh.stats.calls), dict(mesh.stats.bytes), dict(getattr(wrapper, "all_gathers", {}))
@@ -106,7 +101,7 @@ def test_dp_layout_matches_one_process(name, reference, tmp_path):
     rows = sorted(r["rows"] for r in ranks[::world // r0["dp"]])
     assert [a for a, _ in rows] == list(range(0, 8, 8 // r0["dp"])) and all(b - a == 8 // r0["dp"] for a, b in rows)
     np.testing.assert_array_equal(np.concatenate([r["x"] for r in ranks[::world // r0["dp"]]]), reference["x"])
-    micro = train.parse_args(BASE + flags).micro_batch
+    micro = config.parse_args(BASE + flags).micro_batch
     assert 8 == micro * r0["dp"] * r0["micro_batches"], "global = micro x dp x accumulation"
 
     # communication (L14): bytes per rank equal the ring-terms theory within 1%

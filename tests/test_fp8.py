@@ -11,14 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+import config
 import fp8
 import model as M
-import optim
 import train
 from bench import plan as P
 from bench.plan_ours import fsdp_parts
 from bench.plan_time import MM_EFF, MM_ROWS0
-from config import accumulation_steps
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from model import PRESETS
@@ -177,16 +176,15 @@ def _fsdp_gather_rank(rank, world):
 
 def _step1_grads(rank, world, flags):
     """The step-1 gradients (after the gradient sync) by global name; a tp-sharded one as (its block, tp_shard)."""
-    args = train.parse_args(BASE + FAST + ["--out", "unwritten"] + flags)
-    mesh = Mesh(rank, world, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    args = config.resolve(BASE + FAST + ["--out", "unwritten"] + flags)
+    mesh = train.start_distributed(args)
     folder = prepared_folder(args.data, rank, world)
-    cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
+    cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     x, y = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,
                        prefetch=False).get(0)
-    n_micro = accumulation_steps(args.global_batch, args.micro_batch, mesh.dp)
-    chunks, wrapper = train.build(cfg, mesh, args, n_micro, torch.device("cpu"))
-    train.forward_backward(train.Run(chunks, wrapper, mesh, None, optim.LossScaler(False),
-                                     torch.autocast("cpu", dtype=torch.bfloat16), args.micro_batch), x, y)
+    trainer = train.prepare(args, cfg, mesh)  # bf16 autocast, the block matmuls in fp8
+    wrapper = trainer.wrapper
+    train.forward_backward(trainer, x, y)
     wrapper.finish_grad_sync()
     shards = {global_name(n): getattr(p, "tp_shard", None) for n, p in wrapper.module.named_parameters()}
     return {k: (g.numpy(), shards.get(k)) for k, g in full_grads(wrapper).items()}

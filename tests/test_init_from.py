@@ -13,7 +13,6 @@ import transformers
 
 import config
 import train
-from parallel.mesh import Mesh
 from saves import export
 from saves.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
@@ -59,12 +58,10 @@ def tokens():
 def loaded_logits(rank, world, folder, layout_flags):
     """This rank's logits of tokens() after --init-from in the layout: the full logits, or under tp its vocabulary
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
-    args = config.parse_args(FLAGS + ["--init-from", str(folder)] + layout_flags)
-    config.device_defaults(args, torch.device("cpu"))
-    dp, n_micro = config.check_layout(args, world)
-    cfg, weights = init_from(args.init_from, config.model_config(args, 257))
-    mesh = Mesh(rank, world, dp=dp, pp=args.pp, tp=args.tp)
-    chunks, wrapper = train.build(cfg, mesh, args, n_micro, torch.device("cpu"))
+    run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
+    cfg, weights = init_from(run.init_from, config.model_config(run, 257))
+    mesh = train.start_distributed(run)
+    chunks, wrapper = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
     with torch.no_grad():
         if mesh.pp == 1:

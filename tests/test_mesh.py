@@ -1,11 +1,15 @@
 """parallel/mesh.py: the rank order (tp innermost, dp outermost), the groups, HSDP's split, describe() (L28)."""
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallel.mesh import LayoutError, Mesh, infer_dp
+from tests.ranks import run_ranks
 
 PLACEMENT = Path(__file__).resolve().parent.parent / "bench" / "placement.py"
 
@@ -73,3 +77,54 @@ def test_command_line_describe_and_its_error():
     bad = subprocess.run([sys.executable, str(PLACEMENT), "--world", "6", "--tp", "4"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --tp")
+
+
+FAKE_16K = """
+import json, sys, time
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from parallel.mesh import Mesh
+rank = int(sys.argv[1])
+dist.init_process_group("fake", rank=rank, world_size=16384, store=FakeStore())
+t0 = time.perf_counter()
+mesh = Mesh(rank, 16384, dp=8, pp=16, cp=16, tp=8)
+print(json.dumps([time.perf_counter() - t0, mesh.coord, [mesh.tp_group.ranks, mesh.cp_group.ranks,
+                                                      mesh.pp_group.ranks, mesh.dp_group.ranks]]))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 5000, 16383])
+def test_llama3_405b_mesh_of_16384_ranks_sets_up_in_seconds(rank):
+    """Llama 3 405B's mesh, TP8 x CP16 x PP16 x DP8, on torch's fake process-group backend: every rank creates every
+    group (6,400 of them), in time linear in the world size (it was quadratic: 65 s at 2,048 ranks)."""
+    out = subprocess.run([sys.executable, "-c", FAKE_16K, str(rank)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    seconds, coord, groups = json.loads(out.stdout)
+    assert seconds < 20, seconds
+    dp, pp, cp, tp = rank // 2048, rank // 128 % 16, rank // 8 % 16, rank % 8
+    assert coord == dict(dp=dp, pp=pp, cp=cp, tp=tp)
+    assert groups == [[rank - tp + i for i in range(8)],  # tp: 8 consecutive ranks
+                      [rank - 8 * cp + 8 * i for i in range(16)],  # cp: stride tp
+                      [rank - 128 * pp + 128 * i for i in range(16)],  # pp: stride cp·tp
+                      [rank % 2048 + 2048 * i for i in range(8)]]  # dp: stride pp·cp·tp
+
+
+def _timeout_rank(rank, world, tighten):
+    """Rank 1 reaches the all-reduce 4 s late; under a 60 s timeout rank 0 waits for it, under 1 s it gives up."""
+    mesh = Mesh(rank, world, timeout_s=60)
+    if tighten:
+        mesh.set_timeout(1.0)
+    if rank == 1:
+        time.sleep(4)
+    try:
+        mesh.world_group.all_reduce(torch.zeros(1))
+        return "done"
+    except RuntimeError:
+        return "timed out"
+
+
+@pytest.mark.parametrize("tighten", [False, True])
+def test_set_timeout_changes_how_long_a_collective_waits(tighten):
+    """train.py runs set-up and the first steps under --startup-timeout, then tightens to --timeout."""
+    assert run_ranks(_timeout_rank, 2, args=(tighten,), timeout=120)[0] == ("timed out" if tighten else "done")

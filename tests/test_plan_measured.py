@@ -16,16 +16,14 @@ One set of gloo ranks per world size runs its layouts back to back. Measured pea
 threads free a few buffers a little later or sooner); the predictions land within 10% of them.
 """
 import traceback
-from contextlib import nullcontext
 
 import pytest
 import torch
 
 import config
-import optim
 import train
 from bench import plan as P
-from parallel.mesh import Mesh, infer_dp
+from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
 from tests.memory import LiveBytes
 from tests.ranks import run_ranks
@@ -79,13 +77,14 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
 }
 
 
-def parse(world, flags, micro, accum):
-    """(train.py's args, the model config, the planner's Layout and global batch) of one layout."""
-    args = config.parse_args(MODEL + ["--micro-batch", str(micro), "--dtype", "fp32", "--device", "cpu",
-                                     "--peak-tflops", "1"] + flags)  # a repeated flag: the last one counts
+def parse(world, flags, micro, accum, rank=0):
+    """(train.py's resolved run, the model config, the planner's Layout and global batch) of one layout."""
+    argv = MODEL + ["--micro-batch", str(micro), "--dtype", "fp32", "--device", "cpu", "--peak-tflops", "1"] + flags
+    flat = config.parse_args(argv)  # a repeated flag: the last one counts
+    dp = infer_dp(world, flat.tp, flat.pp, flat.cp, flat.dp)
+    args = config.resolve(argv + ["--global-batch", str(micro * dp * accum)],
+                          environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
     cfg = config.model_config(args, args.vocab_size)
-    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
-    args.global_batch = micro * dp * accum
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
                    V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,
@@ -99,12 +98,10 @@ def storage_bytes(tensors):
 
 def measure(rank, world, flags, micro, accum):
     """{axis: bytes this rank sent in one step}, and its peak memory in bytes."""
-    args, cfg, lay, batch = parse(world, flags, micro, accum)
-    mesh = Mesh(rank, world, dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp, dp_shard=args.dp_shard)
-    torch.manual_seed(args.seed)
-    chunks, wrapper = train.build(cfg, mesh, args, accum, torch.device("cpu"))
-    opt = optim.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
-    run = train.Run(chunks, wrapper, mesh, opt, optim.LossScaler(False), nullcontext(), micro)
+    args, cfg, lay, batch = parse(world, flags, micro, accum, rank)
+    mesh = train.start_distributed(args)
+    run = train.prepare(args, cfg, mesh)
+    wrapper, opt = run.wrapper, run.opt
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     rows = ids[mesh.coord["dp"] * micro * accum:(mesh.coord["dp"] + 1) * micro * accum]  # this dp rank's share
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

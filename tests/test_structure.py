@@ -1,5 +1,6 @@
-"""The shape of the house: static imports, short files, arrows that point one way, a repository that explains
-itself, and a README that fits its purpose."""
+"""The shape of the house: static imports, each parallelism's plain algorithm within a reader's budget with its
+optional layers beside it, arrows that point one way, a repository that explains itself, and a README that fits its
+purpose."""
 import ast
 import re
 import subprocess
@@ -55,11 +56,33 @@ def _is_version_fallback(tree, node):
     return False
 
 
-@pytest.mark.parametrize("path", PYTHON, ids=lambda p: p.relative_to(REPO).as_posix())
-def test_files_stay_short(path):
-    limit = 350 if path.parent.name == "parallel" else 400
-    n = len(path.read_text().splitlines())
-    assert n <= limit, f"{n} lines > {limit}"
+PLAIN = {  # each parallelism: the file holding its plain algorithm, what a reader reads to understand it
+    "DDP": "parallel/ddp.py", "FSDP": "parallel/fsdp.py", "HSDP (on FSDP)": "parallel/hsdp.py",
+    "tensor parallel": "parallel/tp.py", "pipeline parallel": "parallel/pp.py",
+    "context parallel": "parallel/cp.py", "activation checkpointing": "parallel/ckpt.py",
+}
+LAYERS = ("parallel/tp_ring.py", "parallel/pp_bw_split.py", "fp8.py")  # optimizations a flag switches in
+BUDGET = 300  # lines a reader reads for one parallelism's plain path
+PLANNER = "# ---------------------------------------------------------------- traffic formulas"
+
+
+def plain_lines(path):
+    """The lines of a file up to its traffic formulas (the planner's, not the algorithm's)."""
+    return (REPO / path).read_text().split(PLANNER)[0].rstrip().count("\n") + 1
+
+
+@pytest.mark.parametrize("concept", list(PLAIN))
+def test_each_parallelism_reads_in_one_file_within_the_budget(concept):
+    n = plain_lines(PLAIN[concept])
+    assert n <= BUDGET, f"{PLAIN[concept]}: {n} lines of plain path > {BUDGET}"
+
+
+@pytest.mark.parametrize("path", list(PLAIN.values()))
+def test_a_plain_file_needs_no_optional_layer(path):
+    layers = {p.removesuffix(".py").replace("/", ".") for p in LAYERS} | {"parallel." + p.split("/")[-1][:-3]
+                                                                         for p in LAYERS}
+    used = set(imported_modules(REPO / path))
+    assert not used & layers, f"{path} imports {used & layers}"
 
 
 def test_the_model_imports_no_parallel_or_save_module():
