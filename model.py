@@ -12,6 +12,7 @@ input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel file
 import hashlib
 import math
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -221,21 +222,26 @@ class CrossEntropy(torch.autograd.Function):
     Forward takes the log-sum-exp in fp32 one chunk of rows at a time and saves only the logits and the (N,) fp32
     lse; backward writes softmax - onehot chunk by chunk into a gradient of the logits' dtype. So no (N, V) tensor
     exists in fp32, only one chunk (loss_chunks). The logits may be this rank's vocabulary shard [vocab_start,
-    vocab_start + V): `combine(lse, target_logit)` then returns the global per-token values (tp.py)."""
+    vocab_start + V): `combine(lse, target_logit)` then returns the global per-token values (tp.py).
+    vocab_size: the true vocabulary. The columns at or past it (the rows GPT pads its embedding and head with, up to
+    a multiple of 64) take no part in the log-sum-exp and get a zero gradient, so padding changes no number; None:
+    every column is a token."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start=0, combine=None):
+    def forward(ctx, logits, targets, vocab_start=0, combine=None, vocab_size=None):
         n, vocab = logits.shape
+        real = vocab if vocab_size is None else min(max(vocab_size - vocab_start, 0), vocab)  # this shard's tokens
         local = targets - vocab_start
         mine = (local >= 0) & (local < vocab)  # the target's logit lives in this shard
         local = local.clamp(0, vocab - 1)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         for rows in loss_chunks(n, vocab):
-            lse[rows] = torch.logsumexp(logits[rows].float(), dim=1)  # (rows, V) fp32: one chunk
+            lse[rows] = torch.logsumexp(logits[rows, :real].float(), dim=1)  # (rows, real) fp32: one chunk
         target_logit = logits.gather(1, local[:, None]).squeeze(1).float() * mine  # (N,)
         if combine is not None:
             lse, target_logit = combine(lse, target_logit)
         ctx.save_for_backward(logits, lse, local, mine)
+        ctx.real = real
         return (lse - target_logit).mean()
 
     @staticmethod
@@ -245,14 +251,16 @@ class CrossEntropy(torch.autograd.Function):
         scale = grad / logits.shape[0]
         for rows in loss_chunks(*logits.shape):
             probs = torch.exp(logits[rows].float() - lse[rows, None])  # (rows, V): this chunk's softmax
+            probs[:, ctx.real:] = 0.0  # the padding columns: no gradient
             probs.scatter_add_(1, local[rows, None], -mine[rows, None].to(probs.dtype))
             grad_logits[rows] = probs * scale
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def cross_entropy_loss(logits, targets):
-    """logits (B, T, V), targets (B, T) -> the mean over all local tokens."""
-    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
+def cross_entropy_loss(logits, targets, vocab_size=None):
+    """logits (B, T, V), targets (B, T) -> the mean over all local tokens; columns at or past vocab_size are padding
+    (GPT binds its vocab_size: GPT.loss_fn)."""
+    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), 0, None, vocab_size)
 
 
 class GPT(nn.Module):
@@ -264,7 +272,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.run_layers = run_layers
-        self.loss_fn = cross_entropy_loss
+        self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size)  # (logits, targets); tp swaps it
         self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions
         self.rope_cache = None
 
