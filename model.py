@@ -1,4 +1,5 @@
-"""A Llama-architecture decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head.
+"""A Llama-architecture decoder: RMSNorm, RoPE (optionally with Llama 3's frequency scaling), grouped-query
+attention, SwiGLU, and a head that is its own matrix or, tied, the embedding's.
 
 Parameter names follow the Hugging Face Llama checkpoint (embed_tokens, layers.i.self_attn.q_proj, mlp.gate_proj,
 input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel files plug in without subclassing:
@@ -13,6 +14,7 @@ import hashlib
 import math
 from dataclasses import dataclass, fields
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    # Fields added later default to None, which is also what a save written before them means: its config compares
+    # equal on --resume and loads in sample.py and export (config_from_dict).
+    rope_scaling: Optional[dict] = None  # Llama 3's: {"rope_type": "llama3", "factor", "low_freq_factor",
+    #                                      "high_freq_factor", "original_max_position_embeddings"}; None: plain RoPE
+    tie_embeddings: Optional[bool] = None  # True: lm_head's weight is embed_tokens' (one Parameter); None: untied
 
     @property
     def head_dim(self):
@@ -43,7 +50,7 @@ class ModelConfig:
         return -(-self.vocab_size // 64) * 64
 
     def validate(self):
-        """Returns the first problem as (flag, message), or None."""
+        """Returns the first problem as (flag, message), or None; a field without a flag is named as it is."""
         for name in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len"):
             if getattr(self, name) <= 0:
                 return f"--{name.replace('_', '-')}", f"must be positive, got {getattr(self, name)}"
@@ -55,7 +62,43 @@ class ModelConfig:
             return "--d-model", f"head_dim {self.head_dim} must be even for rotary embeddings"
         if not 0.0 <= self.dropout < 1.0:
             return "--dropout", f"must be in [0, 1), got {self.dropout}"
+        for name in ("rope_theta", "norm_eps"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                return name, f"must be a finite positive number, got {getattr(self, name)}"
+        if self.rope_scaling is not None:
+            problem = rope_scaling_problem(self.rope_scaling)
+            if problem:
+                return f"rope_scaling.{problem[0]}", problem[1]
         return None
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_scaling_problem(scaling):
+    """(key, what is wrong) of a rope_scaling dict, or None: rope_type "llama3", the three factors finite positive
+    numbers with high_freq_factor above low_freq_factor, original_max_position_embeddings a positive integer."""
+    if not isinstance(scaling, dict):
+        return "", f"must be an object, got {scaling!r}"
+    if scaling.get("rope_type") != "llama3":
+        return "rope_type", f"is {scaling.get('rope_type')!r}; this model's only frequency scaling is 'llama3'"
+    unknown = sorted(set(scaling) - {"rope_type", *ROPE_SCALING_KEYS})
+    if unknown:
+        return unknown[0], "is not a field of Llama 3's frequency scaling"
+    for key in ROPE_SCALING_KEYS:
+        value = scaling.get(key)
+        integer = key == "original_max_position_embeddings"
+        if not is_number(value, integer) or not math.isfinite(value) or value <= 0:
+            return key, f"must be a finite positive {'integer' if integer else 'number'}, got {value!r}"
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        return "high_freq_factor", (f"{scaling['high_freq_factor']} must be above low_freq_factor "
+                                    f"{scaling['low_freq_factor']}")
+    return None
+
+
+def is_number(value, integer=False):
+    """A JSON number (an integer if asked), not a bool."""
+    return isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
 
 
 LLAMA3 = dict(vocab_size=128256, seq_len=8192, rope_theta=500000.0)
@@ -134,9 +177,25 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def rope_angles(positions, head_dim, theta):
-    """cos, sin of shape (T, head_dim) for integer positions (T,), in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+def rope_frequencies(head_dim, theta, scaling=None, device=None):
+    """The head_dim/2 angular frequencies θ^(-2i/head_dim), in fp32, with Llama 3's scaling when given: over the
+    original context C = original_max_position_embeddings, a frequency turning r = C·f/2π times keeps its value if
+    r >= high_freq_factor, is divided by `factor` if r <= low_freq_factor, and in between is blended, linearly in r:
+    f · (s + (1 - s) / factor) with s = (r - low_freq_factor) / (high_freq_factor - low_freq_factor). So the short
+    wavelengths that resolve nearby tokens stay as trained, and the long ones stretch over a `factor` times longer
+    context."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)  # (head_dim/2,)
+    if scaling is None:
+        return inv_freq
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    turns = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)  # r: turns over the context
+    kept = ((turns - low) / (high - low)).clamp(0.0, 1.0)  # s: 0 scaled whole, 1 kept as it is
+    return inv_freq * (kept + (1.0 - kept) / scaling["factor"])
+
+
+def rope_angles(positions, head_dim, theta, scaling=None):
+    """cos, sin of shape (T, head_dim) for integer positions (T,), in fp32 (scaling: ModelConfig.rope_scaling)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim), the rotate-half layout
     return angles.cos(), angles.sin()
@@ -271,6 +330,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
+        if cfg.tie_embeddings:  # one Parameter, listed (and saved) once, as embed_tokens.weight
+            self.lm_head.weight = self.embed_tokens.weight
         self.run_layers = run_layers
         self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size)  # (logits, targets); tp swaps it
         self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions
@@ -295,7 +356,7 @@ class GPT(nn.Module):
         if self.rope_cache is None or self.rope_cache[0] != key:
             if positions is None:
                 positions = torch.arange(seq_len, device=device)
-            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
             self.rope_cache = (key, cos.to(dtype), sin.to(dtype), positions)  # holding positions keeps its id its own
         return self.rope_cache[1], self.rope_cache[2]
 
@@ -358,9 +419,17 @@ def local_init(name, param, cfg, seed, flat=None, out=None):
 @torch.no_grad()
 def materialize(module, device, init_param):
     """Meta parameters -> real ones on `device`, each filled in place by init_param(name, param, out=its flat view).
-    Tags set on the meta parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects."""
+    Tags set on the meta parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects, and a
+    Parameter held in two places (a tied head) is still one Parameter after."""
     tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}
-    module.to_empty(device=device)
+    places = {}  # id of a Parameter -> the names it is held under, the first as named_parameters() lists it
+    for name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append(name)
+    module.to_empty(device=device)  # gives every place its own tensor
+    for first, *others in places.values():
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(first))
     for name, p in module.named_parameters():
         p.__dict__.update(tags[name])
         init_param(name, p, out=p.view(-1))
@@ -386,10 +455,11 @@ def layer_flops_per_token(cfg, seq_len=None):
 
 
 def param_counts(cfg):
-    """(total, non-embedding) parameter counts. The lm_head is a matmul, so it counts as non-embedding."""
+    """(total, non-embedding) parameter counts. The lm_head is a matmul, so it counts as non-embedding; tied, it is
+    the embedding's matrix, counted once."""
     embed = cfg.padded_vocab * cfg.d_model
     non_embedding = cfg.n_layer * layer_param_count(cfg) + cfg.d_model + cfg.padded_vocab * cfg.d_model
-    return non_embedding + embed, non_embedding
+    return non_embedding + (0 if cfg.tie_embeddings else embed), non_embedding
 
 
 def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
@@ -404,5 +474,39 @@ def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
     return 6 * n + 12 * cfg.n_layer * cfg.d_model * T + recomputed_layers * layer_flops_per_token(cfg, T)
 
 
+OPTIONAL_FIELDS = ("rope_scaling", "tie_embeddings")  # added later: absent in older saves, which means None
+INTEGER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
+
+
+def field_type_problem(name, value):
+    """What a saved model field must be, if `value` is not that; else None."""
+    if name in INTEGER_FIELDS:
+        return None if is_number(value, integer=True) else "an integer"
+    if name == "rope_scaling":
+        return None if value is None or isinstance(value, dict) else "an object or null"
+    if name == "tie_embeddings":
+        return None if value is None or isinstance(value, bool) else "true, false or null"
+    return None if is_number(value) else "a number"
+
+
 def config_from_dict(d):
-    return ModelConfig(**{f.name: d[f.name] for f in fields(ModelConfig) if f.name in d})
+    """The ModelConfig a save recorded (its config's "model"). Every field must be there, with its type, and the
+    whole must pass validate(): a missing shape field is never filled with a default, which would build another
+    model than the one saved. Only OPTIONAL_FIELDS may be absent. ValueError naming the field otherwise."""
+    if not isinstance(d, dict):
+        raise ValueError(f"the model config is not an object: {d!r}")
+    names = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]} is not a field of this code's model")
+    for name in names:
+        if name not in d and name not in OPTIONAL_FIELDS:
+            raise ValueError(f"model.{name} is missing")
+        problem = field_type_problem(name, d.get(name))
+        if problem:
+            raise ValueError(f"model.{name} must be {problem}, got {d.get(name)!r}")
+    cfg = ModelConfig(**d)
+    problem = cfg.validate()
+    if problem:
+        raise ValueError(f"model.{problem[0].lstrip('-').replace('-', '_')}: {problem[1]}")
+    return cfg
