@@ -178,7 +178,7 @@ def train(args):
     mesh = Mesh(rank, world, dp=dp, pp=args.pp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard)
     folder = prepared_folder(args.data, rank, world)
     meta = read_meta(folder)
-    cfg, weights = init_from(args.init_from, model_config(args, meta["vocab_size"]))  # config.json checked
+    cfg, weights = init_from(args.init_from, model_config(args, meta["vocab_size"]), args)  # config.json checked
     check_fits(cfg, args, dp, device)  # before anything is built
     config, layout = run_config(args, cfg, meta, data_identity(folder / "meta.json")), run_layout(args, mesh)
     saved = find_resume(args.out, args.resume, config)  # validated before anything is written
