@@ -104,15 +104,19 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 16}  # a short original context: most frequencies scaled
 
 
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("fields", [{}, {"rope_scaling": LLAMA3_SCALING, "tie_embeddings": True}],
+                         ids=["plain", "llama3-scaled-tied"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, fields):
+    """The true vocabulary's logits (100 of the 128 rows); tied and scaled, config.json says so."""
     transformers = pytest.importorskip("transformers")
-    gpt = make()
-    export_hf(CFG, gpt.state_dict(), tmp_path)
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    cfg = M.ModelConfig(**{**CFG.__dict__, **fields})
+    gpt = make(cfg)
+    export_hf(cfg, dict(gpt.named_parameters()), tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     hf.eval()
-    x = torch.randint(0, 100, (2, 20))
+    x = torch.randint(0, 100, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, gpt(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf(x).logits, gpt(x)[..., :100], rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_rope_frequencies_equal_transformers():
