@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import model as M
+from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
 from saves import SaveError
 from saves.load import FileError, cut, load
@@ -85,7 +86,7 @@ def read_header(path):
     for name, entry in header.items():
         try:
             dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
-            if not all(M.is_number(n, integer=True) and n >= 0 for n in (*shape, start, end)):
+            if not all(is_number(n, integer=True) and n >= 0 for n in (*shape, start, end)):
                 raise ValueError
             numel = math.prod(shape)
         except (KeyError, TypeError, ValueError):
@@ -119,7 +120,7 @@ def check_config(folder, cfg, args):
         raise SaveError(f"--init-from: {path}: {field} {why}")
 
     def positive(field, value, integer=False):
-        if not M.is_number(value, integer) or not math.isfinite(value) or value <= 0:
+        if not is_number(value, integer) or not math.isfinite(value) or value <= 0:
             refuse(field, f"is {value!r}; it must be a finite positive {'integer' if integer else 'number'}")
         return value
 
@@ -127,7 +128,7 @@ def check_config(folder, cfg, args):
         refuse("model_type", f"is {config.get('model_type')!r}; only Llama checkpoints load into this model")
     for field, ours in SHAPE_FIELDS:
         value = config.get(field, config.get("num_attention_heads") if field == "num_key_value_heads" else None)
-        if not M.is_number(value, integer=True):
+        if not is_number(value, integer=True):
             refuse(field, f"is {value!r}; it must be an integer")
         if value != getattr(cfg, ours):
             flag = f"--{ours.replace('_', '-')}"
@@ -136,7 +137,7 @@ def check_config(folder, cfg, args):
         refuse("head_dim", f"is {config['head_dim']!r}; this model's is hidden_size / num_attention_heads = "
                            f"{cfg.head_dim}")
     vocab = config.get("vocab_size")
-    if not M.is_number(vocab, integer=True) or not cfg.vocab_size <= vocab <= cfg.padded_vocab:
+    if not is_number(vocab, integer=True) or not cfg.vocab_size <= vocab <= cfg.padded_vocab:
         refuse("vocab_size", f"is {vocab!r}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
                              f"(pass --vocab-size {vocab})")
     if config.get("hidden_act", "silu") != "silu":
@@ -176,17 +177,17 @@ def rope_settings(config, refuse, positive):
     kind = rope.get("rope_type", ("", "default"))[1]
     if kind not in ("default", "llama3"):
         refuse(name["rope_type"], f"is {kind!r}; this model's RoPE has Llama 3's frequency scaling ('llama3') or none")
-    known = {"rope_type", "rope_theta"} | (set(M.ROPE_SCALING_KEYS) if kind == "llama3" else set())
+    known = {"rope_type", "rope_theta"} | (set(ROPE_SCALING_KEYS) if kind == "llama3" else set())
     for key in sorted(set(rope) - known):
         refuse(name[key], f"is {rope[key][1]!r}; this model's {kind} RoPE has no such setting")
     theta = positive(name.get("rope_theta", "rope_theta"), rope.get("rope_theta", ("", 10000.0))[1])
     if kind == "default":
         return theta, None
-    scaling = {"rope_type": "llama3", **{key: value for key, (_, value) in rope.items() if key in M.ROPE_SCALING_KEYS}}
+    scaling = {"rope_type": "llama3", **{key: value for key, (_, value) in rope.items() if key in ROPE_SCALING_KEYS}}
     if "original_max_position_embeddings" not in scaling:
         scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
         name["original_max_position_embeddings"] = "max_position_embeddings"
-    problem = M.rope_scaling_problem(scaling)
+    problem = rope_scaling_problem(scaling)
     if problem:  # a key that is not there is named in the field that chose llama3
         refuse(name.get(problem[0], f"{rope['rope_type'][0]}.{problem[0]}"), problem[1])
     return theta, {key: float(value) if key in ("factor", "low_freq_factor", "high_freq_factor") else value
@@ -195,7 +196,7 @@ def rope_settings(config, refuse, positive):
 
 def same(a, b):
     """Two JSON values that say the same (500000 and 500000.0; NaN and NaN, refused later as out of range)."""
-    return a == b or (M.is_number(a) and M.is_number(b) and math.isnan(a) and math.isnan(b))
+    return a == b or (is_number(a) and is_number(b) and math.isnan(a) and math.isnan(b))
 
 
 def check_tied_layout(path, args):
