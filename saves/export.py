@@ -150,10 +150,14 @@ def tokenizer_files(enc, seq_len):
 
 # ---------------------------------------------------------------- the folder
 
-def check_target(out, replace):
-    """OUT_DIR is new, an empty folder, or (replace) a folder to be replaced whole; SaveError otherwise."""
+def check_target(out, replace, keep=()):
+    """OUT_DIR is new, an empty folder, or (replace) a folder to be replaced whole, which must not hold any of the
+    paths `keep` (the run being exported, the current folder); SaveError otherwise."""
     if out.exists() and not out.is_dir():
         raise SaveError(f"{out} is a file, not a folder to export into")
+    for path in keep:
+        if replace and Path(path).resolve().is_relative_to(out.resolve()):
+            raise SaveError(f"--replace: {out} holds {path}, which replacing it whole would delete")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not replace:
         raise SaveError(f"{out} is not empty (it holds {len(held)} entries, such as {held[0]}): an export beside them "
@@ -229,7 +233,7 @@ def main(argv=None):
         return 2
     run_dir, out = paths
     try:
-        check_target(Path(out), replace)  # before anything is read
+        check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
         run_config, state = model_tensors(run_dir, verify=False)  # any layout, read (and checked) tensor by tensor
         where = newest_save(run_dir) / "meta.json"
         try:

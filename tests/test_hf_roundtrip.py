@@ -184,6 +184,15 @@ def test_a_tied_checkpoint_is_refused_where_it_cannot_stay_tied(runs, tmp_path):
         assert not (tmp_path / flag).exists()
 
 
+def refused_export(argv, capsys):
+    """stderr of export refusing argv: exit status 2, one line."""
+    capsys.readouterr()
+    assert export.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
 def test_the_export_target_must_be_empty_or_replaced_whole(runs, tmp_path, capsys):
     """A folder holding an older sharded checkpoint: exporting beside it would leave its index, which --init-from
     reads, so it is refused (nothing touched); --replace replaces the folder whole, and what is there is the new
@@ -193,18 +202,20 @@ def test_the_export_target_must_be_empty_or_replaced_whole(runs, tmp_path, capsy
     before = sorted(p.name for p in target.iterdir())
     assert "model.safetensors.index.json" in before
     run = str(runs["scaled, one process"][0])
-    capsys.readouterr()
-    assert export.main([run, str(target)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: {target} is not empty") and "--replace" in err and err.count("\n") == 1, err
+    err = refused_export([run, str(target)], capsys)
+    assert err.startswith(f"error: {target} is not empty") and "--replace" in err, err
     assert sorted(p.name for p in target.iterdir()) == before
+    err = refused_export([run, str(Path(run).parent), "--replace"], capsys)  # would delete the run itself
+    assert err == f"error: --replace: {Path(run).parent} holds {run}, which replacing it whole would delete\n"
     assert export.main([run, str(target), "--replace"]) == 0
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                         "tokenizer.json", "tokenizer_config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left beside it
     again = train.main(BASE + ["--steps", "1", "--init-from", str(target), "--out", str(tmp_path / "again")])
-    assert again[0] < runs["scaled, one process"][1][0]  # it starts from the trained model, not the old one
-    shutil.rmtree(tmp_path / "again")
+    x, y = first_batch()
+    with torch.no_grad():
+        logits = transformers.LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()(x).logits
+    assert again[0] == pytest.approx(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item(), rel=2e-6)
 
 
 def test_export_refuses_a_save_whose_model_config_is_incomplete(runs, tmp_path, capsys):
