@@ -164,6 +164,25 @@ def test_padded_vocabulary_columns_take_no_part_in_the_loss():
     torch.testing.assert_close(gpt(x, x), F.cross_entropy(gpt(x)[..., :100].flatten(0, 1), x.flatten()))
 
 
+def test_vocabulary_shards_mask_their_own_padding():
+    """Under tp each rank holds a shard [vocab_start, vocab_start + 16) of the 128 columns: with vocab_size 100,
+    shard 6 has 4 real columns and shard 7 none (its log-sum-exp is -inf, which the combine over shards ignores).
+    Each shard's share of the statistics, combined, is the cross-entropy over the 100 columns."""
+    torch.manual_seed(1)
+    logits, targets = 3 * torch.randn(40, 128), torch.randint(0, 100, (40,))
+    stats = []  # per shard: (lse, target logit) over its own columns
+    for start in range(0, 128, 16):
+        M.CrossEntropy.apply(logits[:, start:start + 16], targets, start,
+                             lambda lse, t: stats.append((lse, t)) or (lse, t), 100)
+    lse = torch.logsumexp(torch.stack([s[0] for s in stats]), dim=0)
+    assert torch.isneginf(stats[7][0]).all() and not torch.isnan(lse).any()
+    loss = (lse - sum(s[1] for s in stats)).mean()
+    torch.testing.assert_close(loss, F.cross_entropy(logits[:, :100], targets), rtol=1e-6, atol=0)
+    shard = logits[:, 96:112].clone().requires_grad_()  # backward with the global statistics: padding gets none
+    M.CrossEntropy.apply(shard, targets, 96, lambda lse, t: (torch.logsumexp(logits[:, :100], 1), t), 100).backward()
+    assert shard.grad[:, :4].abs().sum() > 0 and not shard.grad[:, 4:].any()
+
+
 def test_a_tied_head_is_the_embedding_one_parameter_through_init():
     """One Parameter after materializing on the meta device, listed once; its gradient is the sum of the head's and
     the embedding's (an untied model with the same weights)."""
