@@ -291,7 +291,7 @@ def model_for(run, data_folder):
     """The Model of a run on a prepared data folder, checked: the shape, every parallelism's constraints on it
     (tp.validate, cp.validate, pp.layer_counts), fp8's dimensions, and that it fits the device."""
     meta = read_meta(data_folder)
-    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]))  # config.json checked
+    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)  # config.json checked
     check_layout(cfg, run)
     check_fits(cfg, run)
     config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),

@@ -1,4 +1,5 @@
-"""A Llama-architecture decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head.
+"""A Llama-architecture decoder: RMSNorm, RoPE (optionally with Llama 3's frequency scaling), grouped-query
+attention, SwiGLU, and a head that is its own matrix or, tied, the embedding's.
 
 Parameter names follow the Hugging Face Llama checkpoint (embed_tokens, layers.i.self_attn.q_proj, mlp.gate_proj,
 input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel files plug in without subclassing:
@@ -10,65 +11,21 @@ input_layernorm, ...), so exporting (saves/export.py) is a rename. Parallel file
 - optional layers plug into two hooks of every layer that owns a matmul weight (`Linear`, `RMSNorm`; the contract is in
   parallel/__init__.py): `matmul` replaces how x·Wᵀ is computed (fp8), `weight_grads` defers the weight's gradient (the
   zero-bubble pipeline's B/W split).
+A tied model (ModelConfig.tie_embeddings) holds one Parameter as embed_tokens.weight and lm_head.weight, which one
+process and DDP keep as it is; pp, tp and FSDP would hold the two apart (saves/hf.py refuses those layouts).
+The config (ModelConfig, the presets, the checks on a saved config) is model_config.py, re-exported here.
 """
 import hashlib
 import math
-from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_config import LLAMA3, PRESETS, ModelConfig, config_from_dict  # noqa: F401  (model.X everywhere)
+
 SDPA_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
-
-
-@dataclass
-class ModelConfig:
-    n_layer: int = 4
-    d_model: int = 128
-    n_head: int = 8
-    n_kv_head: int = 4
-    ffn_dim: int = 384
-    vocab_size: int = 0  # 0: taken from the data set's tokenizer
-    seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    dropout: float = 0.0
-
-    @property
-    def head_dim(self):
-        return self.d_model // self.n_head
-
-    @property
-    def padded_vocab(self):
-        return -(-self.vocab_size // 64) * 64
-
-    def validate(self):
-        """Returns the first problem as (flag, message), or None."""
-        for name in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len"):
-            if getattr(self, name) <= 0:
-                return f"--{name.replace('_', '-')}", f"must be positive, got {getattr(self, name)}"
-        if self.d_model % self.n_head:
-            return "--d-model", f"d_model {self.d_model} is not divisible by n_head {self.n_head}"
-        if self.n_head % self.n_kv_head:
-            return "--n-kv-head", f"n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}"
-        if self.head_dim % 2:
-            return "--d-model", f"head_dim {self.head_dim} must be even for rotary embeddings"
-        if not 0.0 <= self.dropout < 1.0:
-            return "--dropout", f"must be in [0, 1), got {self.dropout}"
-        return None
-
-
-LLAMA3 = dict(vocab_size=128256, seq_len=8192, rope_theta=500000.0)
-PRESETS = {
-    "tiny": ModelConfig(n_layer=4, d_model=128, n_head=8, n_kv_head=4, ffn_dim=384, seq_len=256),
-    "small": ModelConfig(n_layer=12, d_model=768, n_head=12, n_kv_head=12, ffn_dim=2048, seq_len=1024),
-    "medium": ModelConfig(n_layer=24, d_model=1024, n_head=16, n_kv_head=16, ffn_dim=2816, seq_len=1024),
-    "1b": ModelConfig(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_dim=8192, **{**LLAMA3, "seq_len": 2048}),
-    "llama3-8b": ModelConfig(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, **LLAMA3),
-    "llama3-70b": ModelConfig(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_dim=28672, **LLAMA3),
-    "llama3-405b": ModelConfig(n_layer=126, d_model=16384, n_head=128, n_kv_head=8, ffn_dim=53248, **LLAMA3),
-}
 
 
 # ---------------------------------------------------------------- layers
@@ -151,9 +108,25 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def rope_angles(positions, head_dim, theta):
-    """cos, sin of shape (T, head_dim) for integer positions (T,), in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+def rope_frequencies(head_dim, theta, scaling=None, device=None):
+    """The head_dim/2 angular frequencies θ^(-2i/head_dim), in fp32, with Llama 3's scaling when given: over the
+    original context C = original_max_position_embeddings, a frequency turning r = C·f/2π times keeps its value if
+    r >= high_freq_factor, is divided by `factor` if r <= low_freq_factor, and in between is blended, linearly in r:
+    f · (s + (1 - s) / factor) with s = (r - low_freq_factor) / (high_freq_factor - low_freq_factor). So the short
+    wavelengths that resolve nearby tokens stay as trained, and the long ones stretch over a `factor` times longer
+    context."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)  # (head_dim/2,)
+    if scaling is None:
+        return inv_freq
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    turns = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)  # r: turns over the context
+    kept = ((turns - low) / (high - low)).clamp(0.0, 1.0)  # s: 0 scaled whole, 1 kept as it is
+    return inv_freq * (kept + (1.0 - kept) / scaling["factor"])
+
+
+def rope_angles(positions, head_dim, theta, scaling=None):
+    """cos, sin of shape (T, head_dim) for integer positions (T,), in fp32 (scaling: ModelConfig.rope_scaling)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim), the rotate-half layout
     return angles.cos(), angles.sin()
@@ -239,21 +212,26 @@ class CrossEntropy(torch.autograd.Function):
     Forward takes the log-sum-exp in fp32 one chunk of rows at a time and saves only the logits and the (N,) fp32
     lse; backward writes softmax - onehot chunk by chunk into a gradient of the logits' dtype. So no (N, V) tensor
     exists in fp32, only one chunk (loss_chunks). The logits may be this rank's vocabulary shard [vocab_start,
-    vocab_start + V): `combine(lse, target_logit)` then returns the global per-token values (tp.py)."""
+    vocab_start + V): `combine(lse, target_logit)` then returns the global per-token values (tp.py).
+    vocab_size: the true vocabulary. The columns at or past it (the rows GPT pads its embedding and head with, up to
+    a multiple of 64) take no part in the log-sum-exp and get a zero gradient, so padding changes no number; None:
+    every column is a token."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start=0, combine=None):
+    def forward(ctx, logits, targets, vocab_start=0, combine=None, vocab_size=None):
         n, vocab = logits.shape
+        real = vocab if vocab_size is None else min(max(vocab_size - vocab_start, 0), vocab)  # this shard's tokens
         local = targets - vocab_start
         mine = (local >= 0) & (local < vocab)  # the target's logit lives in this shard
         local = local.clamp(0, vocab - 1)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         for rows in loss_chunks(n, vocab):
-            lse[rows] = torch.logsumexp(logits[rows].float(), dim=1)  # (rows, V) fp32: one chunk
+            lse[rows] = torch.logsumexp(logits[rows, :real].float(), dim=1)  # (rows, real) fp32: one chunk
         target_logit = logits.gather(1, local[:, None]).squeeze(1).float() * mine  # (N,)
         if combine is not None:
             lse, target_logit = combine(lse, target_logit)
         ctx.save_for_backward(logits, lse, local, mine)
+        ctx.real = real
         return (lse - target_logit).mean()
 
     @staticmethod
@@ -263,14 +241,16 @@ class CrossEntropy(torch.autograd.Function):
         scale = grad / logits.shape[0]
         for rows in loss_chunks(*logits.shape):
             probs = torch.exp(logits[rows].float() - lse[rows, None])  # (rows, V): this chunk's softmax
+            probs[:, ctx.real:] = 0.0  # the padding columns: no gradient
             probs.scatter_add_(1, local[rows, None], -mine[rows, None].to(probs.dtype))
             grad_logits[rows] = probs * scale
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def cross_entropy_loss(logits, targets):
-    """logits (B, T, V), targets (B, T) -> the mean over all local tokens."""
-    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
+def cross_entropy_loss(logits, targets, vocab_size=None):
+    """logits (B, T, V), targets (B, T) -> the mean over all local tokens; columns at or past vocab_size are padding
+    (GPT binds its vocab_size: GPT.loss_fn)."""
+    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), 0, None, vocab_size)
 
 
 class GPT(nn.Module):
@@ -281,8 +261,10 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.padded_vocab)
+        if cfg.tie_embeddings:  # one Parameter, listed (and saved) once, as embed_tokens.weight
+            self.lm_head.weight = self.embed_tokens.weight
         self.run_layers = run_layers
-        self.loss_fn = cross_entropy_loss
+        self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size)  # (logits, targets); tp swaps it
         self.seq_shards = 1  # tp under --sp sets t: hidden states then hold T/t of the T positions
         self.rope_cache = None
 
@@ -305,7 +287,7 @@ class GPT(nn.Module):
         if self.rope_cache is None or self.rope_cache[0] != key:
             if positions is None:
                 positions = torch.arange(seq_len, device=device)
-            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
             self.rope_cache = (key, cos.to(dtype), sin.to(dtype), positions)  # holding positions keeps its id its own
         return self.rope_cache[1], self.rope_cache[2]
 
@@ -368,9 +350,17 @@ def local_init(name, param, cfg, seed, flat=None, out=None):
 @torch.no_grad()
 def materialize(module, device, init_param):
     """Meta parameters -> real ones on `device`, each filled in place by init_param(name, param, out=its flat view).
-    Tags set on the meta parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects."""
+    Tags set on the meta parameters (tp_shard, tp_partial_grad) are carried over to the new Parameter objects, and a
+    Parameter held in two places (a tied head) is still one Parameter after."""
     tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}
-    module.to_empty(device=device)
+    places = {}  # id of a Parameter -> the names it is held under, the first as named_parameters() lists it
+    for name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append(name)
+    module.to_empty(device=device)  # gives every place its own tensor
+    for first, *others in places.values():
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(first))
     for name, p in module.named_parameters():
         p.__dict__.update(tags[name])
         init_param(name, p, out=p.view(-1))
@@ -396,10 +386,11 @@ def layer_flops_per_token(cfg, seq_len=None):
 
 
 def param_counts(cfg):
-    """(total, non-embedding) parameter counts. The lm_head is a matmul, so it counts as non-embedding."""
+    """(total, non-embedding) parameter counts. The lm_head is a matmul, so it counts as non-embedding; tied, it is
+    the embedding's matrix, counted once."""
     embed = cfg.padded_vocab * cfg.d_model
     non_embedding = cfg.n_layer * layer_param_count(cfg) + cfg.d_model + cfg.padded_vocab * cfg.d_model
-    return non_embedding + embed, non_embedding
+    return non_embedding + (0 if cfg.tie_embeddings else embed), non_embedding
 
 
 def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
@@ -412,7 +403,3 @@ def flops_per_token(cfg, seq_len=None, recomputed_layers=0.0):
     T = seq_len or cfg.seq_len
     _, n = param_counts(cfg)
     return 6 * n + 12 * cfg.n_layer * cfg.d_model * T + recomputed_layers * layer_flops_per_token(cfg, T)
-
-
-def config_from_dict(d):
-    return ModelConfig(**{f.name: d[f.name] for f in fields(ModelConfig) if f.name in d})

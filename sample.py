@@ -3,9 +3,10 @@
     python sample.py --run out/tiny --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 40
 
 Uses the tokenizer the run was trained with (a .tiktoken file is read again from the path its data recorded, and must
-still have the same SHA-256). Temperature 0 is greedy decoding; an empty prompt starts from the end-of-text token. Bad
-input (a negative number, a missing GPU, a prompt that is not UTF-8, a save that is not train.py's, a changed
-tokenizer file) is one line on stderr and exit status 2.
+still have the same SHA-256). Temperature 0 is greedy decoding, and any positive temperature, however small, samples
+without overflow (a tiny one is greedy in effect); an empty prompt starts from the end-of-text token. Bad input (a
+negative number, a missing GPU, a prompt that is not UTF-8, a save that is not train.py's or whose model config is
+incomplete or does not fit its tensors, a changed tokenizer file) is one line on stderr and exit status 2.
 """
 import argparse
 import math
@@ -32,8 +33,8 @@ def generate(gpt, ids, max_new_tokens, temperature, top_k, vocab_size, eot=None)
         logits = gpt(context)[:, -1, :vocab_size].float()  # the padded vocab entries are never sampled
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
+        else:  # shifted so the largest is 0, in fp64: a tiny temperature gives -inf and 0, never inf or nan
+            logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, vocab_size)).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -101,7 +102,10 @@ def read_save(run):
     run = Path(run)
     save = run if (run / "complete").exists() else complete_saves(run)[-1]
     try:
-        cfg = M.config_from_dict(config["model"])
+        cfg = M.config_from_dict(config["model"])  # complete and consistent, or ValueError naming the field
+    except ValueError as e:
+        raise SaveError(f"{save / 'meta.json'}: {e}") from None
+    try:
         return cfg, get_tokenizer(config["tokenizer"], config.get("tokenizer_file")), tensors, save
     except (KeyError, TypeError, ValueError) as e:
         what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
@@ -109,18 +113,23 @@ def read_save(run):
 
 
 def build(cfg, tensors, save, device):
-    """The model of `cfg` on `device` with the saved weights, read one full tensor at a time."""
+    """The model of `cfg` on `device` with the saved weights, read one full tensor at a time. The save must hold
+    exactly that model's tensors (a tied one's head is its embedding: one tensor)."""
     with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
         warnings.simplefilter("ignore")
-        shapes = {name: p.shape for name, p in M.GPT(cfg).state_dict().items()}
+        shapes = {name: p.shape for name, p in M.GPT(cfg).named_parameters()}
     for name, shape in shapes.items():
         if name not in tensors or tensors[name].shape != shape:
             found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
             raise SaveError(f"{save / 'meta.json'}: its config's model needs {name} of shape {list(shape)}, "
                             f"the save has {found}")
-    gpt = M.GPT(cfg).to(device)
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        raise SaveError(f"{save / 'meta.json'}: the save has {extra[0]}, which its config's model has no place for")
+    with torch.device(device):
+        gpt = M.GPT(cfg)
     with torch.no_grad():
-        for name, p in gpt.state_dict().items():
+        for name, p in gpt.named_parameters():
             p.copy_(tensors[name]())
     return gpt.eval()
 

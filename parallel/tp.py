@@ -256,11 +256,13 @@ class VocabParallelLoss:
     logits: model.CrossEntropy on this rank's vocabulary shard, its statistics combined over tp. Backward is local:
     softmax - onehot on the shard."""
 
-    def __init__(self, group, vocab_per_rank):
+    def __init__(self, group, vocab_per_rank, vocab_size=None):
         self.vocab_start, self.combine = group.rank * vocab_per_rank, combine_over_vocab_shards(group)
+        self.vocab_size = vocab_size  # the columns at or past it are padding: masked in model.CrossEntropy
 
     def __call__(self, logits, targets):
-        return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.combine)
+        return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.combine,
+                                  self.vocab_size)
 
 
 # ---------------------------------------------------------------- applying it to a GPT chunk
@@ -311,7 +313,7 @@ def parallelize(chunk, mesh, sequence_parallel=False, overlap=True):
         block.post_attention_layernorm = NormThenEnter(block.post_attention_layernorm, group, sp, readers, overlap)
     if chunk.lm_head is not None:  # a pipeline stage holds norm and lm_head together, or neither
         chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)  # logits (B, T, V/t)
-        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size)
+        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size, cfg.vocab_size)
         chunk.norm = NormThenEnter(chunk.norm, group, sp, [chunk.lm_head], overlap)
     if sp:
         chunk.seq_shards = group.size  # hidden states carry T/t tokens; rope still needs all T positions

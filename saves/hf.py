@@ -1,25 +1,34 @@
 """Starting a run from a Hugging Face Llama folder: `train.py --init-from DIR`. The reader beside export.py's writer.
 
 DIR holds config.json and model.safetensors, or model.safetensors.index.json and the files it names (what
-save_pretrained and `python -m saves.export` write). Before anything is built, config.json is held against the run's
-model: every shape field must equal its flag, and anything this model cannot be (another model_type, biases, an
-activation other than SiLU, scaled RoPE, a head_dim other than hidden_size / num_attention_heads) is refused with one
-line naming the field, exit 2; rope_theta and rms_norm_eps, which have no flags, are taken from it. Every tensor the
-model needs must be there with its shape. Then each rank reads its own pieces only, one at a time, through load.load,
-the path of --resume: a piece that lies in one stretch of the file (no tp split, or a split by rows) is read as that
-byte range; a tp block of columns is cut from its full tensor, which is then dropped. The run starts at step 0 with a
-fresh optimizer. The safetensors format is read with plain file reads: an 8-byte header length, a JSON header of
-{name: dtype, shape, [start, end) byte offsets}, then the raw little-endian bytes.
+save_pretrained and `python -m saves.export` write); not both, since which of them is the checkpoint would be a guess.
+Before anything is built, config.json is held against the run's model: every shape field must equal its flag, and
+anything this model cannot be (another model_type, biases, an activation other than SiLU, a RoPE scaling other than
+Llama 3's, a head_dim other than hidden_size / num_attention_heads) is refused with one line naming the field, exit 2;
+so is a field of the wrong JSON type, or a number out of range (a negative or NaN rope_theta, rms_norm_eps or rope
+scaling factor), and a JSON file that is not an object. rope_theta, rms_norm_eps, Llama 3's rope scaling, the vocabulary
+size and tie_word_embeddings, which have no flags, are taken from it. Every tensor the model needs must be there with
+its shape. Then each rank reads its own pieces only, one at a time, through load.load, the path of --resume: a piece
+that lies in one stretch of the file (no tp split, or a split by rows) is read as that byte range; a tp block of
+columns is cut from its full tensor, which is then dropped. The run starts at step 0 with a fresh optimizer. The
+safetensors format is read with plain file reads: an 8-byte header length, a JSON header of {name: dtype, shape,
+[start, end) byte offsets}, then the raw little-endian bytes, the tensors one after another with no byte shared,
+skipped or left over (as the format's own library demands).
 
 What the two sides agree on, and what is converted:
 - names: the model's own, under "model." (lm_head.weight aside), as export.py writes them;
 - RoPE: both rotate the pairs (i, i + head_dim/2) (model.apply_rope), so q_proj and k_proj load as they are, as
-  export.py writes them (a checkpoint in Meta's interleaved layout must first go through transformers' converter);
-- vocabulary: the embedding and the head have vocab_size rounded up to a multiple of 64 rows. A file with fewer rows
-  gets zero rows after its own: the data never feeds those ids, and their logits start at 0 (the file's own logits
-  are unchanged). vocab_size must lie between the run's vocab_size and that rounded size;
-- tied embeddings (tie_word_embeddings, usually with no lm_head.weight): embed_tokens initializes the head too; the
-  two then train apart, and an export writes both;
+  export.py writes them (a checkpoint in Meta's interleaved layout must first go through transformers' converter).
+  Llama 3's frequency scaling (rope_type "llama3", as every Llama 3.1, 3.2 and 3.3 has) is model.rope_frequencies';
+  it is read from rope_parameters (transformers 5) or rope_scaling (before), which must agree where both are given;
+- vocabulary: the embedding and the head have vocab_size rounded up to a multiple of 64 rows. The run's vocab_size
+  becomes config.json's, which must lie between the run's (the data's, or --vocab-size) and that rounded size, and
+  the file's embedding and head must have exactly that many rows. The rows after them are zero, and their logits take
+  no part in the loss (model.CrossEntropy), so the loss is transformers' on the same batch;
+- tied embeddings (tie_word_embeddings): the model ties them too (ModelConfig.tie_embeddings: lm_head's weight is
+  embed_tokens', and an lm_head.weight in the file is ignored, as transformers does). One tensor cannot be held as
+  two, so a tied checkpoint is refused under --tp, --pp and --dp-mode fsdp/hsdp (one line naming the flag, exit 2);
+  it trains in one process or with --dp-mode ddp (and --cp);
 - dtypes: F32, F16, BF16 and F64 tensors become fp32 master weights.
 """
 import json
@@ -31,6 +40,8 @@ from pathlib import Path
 import torch
 
 import model as M
+from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
+from parallel.mesh import LayoutError
 from saves import SaveError
 from saves.load import FileError, cut, load
 from saves.write import global_shape
@@ -39,20 +50,26 @@ SAFETENSORS_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.b
 SHAPE_FIELDS = (("num_hidden_layers", "n_layer"), ("hidden_size", "d_model"), ("num_attention_heads", "n_head"),
                 ("num_key_value_heads", "n_kv_head"), ("intermediate_size", "ffn_dim"))
 IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved: recomputed from rope_theta
+ROPE_SOURCES = ("rope_parameters", "rope_scaling")  # transformers 5's field, and the one before it
 
 
 def read_json(path):
+    """The JSON object in `path`; SaveError if it cannot be read, is not JSON, or is not an object."""
     try:
-        return json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text())
     except OSError as e:
         raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise SaveError(f"--init-from: {path} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SaveError(f"--init-from: {path} is not a JSON object (it holds a {type(value).__name__})")
+    return value
 
 
 def read_header(path):
     """({tensor name: its header entry}, the byte where the data starts) of a safetensors file, every entry checked
-    against the file's size."""
+    against the file's size, and the tensors' byte ranges tiling the data exactly: none overlaps another, no byte
+    between them or after the last belongs to none."""
     try:
         with open(path, "rb") as f:
             size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
@@ -69,51 +86,151 @@ def read_header(path):
     for name, entry in header.items():
         try:
             dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            if not all(is_number(n, integer=True) and n >= 0 for n in (*shape, start, end)):
+                raise ValueError
             numel = math.prod(shape)
         except (KeyError, TypeError, ValueError):
             raise SaveError(f"--init-from: {path}: the header entry of {name} is malformed") from None
         if dtype not in SAFETENSORS_TYPES:
             raise SaveError(f"--init-from: {path}: {name} is {dtype}; readable: {', '.join(SAFETENSORS_TYPES)}")
-        if end - start != numel * SAFETENSORS_TYPES[dtype].itemsize or start < 0 or 8 + length + end > size:
+        if end - start != numel * SAFETENSORS_TYPES[dtype].itemsize or 8 + length + end > size:
             raise SaveError(f"--init-from: {path} is truncated or malformed at tensor {name}")
+    expected, previous = 0, None  # where the next tensor must start; the tensor before it
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        start, end = entry["data_offsets"]
+        if start < expected:
+            raise SaveError(f"--init-from: {path}: tensors {previous} and {name} overlap (their data_offsets share "
+                            f"bytes {start} to {expected})")
+        if start > expected:
+            raise SaveError(f"--init-from: {path}: bytes {expected} to {start} of the data, before tensor {name}, "
+                            "belong to no tensor")
+        expected, previous = end, name
+    if 8 + length + expected != size:
+        raise SaveError(f"--init-from: {path} has {size - 8 - length - expected} bytes after its last tensor")
     return header, 8 + length
 
 
-def check_config(folder, cfg):
-    """(config.json, cfg with its rope_theta and rms_norm_eps); SaveError naming the first field this run's model
-    disagrees with."""
+def check_config(folder, cfg, args):
+    """(config.json, cfg with its vocab_size, rope_theta, rms_norm_eps, rope scaling and tying); SaveError naming the
+    first field this run's model disagrees with, LayoutError naming the flag under which a tied model cannot run."""
     path = folder / "config.json"
     config = read_json(path)
 
     def refuse(field, why):
         raise SaveError(f"--init-from: {path}: {field} {why}")
 
+    def positive(field, value, integer=False):
+        if not is_number(value, integer) or not math.isfinite(value) or value <= 0:
+            refuse(field, f"is {value!r}; it must be a finite positive {'integer' if integer else 'number'}")
+        return value
+
     if config.get("model_type") != "llama":
         refuse("model_type", f"is {config.get('model_type')!r}; only Llama checkpoints load into this model")
     for field, ours in SHAPE_FIELDS:
         value = config.get(field, config.get("num_attention_heads") if field == "num_key_value_heads" else None)
+        if not is_number(value, integer=True):
+            refuse(field, f"is {value!r}; it must be an integer")
         if value != getattr(cfg, ours):
             flag = f"--{ours.replace('_', '-')}"
             refuse(field, f"is {value}, this run has {flag} {getattr(cfg, ours)} (pass {flag} {value})")
-    if config.get("head_dim") not in (None, cfg.head_dim):
-        refuse("head_dim", f"is {config['head_dim']}; this model's is hidden_size / num_attention_heads = "
+    if config.get("head_dim") not in (None, cfg.head_dim) or isinstance(config.get("head_dim"), bool):
+        refuse("head_dim", f"is {config['head_dim']!r}; this model's is hidden_size / num_attention_heads = "
                            f"{cfg.head_dim}")
     vocab = config.get("vocab_size")
-    if not isinstance(vocab, int) or not cfg.vocab_size <= vocab <= cfg.padded_vocab:
-        refuse("vocab_size", f"is {vocab}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
+    if not is_number(vocab, integer=True) or not cfg.vocab_size <= vocab <= cfg.padded_vocab:
+        refuse("vocab_size", f"is {vocab!r}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
                              f"(pass --vocab-size {vocab})")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}; this model's MLP is SwiGLU (silu)")
     for field in ("attention_bias", "mlp_bias"):
-        if config.get(field):
-            refuse(field, "is true; this model has no biases")
-    rope_field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = config.get(rope_field) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        refuse(rope_field, f"has rope_type {kind!r}; this model's RoPE has no frequency scaling")
-    theta, eps = rope.get("rope_theta", config.get("rope_theta", 10000.0)), config.get("rms_norm_eps", 1e-6)
-    return config, replace(cfg, rope_theta=float(theta), norm_eps=float(eps))
+        if config.get(field) not in (None, False):
+            refuse(field, f"is {config[field]!r}; this model has no biases")
+    theta, scaling = rope_settings(config, refuse, positive)
+    eps = positive("rms_norm_eps", config.get("rms_norm_eps", 1e-6))
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        refuse("tie_word_embeddings", f"is {tied!r}; it must be true or false")
+    if tied:
+        check_tied_layout(path, args)
+    return config, replace(cfg, vocab_size=vocab, rope_theta=float(theta), norm_eps=float(eps), rope_scaling=scaling,
+                           tie_embeddings=True if tied else None)  # None: untied, as a fresh run's
+
+
+def rope_settings(config, refuse, positive):
+    """(rope_theta, ModelConfig.rope_scaling or None) of config.json: its rope_parameters, its rope_scaling and its
+    rope_theta, merged key by key ("type" is the older name of "rope_type"); two of them that give one key different
+    values are refused. Without original_max_position_embeddings, Llama 3's scaling takes max_position_embeddings,
+    as transformers does."""
+    rope = {}  # key -> (the field it came from, its value)
+    given = [(field, config[field]) for field in ROPE_SOURCES if config.get(field) is not None]
+    given += [("", {"rope_theta": config["rope_theta"]})] if "rope_theta" in config else []
+    for field, values in given:
+        if not isinstance(values, dict):
+            refuse(field, f"is {values!r}; it must be an object")
+        for key, value in values.items():
+            key = "rope_type" if key == "type" else key
+            if key in rope and not same(rope[key][1], value):
+                refuse(f"{field}.{key}".lstrip("."), f"is {value!r}, but {rope[key][0] or 'rope_theta'} gives "
+                                                      f"{rope[key][1]!r}")
+            rope.setdefault(key, (field, value))
+    name = {key: f"{field}.{key}".lstrip(".") for key, (field, _) in rope.items()}  # to name a field in an error
+    kind = rope.get("rope_type", ("", "default"))[1]
+    if kind not in ("default", "llama3"):
+        refuse(name["rope_type"], f"is {kind!r}; this model's RoPE has Llama 3's frequency scaling ('llama3') or none")
+    known = {"rope_type", "rope_theta"} | (set(ROPE_SCALING_KEYS) if kind == "llama3" else set())
+    for key in sorted(set(rope) - known):
+        refuse(name[key], f"is {rope[key][1]!r}; this model's {kind} RoPE has no such setting")
+    theta = positive(name.get("rope_theta", "rope_theta"), rope.get("rope_theta", ("", 10000.0))[1])
+    if kind == "default":
+        return theta, None
+    scaling = {"rope_type": "llama3", **{key: value for key, (_, value) in rope.items() if key in ROPE_SCALING_KEYS}}
+    if "original_max_position_embeddings" not in scaling:
+        scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
+        name["original_max_position_embeddings"] = "max_position_embeddings"
+    problem = rope_scaling_problem(scaling)
+    if problem:  # a key that is not there is named in the field that chose llama3
+        refuse(name.get(problem[0], f"{rope['rope_type'][0]}.{problem[0]}"), problem[1])
+    return theta, {key: float(value) if key in ("factor", "low_freq_factor", "high_freq_factor") else value
+                   for key, value in scaling.items()}
+
+
+def same(a, b):
+    """Two JSON values that say the same (500000 and 500000.0; NaN and NaN, refused later as out of range)."""
+    return a == b or (is_number(a) and is_number(b) and math.isnan(a) and math.isnan(b))
+
+
+def check_tied_layout(path, args):
+    """A tied model keeps one tensor as both embedding and head: refused (LayoutError naming the flag) under the
+    layouts that hold the two apart."""
+    for apart, flag, why in ((args.tp > 1, "--tp", "tensor parallelism swaps them for two sharded modules"),
+                             (args.pp > 1, "--pp", "pipeline stages hold them on different ranks"),
+                             (args.dp_mode != "ddp", "--dp-mode", f"{args.dp_mode} shards them in different units")):
+        if apart:
+            raise LayoutError(flag, f"{path} has tie_word_embeddings true: lm_head is embed_tokens, one tensor, "
+                                    f"which {why}; a tied checkpoint trains in one process or with --dp-mode ddp "
+                                    "(--cp too), without --tp or --pp")
+
+
+def read_index(folder):
+    """{tensor name: file} of the folder's checkpoint: model.safetensors.index.json's weight_map, or every tensor of
+    model.safetensors; a folder holding both, or neither, is refused."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file() and single.is_file():
+        raise SaveError(f"--init-from: {folder} holds both model.safetensors and model.safetensors.index.json: one of "
+                        "them is left from another checkpoint (transformers reads model.safetensors); remove it")
+    if single.is_file():
+        header, _ = read_header(single)
+        return {tensor: "model.safetensors" for tensor in header}
+    if not index.is_file():
+        raise SaveError(f"--init-from: {folder} has neither model.safetensors nor model.safetensors.index.json")
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SaveError(f"--init-from: {index}: weight_map is {weight_map!r}; it must be an object of tensor names "
+                        "and their files")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise SaveError(f"--init-from: {index} puts {tensor} in {name!r}, not a file in {folder}")
+    return weight_map
 
 
 class HFWeights:
@@ -122,37 +239,31 @@ class HFWeights:
 
     def __init__(self, folder, cfg, config):
         self.path = folder
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map") or {}
-            files = sorted(set(weight_map.values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise SaveError(f"--init-from: {folder} has neither model.safetensors nor model.safetensors.index.json")
+        weight_map = read_index(folder)
+        files = sorted(set(weight_map.values()))
         sources = {}  # file's tensor name -> (file, header entry, data start)
         for name in files:
-            if Path(name).name != name:
-                raise SaveError(f"--init-from: {index} names {name!r}, not a file in {folder}")
             header, start = read_header(folder / name)
             sources.update({t: (name, entry, start) for t, entry in header.items()})
+        for tensor, name in weight_map.items():  # an index and its files must agree
+            if sources.get(tensor, (name,))[0] != name:
+                raise SaveError(f"--init-from: {folder}: model.safetensors.index.json puts {tensor} in {name}, "
+                                f"which does not hold it")
         self.meta = {"files": {name: (folder / name).stat().st_size for name in files},
                      "optimizer": {"kinds": ["param"]}}
-        tied = bool(config.get("tie_word_embeddings", False))
-        if not tied and "lm_head.weight" not in sources:
+        if not cfg.tie_embeddings and "lm_head.weight" not in sources:
             raise SaveError(f"--init-from: {folder} has no lm_head.weight and config.json's tie_word_embeddings is "
                             "false")
-        with torch.device("meta"):
+        with torch.device("meta"):  # tied: no lm_head.weight, the embedding is the head
             shapes = {name: list(p.shape) for name, p in M.GPT(cfg).named_parameters()}
-        self.tensors, used = {}, {"lm_head.weight"} if tied else set()
+        self.tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
         for name, shape in shapes.items():
-            source = "model.embed_tokens.weight" if name == "lm_head.weight" and tied else \
-                name if name == "lm_head.weight" else "model." + name
+            source = name if name == "lm_head.weight" else "model." + name
             if source not in sources:
                 raise SaveError(f"--init-from: {folder} has no tensor {source}")
             file, entry, start = sources[source]
-            padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and entry["shape"][1:] == shape[1:] \
-                and cfg.vocab_size <= entry["shape"][0] <= shape[0]
+            padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
+                entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
             if entry["shape"] != shape and not padded_rows:
                 raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, this model needs {shape}")
             self.tensors[name] = {"shape": shape, "source": source, "file": file,
@@ -194,15 +305,16 @@ class HFWeights:
         return self.elements(piece.name, block_start + piece.offset, piece.end - piece.start)
 
 
-def init_from(folder, cfg):
-    """--init-from: (cfg with config.json's rope_theta and rms_norm_eps, the HFWeights to load); (cfg, None) without.
-    Everything is checked here, on every rank alike, before anything is built or written."""
+def init_from(folder, cfg, args):
+    """--init-from: (cfg with config.json's vocab_size, rope_theta, rms_norm_eps, rope scaling and tying, the
+    HFWeights to load); (cfg, None) without. args: the run's flags, whose --tp, --pp and --dp-mode decide whether a
+    tied checkpoint can run. Everything is checked here, on every rank alike, before anything is built or written."""
     if folder is None:
         return cfg, None
     folder = Path(folder)
     if not folder.is_dir():
         raise SaveError(f"--init-from: {folder} is not a folder")
-    config, cfg = check_config(folder, cfg)
+    config, cfg = check_config(folder, cfg, args)
     return cfg, HFWeights(folder, cfg, config)
 
 

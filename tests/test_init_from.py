@@ -1,6 +1,7 @@
 """train.py --init-from: a random LlamaForCausalLM saved by transformers loads with logits equal to transformers' in
-one process and in fsdp 2, tp 2 and pp 2 (untied fp32 in one file; tied bf16, a vocabulary short of the padding,
-sharded); export -> --init-from -> export is bitwise identical; a config.json this run disagrees with is one line
+one process and in fsdp 2, tp 2 and pp 2 (untied fp32 in one file; untied bf16, a vocabulary short of the padding,
+sharded), and tied (bf16, 300, sharded) in one process and ddp 2; export -> --init-from -> export is bitwise
+identical; a config.json this run disagrees with, a malformed config.json, index or safetensors header is one line
 and exit 2, naming the field."""
 import json
 import shutil
@@ -22,7 +23,11 @@ TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_att
             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=5000.0)  # theta and eps: not the preset's
 FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--seq-len", "64", "--global-batch", "4",
          "--micro-batch", "2", "--log-every", "0"]
-LAYOUTS = {"one process": [], "fsdp 2": ["--dp-mode", "fsdp"], "tp 2": ["--tp", "2"], "pp 2": ["--pp", "2"]}
+LAYOUTS = {"one process": [], "ddp 2": [], "fsdp 2": ["--dp-mode", "fsdp"], "tp 2": ["--tp", "2"],
+           "pp 2": ["--pp", "2"]}
+KINDS = {"untied": (320, False, torch.float32, {}),  # vocab, tied, dtype, save_pretrained's sharding
+         "bf16-300-sharded": (300, False, torch.bfloat16, {"max_shard_size": "200KB"}),
+         "tied-bf16-300-sharded": (300, True, torch.bfloat16, {"max_shard_size": "200KB"})}
 
 
 def hf_model(vocab, tied, seed):
@@ -38,11 +43,9 @@ def hf_model(vocab, tied, seed):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{kind: (folder, vocab, fp32 transformers model)}: untied fp32 in one file; tied, bf16, vocab 300, sharded."""
+    """{kind: (folder, vocab, fp32 transformers model)} of KINDS."""
     out = {}
-    for kind, vocab, tied, dtype, shard in (("untied", 320, False, torch.float32, {}),
-                                            ("tied-bf16-300-sharded", 300, True, torch.bfloat16,
-                                             {"max_shard_size": "200KB"})):
+    for kind, (vocab, tied, dtype, shard) in KINDS.items():
         folder = tmp_path_factory.mktemp(kind)
         hf_model(vocab, tied, seed=len(out)).to(dtype).save_pretrained(folder, **shard)
         model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)  # what transformers reads
@@ -59,7 +62,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     """This rank's logits of tokens() after --init-from in the layout: the full logits, or under tp its vocabulary
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
-    cfg, weights = init_from(run.init_from, config.model_config(run, 257))
+    cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
     mesh = train.start_distributed(run)
     chunks, wrapper = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
@@ -82,22 +85,26 @@ def assert_logits_equal(ours, model, vocab, where=""):
     assert not ours[..., vocab:].any()  # padded rows: zero logits
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied-bf16-300-sharded"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_logits_equal_transformers_in_one_process(checkpoints, kind, capsys):
     folder, vocab, model = checkpoints[kind]
     assert_logits_equal(loaded_logits(0, 1, folder, []), model, vocab)
     assert "initialized from" in capsys.readouterr().out
 
 
-def test_logits_equal_transformers_in_fsdp2_tp2_pp2(checkpoints):
-    jobs = [((kind, layout), loaded_logits, (folder, LAYOUTS[layout]))
-            for kind, (folder, _, _) in checkpoints.items() for layout in ("fsdp 2", "tp 2", "pp 2")]
+def test_logits_equal_transformers_in_ddp2_fsdp2_tp2_pp2(checkpoints):
+    """Untied in every layout; tied in ddp 2, the one that holds a tied model (the others refuse it:
+    test_hf_roundtrip.py)."""
+    layouts = {"untied": ("fsdp 2", "tp 2", "pp 2"), "bf16-300-sharded": ("fsdp 2", "tp 2", "pp 2"),
+               "tied-bf16-300-sharded": ("ddp 2",)}
+    jobs = [((kind, layout), loaded_logits, (checkpoints[kind][0], LAYOUTS[layout]))
+            for kind in KINDS for layout in layouts[kind]]
     ranks = run_ranks(run_jobs, 2, args=(jobs,), timeout=300)
     for (kind, layout), _, _ in jobs:
         _, vocab, model = checkpoints[kind]
         results = [r[kind, layout] for r in ranks]
         assert not any(isinstance(r, Failed) for r in results), results
-        if layout == "fsdp 2":  # each rank computes the whole logits
+        if layout in ("fsdp 2", "ddp 2"):  # each rank computes the whole logits
             np.testing.assert_array_equal(results[0], results[1])
         ours = np.concatenate(results, axis=-1) if layout == "tp 2" else results[1]  # tp: vocab shards; pp: last
         assert_logits_equal(ours, model, vocab, where=f"{kind}, {layout}")
@@ -133,17 +140,40 @@ def refused(argv, capsys):
     return err
 
 
-def edited_copy(folder, tmp_path, edit=None, drop=None):
+def edited_copy(folder, tmp_path, edit=None, drop=None, header=None, file="config.json", content=None):
+    """A copy of folder: `file` (a JSON file) through edit(json), or replaced by `content`; the last `drop` bytes
+    of model.safetensors cut; its header through header(entries) (padded to its old length)."""
     copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
     shutil.copytree(folder, copy)
     if edit:
-        cfg = json.loads((copy / "config.json").read_text())
-        edit(cfg)
-        (copy / "config.json").write_text(json.dumps(cfg))
+        value = json.loads((copy / file).read_text())
+        edit(value)
+        (copy / file).write_text(json.dumps(value))
+    if content is not None:
+        (copy / file).write_text(json.dumps(content))
     if drop:
         with open(copy / "model.safetensors", "r+b") as f:
             f.truncate(f.seek(0, 2) - drop)
+    if header:
+        with open(copy / "model.safetensors", "r+b") as f:
+            length = int.from_bytes(f.read(8), "little")
+            entries = json.loads(f.read(length))
+            header(entries)
+            raw = json.dumps(entries, separators=(",", ":")).encode()
+            assert len(raw) <= length
+            f.seek(8)
+            f.write(raw + b" " * (length - len(raw)))
     return copy
+
+
+def same_size_tensors(entries):
+    """Two tensors of the header with the same byte size: the first layer's two norms."""
+    return [entries[f"model.layers.0.{norm}.weight"] for norm in ("input_layernorm", "post_attention_layernorm")]
+
+
+def overlap(entries):
+    a, b = same_size_tensors(entries)
+    b["data_offsets"] = list(a["data_offsets"])  # b's bytes are a's: the old place of b belongs to no tensor
 
 
 def test_a_config_this_run_disagrees_with_is_one_line_and_exit_2(checkpoints, tmp_path, capsys):
@@ -157,12 +187,58 @@ def test_a_config_this_run_disagrees_with_is_one_line_and_exit_2(checkpoints, tm
                           (["--vocab-size", "1000"], "vocab_size is 320, this run's model has 1000 rows")]:
         assert needle in refused(base + [str(folder)] + extra, capsys)
     for edit, needle in [(lambda c: c.update(model_type="mistral"), "model_type is 'mistral'"),
-                         (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
-                          "rope_parameters has rope_type 'llama3'"),
-                         (lambda c: c.update(attention_bias=True), "attention_bias is true"),
+                         (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5}),
+                          "rope_parameters.rope_type is 'yarn'"),
+                         (lambda c: c.update(attention_bias=True), "attention_bias is True"),
                          (lambda c: c.update(head_dim=32), "head_dim is 32"),
                          (lambda c: c.update(tie_word_embeddings=False, vocab_size=128), "vocab_size is 128")]:
         assert needle in refused(base + [str(edited_copy(folder, tmp_path, edit))], capsys)
     assert "is truncated or malformed" in refused(base + [str(edited_copy(folder, tmp_path, drop=4))], capsys)
     assert "is not a folder" in refused(base + [str(tmp_path / "nowhere")], capsys)
     assert not out.exists()  # refused before anything is written
+
+
+def llama3(**changes):
+    """A config.json edit: Llama 3's rope scaling, with `changes` to its numbers."""
+    scaling = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16, **changes}
+    return lambda c: c.update(rope_parameters=scaling)
+
+
+def test_a_malformed_checkpoint_is_one_line_and_exit_2_naming_the_field(checkpoints, tmp_path, capsys):
+    """Wrong JSON shapes and types, numbers out of range (they would train into a non-finite loss), a safetensors
+    header whose tensors share bytes, a folder that holds two checkpoints: refused before anything is built."""
+    single, sharded = checkpoints["untied"][0], checkpoints["bf16-300-sharded"][0]
+    out = tmp_path / "out"
+    base = FLAGS + ["--steps", "1", "--out", str(out), "--init-from"]
+    nan = float("nan")
+    for folder, kwargs, needle in [
+            (single, dict(content=[TINY]), "config.json is not a JSON object (it holds a list)"),
+            (single, dict(edit=lambda c: (c.pop("rope_parameters"), c.update(rope_theta="abc"))),
+             "config.json: rope_theta is 'abc'; it must be a finite positive number"),
+            (single, dict(edit=lambda c: c["rope_parameters"].update(rope_theta=-5000.0)),
+             "config.json: rope_parameters.rope_theta is -5000.0; it must be a finite positive number"),
+            (single, dict(edit=lambda c: c["rope_parameters"].update(rope_theta=nan)),
+             "config.json: rope_parameters.rope_theta is nan"),
+            (single, dict(edit=lambda c: c.update(rope_theta=6000.0)),
+             "config.json: rope_theta is 6000.0, but rope_parameters gives 5000.0"),
+            (single, dict(edit=lambda c: c.update(rms_norm_eps=-1e-6)), "config.json: rms_norm_eps is -1e-06"),
+            (single, dict(edit=lambda c: c.update(num_hidden_layers="4")), "num_hidden_layers is '4'; it must be an"),
+            (single, dict(edit=llama3(factor=nan)), "rope_parameters.factor must be a finite positive number, got nan"),
+            (single, dict(edit=llama3(low_freq_factor=-1.0)), "rope_parameters.low_freq_factor must be a finite"),
+            (single, dict(edit=llama3(high_freq_factor=1.0)), "high_freq_factor 1.0 must be above low_freq_factor"),
+            (single, dict(edit=llama3(original_max_position_embeddings=0.5)),
+             "rope_parameters.original_max_position_embeddings must be a finite positive integer, got 0.5"),
+            (single, dict(edit=llama3(partial_rotary_factor=0.5)), "rope_parameters.partial_rotary_factor is 0.5"),
+            (single, dict(edit=lambda c: c.update(tie_word_embeddings="no")), "tie_word_embeddings is 'no'"),
+            (single, dict(header=overlap), "model.safetensors: tensors model.layers.0.input_layernorm.weight and "
+                                           "model.layers.0.post_attention_layernorm.weight overlap"),
+            (sharded, dict(edit=lambda index: index.update(weight_map=list(index["weight_map"])),
+                           file="model.safetensors.index.json"), "weight_map is ['"),
+            (sharded, dict(edit=lambda index: index.update(weight_map={"model.norm.weight": "../x"}),
+                           file="model.safetensors.index.json"), "puts model.norm.weight in '../x', not a file")]:
+        assert needle in refused(base + [str(edited_copy(folder, tmp_path, **kwargs))], capsys), needle
+    both = edited_copy(sharded, tmp_path)
+    shutil.copy(single / "model.safetensors", both)
+    assert "holds both model.safetensors and model.safetensors.index.json" in refused(base + [str(both)], capsys)
+    assert not out.exists()

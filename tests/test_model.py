@@ -1,11 +1,21 @@
-"""model.py: shapes, causality, GQA, presets, layout-independent init, FLOP accounting, Hugging Face export."""
+"""model.py: shapes, causality, GQA, presets, layout-independent init, FLOP accounting, Hugging Face export, Llama 3's
+RoPE scaling, the loss's padding mask, tied embeddings, and the checks on a saved model config."""
+import re
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import model as M
+import model_config
 from saves.export import export_hf
+
+try:  # transformers is a test requirement; the tests that need it skip without it
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+except ImportError:
+    ROPE_INIT_FUNCTIONS = None
 
 CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=100, seq_len=32)
 
@@ -96,15 +106,118 @@ def test_hfu_adds_one_forward_per_recomputed_layer():
     assert full - base == CFG.n_layer * (2 * layer_params + 4 * CFG.d_model * CFG.seq_len)
 
 
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}  # a short original context: most frequencies scaled
+
+
+@pytest.mark.parametrize("fields", [{}, {"rope_scaling": LLAMA3_SCALING, "tie_embeddings": True}],
+                         ids=["plain", "llama3-scaled-tied"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, fields):
+    """The true vocabulary's logits (100 of the 128 rows); tied and scaled, config.json says so."""
     transformers = pytest.importorskip("transformers")
-    gpt = make()
-    export_hf(CFG, gpt.state_dict(), tmp_path)
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    cfg = M.ModelConfig(**{**CFG.__dict__, **fields})
+    gpt = make(cfg)
+    export_hf(cfg, dict(gpt.named_parameters()), tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     hf.eval()
-    x = torch.randint(0, 100, (2, 20))
+    x = torch.randint(0, 100, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, gpt(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf(x).logits, gpt(x)[..., :100], rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_frequencies_equal_transformers():
+    """Within an ulp or two of transformers' own, and far from the unscaled ones."""
+    transformers = pytest.importorskip("transformers")
+    for head_dim, theta, scaling in ((16, 10000.0, LLAMA3_SCALING),
+                                     (64, 500000.0, {**LLAMA3_SCALING, "factor": 32.0,
+                                                     "original_max_position_embeddings": 8192})):
+        config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, rope_theta=theta,
+                                          max_position_embeddings=2 * scaling["original_max_position_embeddings"],
+                                          rope_scaling=dict(scaling))
+        expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        ours = M.rope_frequencies(head_dim, theta, scaling)
+        torch.testing.assert_close(ours, expected, rtol=3e-7, atol=0)
+        assert attention_factor == 1.0
+        plain = M.rope_frequencies(head_dim, theta)
+        assert (ours < plain * 0.99).sum() >= head_dim // 4 and ours[0] > plain[0] / scaling["factor"]
+
+
+def test_padded_vocabulary_columns_take_no_part_in_the_loss():
+    """vocab_size 100 of 128 columns: the loss is the cross-entropy over the first 100, the padding gets a zero
+    gradient; with vocab_size a multiple of 64 (or None) nothing changes, bit for bit."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(40, 128)).requires_grad_()
+    targets = torch.randint(0, 100, (40,))
+    loss = M.CrossEntropy.apply(logits, targets, 0, None, 100)
+    loss.backward()
+    real = logits.detach()[:, :100].requires_grad_()
+    expected = F.cross_entropy(real, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(logits.grad[:, :100], real.grad, rtol=1e-5, atol=1e-7)
+    assert not logits.grad[:, 100:].any()
+    whole = M.CrossEntropy.apply(logits.detach(), targets)
+    assert M.CrossEntropy.apply(logits.detach(), targets, 0, None, 128) == whole
+    assert (whole - expected).abs() > 1e-3  # unmasked, the padding columns' logits would move the loss
+    gpt = make()  # vocab_size 100: GPT's own loss is masked too
+    x = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(gpt(x, x), F.cross_entropy(gpt(x)[..., :100].flatten(0, 1), x.flatten()))
+
+
+def test_vocabulary_shards_mask_their_own_padding():
+    """Under tp each rank holds a shard [vocab_start, vocab_start + 16) of the 128 columns: with vocab_size 100,
+    shard 6 has 4 real columns and shard 7 none (its log-sum-exp is -inf, which the combine over shards ignores).
+    Each shard's share of the statistics, combined, is the cross-entropy over the 100 columns."""
+    torch.manual_seed(1)
+    logits, targets = 3 * torch.randn(40, 128), torch.randint(0, 100, (40,))
+    stats = []  # per shard: (lse, target logit) over its own columns
+    for start in range(0, 128, 16):
+        M.CrossEntropy.apply(logits[:, start:start + 16], targets, start,
+                             lambda lse, t: stats.append((lse, t)) or (lse, t), 100)
+    lse = torch.logsumexp(torch.stack([s[0] for s in stats]), dim=0)
+    assert torch.isneginf(stats[7][0]).all() and not torch.isnan(lse).any()
+    loss = (lse - sum(s[1] for s in stats)).mean()
+    torch.testing.assert_close(loss, F.cross_entropy(logits[:, :100], targets), rtol=1e-6, atol=0)
+    shard = logits[:, 96:112].clone().requires_grad_()  # backward with the global statistics: padding gets none
+    M.CrossEntropy.apply(shard, targets, 96, lambda lse, t: (torch.logsumexp(logits[:, :100], 1), t), 100).backward()
+    assert shard.grad[:, :4].abs().sum() > 0 and not shard.grad[:, 4:].any()
+
+
+def test_a_tied_head_is_the_embedding_one_parameter_through_init():
+    """One Parameter after materializing on the meta device, listed once; its gradient is the sum of the head's and
+    the embedding's (an untied model with the same weights)."""
+    tied_cfg = M.ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    tied = make(tied_cfg)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert "lm_head.weight" not in dict(tied.named_parameters())
+    assert M.param_counts(tied_cfg)[0] == sum(p.numel() for p in tied.parameters())
+    untied = M.GPT(CFG)
+    untied.load_state_dict({**tied.state_dict(), "lm_head.weight": tied.embed_tokens.weight.detach().clone()})
+    x = torch.randint(0, 100, (2, 16))
+    tied(x, x).backward()
+    untied(x, x).backward()
+    torch.testing.assert_close(tied.embed_tokens.weight.grad,
+                               untied.embed_tokens.weight.grad + untied.lm_head.weight.grad)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("n_layer"), "model.n_layer is missing"),
+    (lambda d: d.update(n_layer="6"), "model.n_layer must be an integer, got '6'"),
+    (lambda d: d.update(rope_theta=float("nan")), "model.rope_theta: must be a finite positive number"),
+    (lambda d: d.update(norm_eps=-1e-5), "model.norm_eps: must be a finite positive number"),
+    (lambda d: d.update(n_head=3), "model.d_model: d_model 64 is not divisible by n_head 3"),
+    (lambda d: d.update(rope_scaling={**LLAMA3_SCALING, "factor": -8.0}), "model.rope_scaling.factor: must be"),
+    (lambda d: d.update(tie_embeddings="yes"), "model.tie_embeddings must be true, false or null"),
+    (lambda d: d.update(layers=6), "model.layers is not a field")])
+def test_a_saved_model_config_must_be_complete_and_consistent(edit, message):
+    saved = dict(CFG.__dict__)
+    assert M.config_from_dict(saved) == CFG
+    for name in model_config.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
+        del saved[name]
+    assert M.config_from_dict(saved) == CFG
+    edit(saved)
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        M.config_from_dict(saved)
 
 
 def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):

@@ -1,5 +1,6 @@
-"""sample.py on hostile input: each bad flag or save is one line on stderr and exit status 2, an empty prompt
-starts from end-of-text, and a prompt that is not UTF-8 is refused rather than altered."""
+"""sample.py on hostile input: each bad flag or save is one line on stderr and exit status 2 (a save whose model
+config lacks a field too: it is never filled with a default), an empty prompt starts from end-of-text, a prompt that
+is not UTF-8 is refused rather than altered, and a tiny temperature samples as greedy decoding does."""
 import contextlib
 import io
 import json
@@ -69,11 +70,26 @@ def edit_save(run, tmp_path, edit):
     (lambda meta: meta.pop("config"), "'config'"),
     (lambda meta: meta["config"].update(tokenizer="klingon"), "unknown tokenizer 'klingon'"),
     (lambda meta: meta["config"]["model"].update(n_layer=2), "needs layers.1."),
-    (lambda meta: meta["config"]["model"].update(d_model=48), "of shape [320, 48], the save has shape [320, 32]")])
+    (lambda meta: meta["config"]["model"].update(d_model=48), "of shape [320, 48], the save has shape [320, 32]"),
+    (lambda meta: meta["config"]["model"].pop("n_layer"), "meta.json: model.n_layer is missing"),
+    (lambda meta: meta["config"]["model"].update(rope_theta=-1.0), "model.rope_theta: must be a finite positive"),
+    (lambda meta: meta["config"]["model"].update(tie_embeddings=True), "the save has lm_head.weight, which its")])
 def test_a_save_sample_cannot_use_is_refused(run, tmp_path, capsys, edit, message):
     save = edit_save(run, tmp_path, edit)
     err = refused(capsys, "--run", save, "--max-new-tokens", "3")
     assert str(save / "meta.json") in err and message in err, err
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "1e-30"])
+def test_a_tiny_temperature_samples_as_greedy_decoding(run, capsys, temperature):
+    """logits / 1e-300 overflows to inf and nan; shifted by their maximum, in fp64, they never do, and the most
+    likely token takes all the probability."""
+    assert sample.main(["--run", str(run), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert sample.main(["--run", str(run), "--prompt", "def ", "--max-new-tokens", "12", "--temperature",
+                        temperature, "--top-k", "0", "--seed", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out == greedy and err == ""
 
 
 def test_empty_prompt_starts_from_end_of_text(run, capsys):
