@@ -31,7 +31,7 @@ import optim
 from config import DTYPES, UsageError
 from data.loader import DataError, TokenLoader
 from data.prepare import prepared_folder
-from parallel import ckpt, cp, ddp, fsdp, hsdp, pp, pp_bw_split, tp, tp_ring
+from parallel import ckpt, cp, ddp, fsdp, fsdp_accumulate, hsdp, pp, pp_bw_split, tp, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.mesh import LayoutError, Mesh
 from saves import SaveError, TrainingFailure
@@ -80,7 +80,9 @@ def build(cfg, mesh, run):
     def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
         return M.local_init(name, meta, cfg, run.seed, flat, out)
     dp_options = dict(bucket_mb=run.bucket_mb) if run.dp_mode == "ddp" else dict(
-        compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype], accumulate=run.accumulate)
+        compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype])
+    if run.accumulate == "unsharded":  # a step's gradients summed unsharded, reduce-scattered once
+        dp_options["cls"] = fsdp_accumulate.unsharded(hsdp.HSDP if run.dp_mode == "hsdp" else fsdp.FSDP)
     wrapper = DATA_PARALLEL[run.dp_mode](nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
                                          overlap=run.overlap, **dp_options)
     return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if run.fp8_all_gather else wrapper

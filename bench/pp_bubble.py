@@ -7,13 +7,13 @@
 Equal-cost stages: an 8-layer GPT (d 512, ffn 1536, micro-batches of 2 x 128 tokens, the 257-token byte vocab), two
 layers per stage (gpipe, 1f1b, zb1) or one per chunk (interleaved with V = 2, zbv), so a stage's work is the same
 under every schedule; the embedding lookup and the head (2·d·V FLOPs per token, ~4% of a layer) tilt the first and
-last stage a little (zbv puts both on rank 0). Each rank runs one thread. The executor (parallel/pp.py) records per
-stage the seconds inside forward, backward and (zb1, zbv) weight-gradient actions (busy) and the rest of the step
-(idle: the bubble, and waiting on a neighbour); with timed=True the stages start and end each step together, so
-idle includes the fill before and the drain after a stage's work. The schedules take turns step by step, so a stall
-from another job on the machine hits them alike. Measured utilization = busy / (busy + idle) in the fastest step (the
-least disturbed: other jobs only add time; the median step is listed too), averaged over stages. Theory
-(pp_schedule.theoretical_utilization) takes F = B = W, which this shape comes close to on one CPU thread (short
+last stage a little (zbv puts both on rank 0). Each rank runs one thread. TimedPipeline, parallel/pp.py's executor
+with a clock, records per stage the seconds inside forward, backward and (zb1, zbv) weight-gradient actions (busy)
+and the rest of the step (idle: the bubble, and waiting on a neighbour); the stages start and end each step together
+(a barrier), so idle includes the fill before and the drain after a stage's work. The schedules take turns step by
+step, so a stall from another job on the machine hits them alike. Measured utilization = busy / (busy + idle) in the
+fastest step (the least disturbed: other jobs only add time; the median step is listed too), averaged over stages.
+Theory (pp_schedule.theoretical_utilization) takes F = B = W, which this shape comes close to on one CPU thread (short
 sequences: attention, whose backward is all B, is a small share); the table gives the measured F, B, W times, and the
 column "cost model" simulates each schedule with them (pp_schedule.simulate, one device per stage).
 
@@ -49,6 +49,33 @@ QUICK = dict(n_layer=8, d_model=64, n_head=4, n_kv_head=4, ffn_dim=128, vocab_si
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
 
 
+class TimedPipeline(pp.Pipeline):
+    """The executor with a clock: busy_s (inside F, B and W; on CUDA each synchronized), wall_s (between two pp-group
+    barriers), events [(action, start, end)], utilization = busy / wall."""
+
+    def run(self, actions):
+        self.busy_s, self.events = 0.0, []
+        self.group.all_reduce(torch.zeros(1, device=self.device))  # the stages start together
+        self.t0 = time.perf_counter()
+        loss = super().run(actions)
+        self.group.all_reduce(torch.zeros(1, device=self.device))  # and end together: the drain counts as idle
+        self.wall_s = time.perf_counter() - self.t0
+        return loss
+
+    def compute(self, a, received):
+        start = time.perf_counter()
+        super().compute(a, received)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        self.busy_s += end - start
+        self.events.append((a, start - self.t0, end - self.t0))
+
+    @property
+    def utilization(self):
+        return self.busy_s / self.wall_s if self.wall_s else 0.0
+
+
 def chunks_per_rank(schedule):
     return S.chunks_per_rank(schedule, 2 if schedule == "interleaved" else 1)
 
@@ -80,7 +107,7 @@ def _measure(rank, world, cfg_fields, seqs, schedules, micro_counts, steps, min_
         for step in range(warmup + max(steps, min_micro_batches // n_micro)):  # short steps: more of them
             for schedule, (chunks, wrapper, _) in runs.items():
                 _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper,
-                                       timed=True)
+                                       runner=TimedPipeline)
                 wrapper.zero_grad()
                 if step >= warmup:
                     records[schedule].append(record)
@@ -178,9 +205,9 @@ def main(argv=None):
              "closest to the schedule's own behaviour); median step: each stage's median, averaged over stages.",
              "theory: F = B = W (pp_schedule.theoretical_utilization): M/(M+P-1), interleaved VM/(VM+P-1) with V = 2, "
              "zb1 3M/(3M+P-1), zbv 6M/(6M+P-1) once M fills the warmup.",
-             "busy = seconds inside a stage's F, B and W actions, idle = the rest of its step (StageRecord from "
-             "parallel/pp.py); utilization = busy / (busy + idle). F/B/W ms: a stage's worth (a chunk's x V); gpipe, "
-             "1f1b and interleaved run B and W as one backward, listed under B.",
+             "busy = seconds inside a stage's F, B and W actions, idle = the rest of its step (TimedPipeline: "
+             "parallel/pp.py with a clock); utilization = busy / (busy + idle). F/B/W ms: a stage's worth (a chunk's "
+             "x V); gpipe, 1f1b and interleaved run B and W as one backward, listed under B.",
              *verdicts,
              f"the {cores}-core model is the processor-sharing prediction (see the script's docstring). Wall time of "
              f"the whole measurement: {time.time() - t0:.0f} s; 1-minute load average {load_before:.1f} before, "

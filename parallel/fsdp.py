@@ -1,19 +1,17 @@
 """FSDP: each of the M ranks of a group keeps 1/M of every parameter, gradient and Adam state.
 
-Split:    the batch (as DDP) and the model state in units, per pipeline chunk: the embedding, each block, final norm +
-          lm_head. A unit is flattened, padded to a multiple of M and cut into M shards; a rank keeps its shard in fp32.
-Sends:    per micro-batch an all-gather (compute dtype, c bytes) of every unit for forward and of each block for
-          backward (the embedding's backward needs no weights; norm + head stays gathered into its backward), and a
-          reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of every unit's gradient into the fp32 shard gradient.
-          Per rank and step, P params (E in embedding, norm, head), A micro-batches: (M-1)/M · A·((2P-E)·c + P·r).
-          Under pp (keep_gathered) units are gathered once per step, kept to their last backward: (M-1)/M · P(c + A·r).
+Split:    the batch (as DDP) and the model state in units per pipeline chunk (the embedding, each block, final norm +
+          lm_head), each flattened, padded to a multiple of M and cut into M shards; a rank keeps its shard in fp32.
+Sends:    per micro-batch an all-gather in the compute dtype (c bytes) of every unit for forward and of each block for
+          backward, and a reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of every unit's gradient into the
+          fp32 shard gradient. Per rank and step, P params (E in embedding, norm, head), A micro-batches:
+          (M-1)/M · A·((2P-E)·c + P·r). Under pp units are gathered once per step: (M-1)/M · P(c + A·r).
           --accumulate unsharded sums the micro-batches' gradients locally and reduce-scatters once: A·r becomes r.
-Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's (the embedding's when another
-          micro-batch follows); a reduce-scatter is waited for after the next unit's backward (--no-overlap: none).
-Memory:   16·P/M bytes of fp32 state (+ padding; the shard gradients persist, whatever A), ~2 gathered units, and one
-          flat gradient the size of the largest unit (reduce dtype) during backward; unsharded accumulation keeps
-          every unit's flat gradient all step (r·P more). Saved weights are (unit, offset) records gathered again in
-          backward; under pp the stage's units stay gathered through the step.
+Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's; a reduce-scatter is waited for
+          after the next unit's backward (--no-overlap: nothing overlaps).
+Memory:   16·P/M bytes of fp32 state (+ padding), ~2 gathered units, one flat gradient the size of the largest unit
+          during backward (unsharded accumulation: every unit's, all step, r·P). Saved weights are (unit, offset)
+          records gathered again in backward; under pp a stage's units stay gathered through the step.
 """
 from collections import Counter, namedtuple
 
@@ -54,7 +52,6 @@ class Unit:
         self.grad = None  # (shard_numel,) fp32: the gradient shard summed over the group and the step's backwards
         self.fresh = True  # nothing summed into grad yet this step: the first reduce-scatter overwrites it
         self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter in flight
-        self.summed, self.summing = None, False  # unsharded accumulation: the (padded,) sum of this step's backwards
 
     def views(self, flat):
         """The unit's parameters as views of a flat buffer."""
@@ -124,9 +121,8 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDP:
     def __init__(self, module, mesh, group, init_param, device, compute_dtype=torch.float32,
-                 reduce_dtype=torch.float32, overlap=True, keep_gathered=False, accumulate="sharded"):
+                 reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
-        self.unsharded = accumulate == "unsharded"  # sum a step's unit gradients locally, reduce-scatter them once
         self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
         self.weight_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # forward computes with gathered weights
         self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas; if not, more come
@@ -154,7 +150,7 @@ class FSDP:
 
     def _make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
         """Materializes one unit from the meta device: this rank generates only its shard of each initial value
-        (init_param(name, meta, flat=range): the one-process values, nothing more), never a full parameter."""
+        (init_param(name, meta, flat=range)), never a full parameter."""
         slots = [(m, attr, names[id(p)], p) for top in tops for m in top.modules()
                  for attr, p in m._parameters.items() if p is not None]
         unit = Unit(name, slots, self.group, device, compute_dtype)
@@ -236,30 +232,25 @@ class FSDP:
             unit.full = None
         if self.reducing is not None:  # launched one unit ago, done under this unit's backward: free its buffer
             self._finish_reduction(self.reducing)
-        if self.unsharded:  # allocated once, kept across steps: the first backward of a step overwrites it
-            if unit.summed is None:
-                unit.summed = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype)
-            flat = unit.summed
-        else:  # one at a time: the reduce-scatter that read it is done (freed by finish_grad_sync)
-            if self.flat is None:
-                self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
-            flat = self.flat[:unit.padded]
-        views = unit.views(flat)
-        if unit.summing:  # only ever set under unsharded accumulation
-            reached = [(v, g) for v, g in zip(views, grads) if g is not None]
-            torch._foreach_add_([v for v, _ in reached], [g for _, g in reached])
-        else:
-            flat[unit.numel:].zero_()  # the padding (under M elements)
-            # a param this backward did not reach (grad None): its view zeroed, copied onto itself
-            torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
-        unit.summing = self.unsharded and not self.sync_grads
-        if unit.summing:  # more backwards of this unit come this step: reduce once, after the last
+        flat = self.flat_gradient(unit, grads)
+        if flat is None:  # (unsharded accumulation: more backwards of the unit come this step)
             return
         out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block of the sum
         unit.reduction = (out, self.group.reduce_scatter(out, flat, async_op=True), self.sync_grads)
         self.reducing = unit
         if not self.overlap:
             self._finish_reduction(unit)
+
+    def flat_gradient(self, unit, grads):
+        """This backward's gradients of the unit as one flat (padded,) buffer in the reduce dtype, to reduce-scatter
+        now: one buffer for every unit, used one at a time (the reduce-scatter that read it is done)."""
+        if self.flat is None:  # freed by finish_grad_sync
+            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
+        flat, views = self.flat[:unit.padded], unit.views(self.flat)
+        flat[unit.numel:].zero_()  # the padding (under M elements)
+        # a param this backward did not reach (grad None): its view zeroed, copied onto itself
+        torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
+        return flat
 
     def _finish_reduction(self, unit):
         """Waits for the unit's reduce-scatter and sums it into the shard gradient; after the step's last backward of
@@ -286,8 +277,6 @@ class FSDP:
 
     def finish_grad_sync(self):
         """Waits for the reductions in flight, averages, all-reduces sequence-parallel norm grads over tp."""
-        if any(unit.summing for unit in self.units):
-            raise RuntimeError("unsharded accumulation: no backward of this step was marked sync_grads")
         for unit in self.units:
             if unit.pending is not None:  # an unused prefetch must not outlive the optimizer step
                 unit.wait_gathered()
@@ -343,12 +332,12 @@ class FSDP:
 
 
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
-         accumulate="sharded", cls=FSDP, group=None):
+         cls=FSDP, group=None):
     """module: nn.ModuleList of GPT chunks on the meta device, materialized one unit at a time with init_param(global
     name, meta param) -> this rank's (tp-local) fp32 tensor. FSDP shards over dp x cp; under pp units stay gathered.
-    accumulate: "sharded" (a reduce-scatter per backward) or "unsharded" (one per step)."""
+    cls: FSDP, HSDP, or either with fsdp_accumulate's unsharded accumulation."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
-               overlap=overlap, keep_gathered=mesh.pp > 1, accumulate=accumulate)
+               overlap=overlap, keep_gathered=mesh.pp > 1)
 
 
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)

@@ -59,8 +59,8 @@ class HSDP(FSDP):
 
 
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
-         accumulate="sharded"):
-    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, accumulate, cls=HSDP,
+         cls=HSDP):
+    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, cls=cls,
                      group=mesh.shard_group)
 
 

@@ -1,27 +1,22 @@
 """Pipeline parallel: the layers are split into stages, and micro-batches flow through them.
 
-Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a layer's 2·N_layer + 4·d·T
-          forward FLOPs per token, the head's 2·d·vocab on the last chunk, the embedding's memory on the
-          first), or --pp-split; rank r holds virtual stages r, r+P, ... (round robin, V = --pp-virtual), or
-          under zbv stages r and 2P-1-r (a V: rank P-1 hands stage P-1's output to stage P in memory).
-Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d
-          elements each (b·T/tp·d under sequence parallel), point to point to the neighbouring rank:
-          2·M·(P·V-1)·b·T·d·bytes per step for the whole pipeline (zbv: 2·M·(2P-2)·..., rank P-1's boundary
-          stays in memory). Shapes come from the config, not the wire.
-Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a
-          receive is posted as soon as the peer would have produced it (schedules in pp_schedule.py).
-Memory:   each rank holds 1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at
-          most P micro-batches in flight under 1F1B (interleaved P + (P-1)/V, GPipe all M); each is freed after its
-          backward (zb1, zbv: its W, pp_bw_split.py; every stage holds up to P stages' worth). A chunk's
-          output is freed once sent: backward needs it as its graph's root, not its bytes.
-Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved (M = micro-batches), zb1
-          3M/(3M+P-1) and zbv 6M/(6M+P-1) with F = B = W once M fills the warmup (pp_schedule.py).
+Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a layer's 2·N_layer + 4·d·T forward FLOPs
+          per token, the head's 2·d·vocab on the last chunk, the embedding's memory on the first), or --pp-split;
+          rank r holds virtual stages r, r+P, ... (V = --pp-virtual), or under zbv stages r and 2P-1-r (a V).
+Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d elements each
+          (b·T/tp·d under sequence parallel), point to point: 2·M·(P·V-1)·b·T·d·bytes per step for the whole
+          pipeline (zbv: 2·M·(2P-2)·..., rank P-1's boundary stays in memory). Shapes come from the config.
+Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a receive is
+          posted as soon as the peer would have produced it (the schedules, pp_schedule.py).
+Memory:   1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at most P micro-batches in flight
+          under 1F1B (interleaved P + (P-1)/V, GPipe all M), each freed after its backward (zb1, zbv: its W); a
+          chunk's output is freed once sent: backward needs it as its graph's root, not its bytes.
+Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved, zb1 3M/(3M+P-1) and zbv 6M/(6M+P-1).
 Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
 """
 import copy
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -131,23 +126,6 @@ class PipelineError(RuntimeError):
     """An action failed on this stage; the message names the stage and the action."""
 
 
-@dataclass
-class StageRecord:
-    """What one rank's pipeline did in one step (seconds; events relative to the step's start)."""
-    busy_s: float = 0.0
-    wall_s: float = 0.0
-    max_in_flight: int = 0  # most activation sets (forwards awaiting their backward, or W) alive at once
-    events: list = field(default_factory=list)  # (action, start, end) for every compute
-
-    @property
-    def idle_s(self):
-        return self.wall_s - self.busy_s
-
-    @property
-    def utilization(self):
-        return self.busy_s / self.wall_s if self.wall_s else 0.0
-
-
 @lru_cache(maxsize=64)
 def actions_for(schedule, P, M, V, rank, train=True):
     return (S.build(schedule, P, M, V) if train else S.forward_only(P, M, V, schedule in S.VSHAPED))[rank]
@@ -156,9 +134,9 @@ def actions_for(schedule, P, M, V, rank, train=True):
 class Pipeline:
     """One rank's run of one action list. Tensors live in dicts keyed by (chunk, micro-batch)."""
 
-    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed, activation_dtype):
+    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, activation_dtype):
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
-        self.loss_scale, self.wrapper, self.timed = loss_scale, wrapper, timed
+        self.loss_scale, self.wrapper = loss_scale, wrapper
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
         self.vshape, self.last = chunks[0].pipeline.schedule in S.VSHAPED, self.P * len(chunks) - 1
         self.device = batches[0][0].device
@@ -169,37 +147,26 @@ class Pipeline:
         chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the dtype of the weights
         self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model), activation_dtype)
         self.loss = torch.zeros((), device=self.device)
-        self.record = StageRecord()
+        self.max_in_flight = 0  # most activation sets (forwards awaiting their backward, or W) alive at once
 
     def run(self, actions):
+        """Runs the actions; returns the summed local loss (nonzero on the last stage)."""
         self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}  # a chunk's last B and W sync gradients
         self.split = any(a.op == "W" for a in actions)  # zb1, zbv: each backward is a B and a later W
-        self.barrier()
-        t0 = time.perf_counter()
         for step in S.batches(actions):
             try:
                 if step[0].op in S.COMPUTE:
-                    received = self.wait_for_input(step[0])  # idle while the neighbour is not done
-                    start = time.perf_counter()
-                    {"F": self.forward, "B": self.backward, "W": self.weight}[step[0].op](step[0], received)
-                    if self.timed and self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    end = time.perf_counter()
-                    self.record.busy_s += end - start
-                    self.record.events.append((step[0], start - t0, end - t0))
+                    self.compute(step[0], self.wait_for_input(step[0]))  # idle while the neighbour is not done
                 else:
                     self.post(step)
             except Exception as e:
                 raise PipelineError(f"pipeline stage {self.rank} failed at {step[0]}: {type(e).__name__}: {e}") from e
         for posted in self.sends:
             posted.wait()
-        self.barrier()  # so that a stage's idle time includes the fill before and the drain after its work
-        self.record.wall_s = time.perf_counter() - t0
-        return self.loss, self.record
+        return self.loss
 
-    def barrier(self):
-        if self.timed:
-            self.group.all_reduce(torch.zeros(1, device=self.device))
+    def compute(self, a, received):
+        {"F": self.forward, "B": self.backward, "W": self.weight}[a.op](a, received)
 
     def stage(self, chunk):
         return S.stage_of(self.rank, chunk, self.P, self.vshape)
@@ -233,7 +200,7 @@ class Pipeline:
         if torch.is_grad_enabled():
             self.inputs[(a.chunk, a.mb)] = x
             self.alive.add((a.chunk, a.mb))  # its graph (or, after B, what its W needs) is held
-            self.record.max_in_flight = max(self.record.max_in_flight, len(self.alive))
+            self.max_in_flight = max(self.max_in_flight, len(self.alive))
         elif v == self.last:
             del self.outputs[(a.chunk, a.mb)]
 
@@ -312,16 +279,14 @@ class Posted:
 
 
 def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0, wrapper=None, train=True,
-            timed=False):
-    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, StageRecord).
-    activation_dtype: of what flows between stages, the dtype of the weights forward sees (the embedding's output,
-    to which every block adds). timed: the stages start and end the step together (a pp-group barrier), and on
-    CUDA each compute is synchronized, so that busy / wall_s is the stage's utilization (benchmarks; off in
-    training)."""
+            runner=Pipeline):
+    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, the runner, a Pipeline:
+    its max_in_flight). activation_dtype: of what flows between stages, the dtype of the weights forward sees (the
+    embedding's output, to which every block adds)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
-    return Pipeline(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, timed, activation_dtype).run(
-        actions)
+    pipeline = runner(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, activation_dtype)
+    return pipeline.run(actions), pipeline
 
 
 def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale):

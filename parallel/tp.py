@@ -1,18 +1,19 @@
 """Tensor parallel (Megatron-LM) over the tp group of t ranks, with sequence parallel (--sp).
 
-Split:    q, k, v, gate, up by output features (whole heads, GQA kv heads too; whole ffn columns), o and down by input
-          features, the embedding and lm_head by (padded) vocabulary rows. Column then row (L27): φ(X·[A_1 .. A_t])·
-          [B_1; ..; B_t] = Σ_i φ(X·A_i)·B_i for a columnwise φ (SwiGLU, per-head attention): one sum per sublayer.
-Sends:    Megatron's f enters a sublayer (identity forward, all-reduce of the input gradient backward), g leaves it
-          (all-reduce forward, identity backward): per layer and micro-batch 4 all-reduces of (b, s, d),
-          4·2(t-1)/t·bsd·e bytes; + the embedding's g, the head's f and the loss's all-gather of 2 floats a token.
-          --sp: an all-reduce is a reduce-scatter + an all-gather along the sequence (the same bytes), the column
-          inputs are gathered again in backward (+1/4), and the norm gains' partial gradients summed once a step.
-Overlap:  f's all-reduce of the input gradient runs under the weight-gradient matmuls; the rest blocks (tp belongs on
-          one server's links). tp_ring.py, a layer on top, cuts --sp's collectives into hops under the matmuls.
+Split:    q, k, v, gate, up by output features (whole heads, GQA kv heads too), o and down by input features, the
+          embedding and lm_head by vocabulary rows. Column then row (L27): φ(X·[A_1 .. A_t])·[B_1; ..; B_t] =
+          Σ_i φ(X·A_i)·B_i for a columnwise φ (SwiGLU, per-head attention): one sum per sublayer.
+Sends:    f enters a sublayer (identity forward, input gradient all-reduced backward), g leaves it (all-reduce forward):
+          per layer and micro-batch 4 all-reduces of (b, s, d), 4·2(t-1)/t·bsd·e bytes, + the embedding's g, the head's
+          f and the loss's all-gather of 2 floats a token. --sp: an all-reduce becomes a reduce-scatter + all-gather
+          along the sequence (same bytes), column inputs are gathered again in backward (+1/4), norm gains summed.
+Overlap:  f's all-reduce of the input gradient runs under the weight-gradient matmuls; the rest blocks (tp stays on
+          one server). tp_ring.py, a layer on top, cuts --sp's collectives into hops under the matmuls.
 Memory:   weights, gradients, Adam state, attention and MLP activations / t; --sp: also the residual stream, norms and
-          the column matmuls' saved inputs. Logits: (tokens, V/t); no (tokens x V) tensor ever exists.
+          the column matmuls' saved inputs. Logits (tokens, V/t): no (tokens x V) tensor ever exists.
 """
+from collections import namedtuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,8 +42,7 @@ def reduce_scatter_seq(group, x):
 
 
 def all_reduce(group, x):
-    """The sum of x over tp, in a new tensor: a gradient autograd hands over may be shared by another path (a residual
-    add passes the same tensor to both branches)."""
+    """The sum of x over tp, in a new tensor (a gradient autograd hands over may be shared with another path)."""
     out = x.contiguous().clone()
     group.all_reduce(out)
     return out
@@ -65,38 +65,24 @@ class EnterTP(Function):
         return reduce_scatter_seq(ctx.group, grad) if ctx.sp else all_reduce(ctx.group, grad), None, None
 
 
-class ReduceFromTP(Function):
-    """g: all-reduce forward (sum the row-parallel partial outputs), identity backward."""
+class LeaveTP(Function):
+    """g: all-reduce forward, the sum of the row-parallel partial outputs (--sp: reduce-scattered along the
+    sequence); identity backward (--sp: the gradient all-gathered)."""
 
     @staticmethod
-    def forward(ctx, x, group):  # x: a row-parallel matmul's fresh output, which no backward reads: summed in place
+    def forward(ctx, x, group, sequence_parallel):
+        ctx.group, ctx.sp = group, sequence_parallel
+        if sequence_parallel:
+            return reduce_scatter_seq(group, x)
         if x._base is not None:  # a view a custom matmul returned (fp8.py): autograd forbids changing it in place
             return all_reduce(group, x)
-        ctx.mark_dirty(x)
+        ctx.mark_dirty(x)  # a fresh matmul output that no backward reads: summed in place
         group.all_reduce(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class ScatterSequence(Function):
-    """g under --sp: reduce-scatter the partial sums along the sequence forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(group, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(ctx.group, grad), None
-
-
-def leave_tp(x, group, sequence_parallel):
-    """Partial sums over tp -> the replicated (or sequence-sharded) residual stream."""
-    return ScatterSequence.apply(x, group) if sequence_parallel else ReduceFromTP.apply(x, group)
+        return all_gather_seq(ctx.group, grad) if ctx.sp else grad, None, None
 
 
 def input_grad(grads, weights, dtype):
@@ -122,10 +108,9 @@ class ColumnParallel(Function):
     @staticmethod
     def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
         x, *weights = ctx.saved_tensors
-        group = ctx.group
 
         def gathered():  # x over the whole sequence (B, T, d): under --sp gathered again from the saved block
-            return all_gather_seq(group, x) if ctx.sp else x
+            return all_gather_seq(ctx.group, x) if ctx.sp else x
 
         def weight_grads(full):  # dW_j = dy_jᵀ · x_full: (out_j/t, d)
             return [g.flatten(0, 1).t() @ full.flatten(0, 1).to(g.dtype) for g in grads]
@@ -133,15 +118,12 @@ class ColumnParallel(Function):
         grad_x = input_grad(grads, weights, x.dtype)  # (B, T, d)
         pending = None
         if ctx.sp:
-            grad_x = reduce_scatter_seq(group, grad_x)  # (B, T/t, d)
+            grad_x = reduce_scatter_seq(ctx.group, grad_x)  # (B, T/t, d)
         else:  # summed in place, no clone: grad_x was made just now, and nothing else refers to it
-            pending = group.all_reduce(grad_x, async_op=ctx.overlap)
+            pending = ctx.group.all_reduce(grad_x, async_op=ctx.overlap)
         if ctx.deferred:  # the weight_grads hook: the schedule's W runs the matmuls (and --sp's gather) later
-            store, read = ctx.deferred
-            store.defer(read, lambda: weight_grads(gathered()))
-            grads_w = [None] * len(weights)
-        else:
-            grads_w = weight_grads(full)
+            ctx.deferred[0].defer(ctx.deferred[1], lambda: weight_grads(gathered()))
+        grads_w = [None] * len(weights) if ctx.deferred else weight_grads(full)
         if pending is not None:
             pending.wait()  # the all-reduce travelled under the weight-gradient matmuls
         return grad_x, None, None, None, None, *grads_w
@@ -154,12 +136,9 @@ def shard(param, dim, group):
     return tag_tp_shard(param, dim, group.rank, group.size)
 
 
-class ColumnInput:
-    """What NormThenEnter hands the column-parallel linears reading it: their outputs (B, T, out/t), computed together,
-    in `readers` order; `shape` is the full activation's (B, T, d)."""
-
-    def __init__(self, shape, outputs):
-        self.shape, self.outputs = shape, outputs
+# What NormThenEnter hands the column-parallel linears reading it: their outputs (B, T, out/t), computed together, in
+# `readers` order; `shape` is the full activation's (B, T, d).
+ColumnInput = namedtuple("ColumnInput", "shape outputs")
 
 
 class ColumnParallelLinear(Linear):
@@ -185,7 +164,7 @@ class RowParallelLinear(Linear):
         shard(self.weight, 1, group)
 
     def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
-        return leave_tp(super().forward(x), self.group, self.sequence_parallel)
+        return LeaveTP.apply(super().forward(x), self.group, self.sequence_parallel)
 
 
 class NormThenEnter(RMSNorm):
@@ -233,7 +212,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.vocab_start  # (B, T)
         mine = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine.unsqueeze(-1)  # (B, T, d)
-        return leave_tp(x, self.group, self.sequence_parallel)
+        return LeaveTP.apply(x, self.group, self.sequence_parallel)
 
 
 # ---------------------------------------------------------------- vocab-parallel cross-entropy

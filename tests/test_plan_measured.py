@@ -109,7 +109,8 @@ def measure(rank, world, flags, micro, accum):
     params = wrapper.optim_params()
     state = storage_bytes(params) + storage_bytes(v for s in opt.state.values() for v in s.values() if v.numel() > 1)
     state += storage_bytes(p.grad for p in params if p.grad is not None)  # gradients kept between steps (ddp's buckets)
-    state += storage_bytes(u.summed for u in getattr(wrapper, "units", []) if u.summed is not None)  # --accumulate
+    state += storage_bytes(u.summed for u in getattr(wrapper, "units", [])
+                           if getattr(u, "summed", None) is not None)  # --accumulate unsharded
     mesh.stats.reset()
     with LiveBytes() as live:
         train.train_step(run, x, y, 1e-3, args.grad_clip)

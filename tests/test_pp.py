@@ -17,6 +17,7 @@ import model as M
 import train
 from bench import pp_draw
 from bench.plan_layout import in_flight
+from bench.pp_bubble import TimedPipeline
 from config import UsageError
 from parallel import pp
 from parallel import pp_schedule as S
@@ -294,7 +295,8 @@ def _in_flight(rank, world):
         chunks, batches = tiny_pipeline(mesh, schedule, 8)
         wrapper = DDP(torch.nn.ModuleList(chunks), mesh)
         mesh.stats.reset()
-        _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper)
+        _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper,
+                               runner=TimedPipeline)
         out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s,
                          mesh.stats.bytes["send"], mesh.stats.calls["send"])
     return out

@@ -89,7 +89,7 @@ def test_train_refuses_a_pair_the_simulator_refuses_with_one_line_and_exit_2(tmp
 # ---------------------------------------------------------------- the executor on gloo ranks
 
 def one_step(mesh, schedule, n_micro, policy="none"):
-    """One step of an 8-layer tiny pipeline, DDP over dp: (this rank's gradients by global name, its StageRecord's
+    """One step of an 8-layer tiny pipeline, DDP over dp: (this rank's gradients by global name, its Pipeline's
     peak activation sets, DDP buckets launched inside backward / buckets, block forward calls)."""
     with torch.device("meta"):
         full = M.GPT(TINY8)
