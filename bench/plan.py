@@ -180,6 +180,16 @@ def main(argv=None):
                  args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
                  args.measured, args.attn_tflops or 0.0, args.host_us, factors, args.mem_margin)
     batch = max(1, (args.global_batch_tokens or default_batch_tokens(cfg)) // seq)
+    fp8, lay = args.dtype == "fp8", None
+    if args.layout:  # refused before anything is printed: one line, exit 2
+        try:
+            lay = replace(parse_layout(args.layout), fp8=fp8) if fp8 else parse_layout(args.layout)
+            why = invalid(cfg, cl, lay, seq, batch, args.code)
+        except (ValueError, TypeError) as e:
+            why = str(e)
+        if why:
+            print(f"error: --layout: {why}", file=sys.stderr)
+            return 2
     total, non_emb = param_counts(cfg)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in over.items())
     name = f"custom shape (from {args.model} with {flags})" if over else args.model
@@ -187,25 +197,19 @@ def main(argv=None):
           f"{batch} x {seq} = {batch * seq / 2**20:.1f}M tokens; {cl.gpus} GPUs, {cl.gpus_per_node}/node, "
           f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter"
           + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
-    print(f"a layout fits below {cl.usable_gb:.1f} GB: {cl.hbm_gb:g} GB less a {cl.margin:.0%} margin (allocator, "
-          f"NCCL buffers, CUDA context, the memory model's error); factors: "
-          + (f"measured ({', '.join(measured)}: {args.factors})" if factors else f"the {args.code} code's (plan_factors.py)"))
-    try:
-        fp8 = args.dtype == "fp8"
-        if args.layout:
-            lay = replace(parse_layout(args.layout), fp8=fp8) if fp8 else parse_layout(args.layout)
-            p = evaluate(cfg, cl, lay, seq, batch, code=args.code)
-            print(bill(p, cl))
-            print("\nMFU at the pessimistic and optimistic end of each uncertain factor (plan_factors.py), all "
-                  "together first:\n" + bars_table(cfg, cl, [p], seq, batch, args.code, measured))
-            if fp8:
-                print(fp8_notes(cfg, cl, [p], seq, batch, args.code))
-            return 0
-        t0 = time.time()
-        plans = plan(cfg, cl, seq, batch, args.top, args.code, fp8)
-    except (ValueError, TypeError) as e:
-        print(f"error: --layout: {e}", file=sys.stderr)
-        return 2
+    whose = f"measured ({', '.join(measured)}: {args.factors})" if factors else f"the {args.code} code's"
+    print(f"a layout fits below {cl.usable_gb:.4g} GB: {cl.hbm_gb:g} GB less a {cl.margin:.0%} margin (allocator, "
+          f"NCCL buffers, CUDA context, the memory model's error); efficiency factors: {whose} (plan_factors.py)")
+    if lay:
+        p = evaluate(cfg, cl, lay, seq, batch, checked=True, code=args.code)
+        print(bill(p, cl))
+        print("\nMFU at the pessimistic and optimistic end of each uncertain factor (plan_factors.py), all "
+              "together first:\n" + bars_table(cfg, cl, [p], seq, batch, args.code, measured))
+        if fp8:
+            print(fp8_notes(cfg, cl, [p], seq, batch, args.code))
+        return 0
+    t0 = time.time()
+    plans = plan(cfg, cl, seq, batch, args.top, args.code, fp8)
     if not plans:
         spreads = next(candidates(cfg, cl, seq, batch, code=args.code, fp8=fp8), None) is not None
         print("no layout fits in memory" if spreads else spread_limit(cfg, cl, seq, batch))
