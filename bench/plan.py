@@ -84,7 +84,8 @@ def bars_table(cfg, cl, plans, seq, batch, code, measured):
     names = list(bars[0]) if bars else []
     lines = [f"{'#':>2} {'MFU':>6}  " + "  ".join(f"{n:>11}" for n in names)]
     for i, (p, b) in enumerate(zip(plans, bars), 1):
-        lines.append(f"{i:>2} {p.mfu:6.1%}  " + "  ".join(f"{100 * b[n][0]:5.1f}-{100 * b[n][1]:<5.1f}" for n in names))
+        spans = "  ".join(f"{100 * b[n][0]:5.1f}-{100 * b[n][1]:<5.1f}" for n in names)
+        lines.append(f"{i:>2} {p.mfu:6.1%}  {spans}".rstrip())
     return "\n".join(lines)
 
 

@@ -13,6 +13,8 @@ Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a laye
 chunks per rank in a V (parallel/pp_schedule.py): rank 0 holds the first and the last of 2P chunks, so the embedding
 and the head, and sends 2 activations per microbatch, as does rank P-1 (its two chunks meet on the rank); stages()
 places them so, while the time model's stage loads (layers) keep 1F1B's placement.
+A layout fits below HBM less Cluster.margin (MEM_MARGIN, 5%). tp_comm_overlap and dist_opt are Megatron-LM's
+options, the reference's only (invalid() refuses them for --code ours: train.py has neither).
 """
 from dataclasses import dataclass, fields
 

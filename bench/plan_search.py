@@ -1,11 +1,12 @@
 """The planner's search: every layout of a cluster, each priced (plan_memory.py, plan_time.py), the best kept.
 
 tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V powers of two;
---code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py;
+--code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py; --code reference
+adds Megatron-LM's distributed optimizer (ddp over dp x cp > 1) and TP communication overlap (tp > 1);
 hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024 tokens are skipped; per
-layout the lightest checkpointing that fits is kept (more recompute is never faster), and a micro-batch that
-fits with no policy stops the larger ones. The table shows the best layout of each dp x tp x pp x cp mesh;
-within 0.1 MFU point the simpler layout ranks first.
+layout the lightest checkpointing that fits (below HBM less the margin) is kept (more recompute is never faster),
+and a micro-batch that fits with no policy stops the larger ones. The table shows the best layout of each
+dp x tp x pp x cp mesh; within 0.1 MFU point the simpler layout ranks first.
 """
 import itertools
 import math
