@@ -198,7 +198,8 @@ def main(argv=None):
           f"{batch} x {seq} = {batch * seq / 2**20:.1f}M tokens; {cl.gpus} GPUs, {cl.gpus_per_node}/node, "
           f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter"
           + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
-    whose = f"measured ({', '.join(measured)}: {args.factors})" if factors else f"the {args.code} code's"
+    whose = (f"measured ({', '.join(measured)}: {args.factors})" if factors
+             else "this code's" if args.code == "ours" else "the reference's")
     print(f"a layout fits below {cl.usable_gb:.4g} GB: {cl.hbm_gb:g} GB less a {cl.margin:.0%} margin (allocator, "
           f"NCCL buffers, CUDA context, the memory model's error); efficiency factors: {whose} (plan_factors.py)")
     if lay:
