@@ -224,6 +224,7 @@ def test_measured_factors_replace_ours_and_drop_their_ranges(tmp_path, capsys):
     factors, names = F.load(path)
     assert (factors.mm, factors.attn, factors.elem, factors.launch_us, factors.bus) == (0.5, 0.3, 0.7, 4.0, 0.8)
     assert set(F.ranges("ours", names)) == {"bus", "tax", "credit"}
+    assert "compute" not in F.ranges("ours", ("mm",))  # one measured rate is enough to drop torchtitan's range
     argv = ["--gpus", "8", "--code", "ours", "--factors", str(path), "--layout", "dp=8,dp_mode=fsdp,micro=1"]
     assert P.main(argv) == 0
     out = capsys.readouterr().out
