@@ -201,8 +201,8 @@ def test_tp_comm_overlap_hides_the_reference_tp_collectives_under_their_gemms(mo
 
 def test_a_tp_only_mesh_gains_megatrons_options_and_fits_only_with_the_distributed_optimizer():
     """A 31.5B GPT shape on TP8 x DP48 (384 H100s, seq 4096): with every replica's 18 bytes per parameter plain ddp
-    does not fit; the distributed optimizer does, and with TP overlap it prices the mesh 3+ points above the best
-    without them (fsdp or hsdp, any micro-batch and checkpointing)."""
+    does not fit; the distributed optimizer does, and with TP overlap it prices the mesh 5+ points above the best
+    fitting layout without them (fsdp or hsdp, any micro-batch and checkpointing: 39.6%)."""
     cfg = replace(CFG8, n_layer=66, d_model=6144, n_head=48, n_kv_head=48, ffn_dim=16384, vocab_size=131072)
     cl, mesh = P.Cluster(384), (48, 8, 1, 1)
     with_opts = [p for p in P.plan(cfg, cl, 4096, 768, top=1000) if (p.layout.dp, p.layout.tp, p.layout.pp,
@@ -210,10 +210,9 @@ def test_a_tp_only_mesh_gains_megatrons_options_and_fits_only_with_the_distribut
     assert with_opts and with_opts[0].layout.dist_opt and with_opts[0].layout.tp_comm_overlap
     plain = P.evaluate(cfg, cl, replace(with_opts[0].layout, dist_opt=False, tp_comm_overlap=False), 4096, 768)
     assert not plain.fits
-    best_without = max(P.evaluate(cfg, cl, P.Layout(48, 8, dp_mode=m, shard=8 * (m == "hsdp"), micro=mb, ckpt=c),
-                                  4096, 768).mfu
-                       for m in ("fsdp", "hsdp") for mb in (1, 2, 4, 8, 16) for c in P.CKPTS)
-    assert with_opts[0].mfu > best_without + 0.03
+    fitting = [P.evaluate(cfg, cl, P.Layout(48, 8, dp_mode=m, shard=8 * (m == "hsdp"), micro=mb, ckpt=c), 4096, 768,
+                          need_fit=True) for m in ("fsdp", "hsdp") for mb in (1, 2, 4, 8, 16) for c in P.CKPTS]
+    assert with_opts[0].mfu > max(p.mfu for p in fitting if p) + 0.05
 
 
 # ---------------------------------------------------------------- measured factors and the command line
