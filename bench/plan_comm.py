@@ -12,8 +12,10 @@ allgather (Llama 3) all-gathers K,V and reduce-scatters dK,dV, 2/3 of that; ulys
 out, fwd and bwd: 2*(cp-1)/cp * t*hd*2*(2a/tp + 2*max(kv_local, cp)) bytes.
 PP: each of a rank's V chunks sends its activation forward and a gradient back, t*d*2/tp bytes
 (SP-sharded) per microbatch (2V sends; 2V-1 when P = 2).
-DP: ddp all-reduces fp32 grads once per step, 2(g-1)/g*4*P_gpu, in BUCKET_MB buckets. fsdp with P = 1: per
-microbatch all-gathers bf16 weights for fwd and bwd and reduce-scatters fp32 grads, (2+2+4)(S-1)/S*P_gpu;
+DP: ddp all-reduces fp32 grads once per step, 2(g-1)/g*4*P_gpu, in BUCKET_MB buckets; with dist_opt (Megatron's
+distributed optimizer) it reduce-scatters them and all-gathers the updated bf16 weights, (g-1)/g*(4+2)*P_gpu.
+fsdp with P = 1: per microbatch all-gathers bf16 weights for fwd and bwd and reduce-scatters fp32 grads,
+(2+2+4)(S-1)/S*P_gpu;
 with P > 1 one gather and one reduce-scatter per step. hsdp adds the replicas' all-reduce 2(R-1)/R*4*P_gpu/S.
 fp8 (torchao's float8 all-gather): the block matmul weights (Shape.p_fp8) are gathered in 1 byte instead of 2.
 """
@@ -43,7 +45,10 @@ def collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     if lay.pp > 1:  # per chunk an activation forward and a gradient back; with P = 2 one chunk end is idle
         sends = M * (2 * lay.V - (lay.pp == 2))
         out["pp"] = (sends * s.t * d * a_bytes / (tp if lay.sp else 1), sends)
-    if g > 1 and lay.dp_mode == "ddp":
+    if g > 1 and lay.dist_opt:  # reduce-scatter the fp32 grads, all-gather the updated bf16 weights, in buckets
+        buckets = math.ceil(g_bytes * s.p_gpu / (BUCKET_MB * 1e6))
+        out["dp"] = ((g - 1) / g * (g_bytes + w_bytes) * s.p_gpu, buckets * 2 * (g - 1))
+    elif g > 1 and lay.dp_mode == "ddp":
         buckets = math.ceil(g_bytes * s.p_gpu / (BUCKET_MB * 1e6))
         out["dp"] = (2 * (g - 1) / g * g_bytes * s.p_gpu, buckets * 2 * math.ceil(math.log2(g)))
     elif g > 1:

@@ -13,6 +13,8 @@ Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a laye
 chunks per rank in a V (parallel/pp_schedule.py): rank 0 holds the first and the last of 2P chunks, so the embedding
 and the head, and sends 2 activations per microbatch, as does rank P-1 (its two chunks meet on the rank); stages()
 places them so, while the time model's stage loads (layers) keep 1F1B's placement.
+A layout fits below HBM less Cluster.margin (MEM_MARGIN, 5%). tp_comm_overlap and dist_opt are Megatron-LM's
+options, the reference's only (invalid() refuses them for --code ours: train.py has neither).
 """
 from dataclasses import dataclass, fields
 
@@ -21,6 +23,10 @@ from model import layer_param_count
 W_B, G_B, MASTER_B, ADAM_B, ACT_B = 2, 4, 4, 8, 2  # bytes: bf16 weights, fp32 grads, fp32 master, Adam, bf16
 BUCKET_MB = 25       # DDP bucket (PyTorch's default)
 GB = 1e9
+# A layout fits only below HBM minus this share of it: room for what the memory model does not see (allocator spikes,
+# NCCL buffers beyond its OVERHEAD_GB, a CUDA context larger than assumed) and for the model's own error, -9 ... +10%
+# on the runs tests/test_plan_measured.py measures. torchtitan and Megatron-LM users keep 5-10% of HBM free.
+MEM_MARGIN = 0.05
 CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (bench/plan.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")  # parallel/pp_schedule.py
 
@@ -46,6 +52,12 @@ class Cluster:
     # host microseconds per dispatched op, paid in line where the host is the device (a CPU cluster measures it);
     # 0 on GPUs, whose kernels run while the host launches the next ones
     host_us: float = 0.0
+    factors: object = None      # plan_factors.Factors; None: those of the code priced (plan_time.py)
+    margin: float = MEM_MARGIN  # share of hbm_gb a layout must leave free to fit
+
+    @property
+    def usable_gb(self):
+        return self.hbm_gb * (1 - self.margin)
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,9 @@ class Layout:
     fp8: bool = False       # train.py --dtype fp8 (--fp8-all-gather under fsdp/hsdp): block matmuls and gathers in fp8
     order: str = "node"     # node: a node holds consecutive ranks (torchrun); interleaved: rank r on node r % nodes,
     #                         bench/cluster.py's ablation that puts tp across nodes
+    # the reference only (Megatron-LM's options; train.py has neither, its sp rings are on with sp and overlap):
+    tp_comm_overlap: bool = False  # --tp-comm-overlap: every sp all-gather and reduce-scatter under a GEMM's chunks
+    dist_opt: bool = False  # --use-distributed-optimizer: ddp whose fp32 master and Adam are sharded over dp x cp
 
     def __str__(self):
         s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp},dp_mode={self.dp_mode}"
@@ -78,33 +93,57 @@ class Layout:
         s += f",accumulate={self.accumulate}" if self.accumulate != "sharded" else ""
         s += ",fp8=1" if self.fp8 else ""
         s += f",order={self.order}" if self.order != "node" else ""
+        s += ",tp_comm_overlap=1" if self.tp_comm_overlap else ""
+        s += ",dist_opt=1" if self.dist_opt else ""
         return s + (f",cp_mode={self.cp_mode}" if self.cp > 1 else "")
+
+
+BOOLS = ("sp", "overlap", "fp8", "tp_comm_overlap", "dist_opt")
+DEGREES = ("dp", "tp", "pp", "cp", "micro", "V")  # each at least 1; shard at least 0
+
+
+def boolean(v):
+    if v.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError
+    return v.lower() in ("1", "true", "yes", "on")
 
 
 def parse_layout(text):
     """'dp=64,tp=8,pp=16,dp_mode=fsdp,V=8' -> Layout; unnamed fields keep their defaults, V > 1
-    implies schedule=interleaved and schedule=zbv V=2. Booleans (sp, overlap, fp8): 0 or 1."""
+    implies schedule=interleaved and schedule=zbv V=2. Booleans (sp, overlap, fp8, ...): 0 or 1. ValueError, naming
+    the field, for an unknown key, a value of the wrong kind or a degree below 1."""
     kinds = {f.name: type(f.default) for f in fields(Layout)}
-    kinds["sp"] = kinds["overlap"] = kinds["fp8"] = lambda v: v.lower() in ("1", "true", "yes", "on")
+    kinds.update(dict.fromkeys(BOOLS, boolean))
     items = [item for item in text.replace(" ", "").split(",") if item]
     if not items or any("=" not in item for item in items):
         raise ValueError(f"expected key=value pairs like dp=64,tp=8,pp=16, got {text!r}")
     kv = dict(item.split("=", 1) for item in items)
     if set(kv) - set(kinds):
         raise ValueError(f"unknown layout keys {sorted(set(kv) - set(kinds))}; known: {sorted(kinds)}")
-    if int(kv.get("V", 1)) > 1:
-        kv.setdefault("schedule", "interleaved")
-    if kv.get("schedule") == "zbv":
-        kv.setdefault("V", "2")
-    return Layout(**{k: kinds[k](v) for k, v in kv.items()})
+    got = {}
+    for k, v in kv.items():
+        try:
+            got[k] = kinds[k](v)
+        except ValueError:
+            what = "0 or 1" if k in BOOLS else "an integer" if kinds[k] is int else "a name"
+            raise ValueError(f"{k} must be {what}, got {v!r}") from None
+        if kinds[k] is int and got[k] < (k in DEGREES):
+            raise ValueError(f"{k} must be {'a positive' if k in DEGREES else 'a non-negative'} integer, got {v}")
+    if got.get("V", 1) > 1:
+        got.setdefault("schedule", "interleaved")
+    if got.get("schedule") == "zbv":
+        got.setdefault("V", 2)
+    return Layout(**got)
 
 
 def shard_size(lay):
     return {"ddp": 1, "fsdp": lay.dp * lay.cp, "hsdp": lay.shard}.get(lay.dp_mode, 1)
 
 
-def invalid(cfg, cl, lay, seq, batch):
-    """Why this layout cannot run (one line), or None."""
+def invalid(cfg, cl, lay, seq, batch, code="reference"):
+    """Why this layout cannot run (one line), or None. code: whose implementation (CODES)."""
+    if min(getattr(lay, k) for k in DEGREES) < 1 or lay.shard < 0:
+        return f"{', '.join(DEGREES)} must be at least 1 and shard at least 0"
     world, g = lay.dp * lay.tp * lay.pp * lay.cp, lay.dp * lay.cp
     for bad, why in [
         (world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
@@ -128,6 +167,11 @@ def invalid(cfg, cl, lay, seq, batch):
         (lay.accumulate not in ("sharded", "unsharded"), "accumulate: sharded | unsharded"),
         (lay.accumulate != "sharded" and lay.dp_mode == "ddp", "accumulate=unsharded needs dp_mode fsdp or hsdp"),
         (lay.order not in ("node", "interleaved"), "order: node | interleaved"),
+        (code != "reference" and (lay.tp_comm_overlap or lay.dist_opt),
+         "tp_comm_overlap and dist_opt are Megatron-LM's options (--code reference); train.py has neither"),
+        (lay.tp_comm_overlap and not (lay.tp > 1 and lay.sp and lay.overlap),
+         "tp_comm_overlap needs tp > 1, sp and overlap"),
+        (lay.dist_opt and (lay.dp_mode != "ddp" or g == 1), "dist_opt shards ddp's optimizer over dp x cp > 1"),
     ]:
         if bad:
             return why

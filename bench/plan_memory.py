@@ -2,10 +2,11 @@
 --code ours is plan_ours.py. Notation and stage sizes: plan_layout.py.
 
 Memory per GPU, the fuller of the first and last pipeline stage. Bytes/param: bf16 weights 2, fp32 master 4,
-fp32 grads 4, Adam 8. ddp replicates all. fsdp/hsdp shard master + Adam over S; with P = 1 also weights and
-grads (ZeRO-3) plus two gathered layers of weights and one of grads; with P > 1 a stage runs many microbatches
-interleaved, so its weights stay gathered and its grads unsharded for the step (Llama 3: no reshard after
-forward).
+fp32 grads 4, Adam 8. ddp replicates all (with dist_opt, Megatron's distributed optimizer, master and Adam are
+sharded over dp x cp: 6 + 12/g bytes per parameter, as Megatron-LM documents it). fsdp/hsdp shard master + Adam
+over S; with P = 1 also weights and grads (ZeRO-3) plus two gathered layers of weights and one of grads; with
+P > 1 a stage runs many microbatches interleaved, so its weights stay gathered and its grads unsharded for the
+step (Llama 3: no reshard after forward).
 Activations per layer per token (bf16; flash attention has no T^2 term; the SwiGLU/GQA form of
 Korthikanti et al.'s 34*s*b*h): none (12d + 6f)/tp + 4*hd*kv_local [x, norm, q, out, x2, norm, gate, up,
 silu*up; k, v]; selective recomputes both norms and silu*up: (8d + 4f)/tp + 4*hd*kv_local; full keeps
@@ -47,6 +48,7 @@ def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT
         return ours_memory(s, overhead_gb, frag, w_bytes, a_bytes)
     lay, P, M = s.lay, s.lay.pp, s.M
     S = shard_size(lay) if lay.dp_mode != "ddp" else 1
+    S_opt = lay.dp * lay.cp if lay.dist_opt else S  # Megatron's distributed optimizer shards master and Adam
     zero3 = lay.dp_mode != "ddp" and P == 1
     inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
     recompute = act_per_token(s, "none", a_bytes) * s.t if lay.ckpt == "full" else 0.0  # one layer at a time
@@ -57,7 +59,7 @@ def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT
         gathered = 2 * s.p_layer * (w_bytes or MASTER_B) if zero3 else 0.0  # two full layers (prefetch)
         m = {"weights": w_bytes * params / (S if zero3 else 1) + gathered,
              "grads": G_B * (params / S + s.p_layer if zero3 else params),
-             "master": MASTER_B * params / S, "adam": ADAM_B * params / S,
+             "master": MASTER_B * params / S_opt, "adam": ADAM_B * params / S_opt,
              "activations": flight * layers * s.t * act_per_token(s, lay.ckpt, a_bytes) + recompute,
              "logits": (a_bytes + 4) * s.t * s.cfg.padded_vocab / lay.tp if logits else 0.0}
         m["overhead"] = overhead_gb * GB + frag * sum(m.values())

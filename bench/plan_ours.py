@@ -42,11 +42,9 @@ previous one; for the first block, the next microbatch's embedding instead, and 
 embedding's (its dense grad in w, the next microbatch's embedding prefetched).
 zb1 and zbv (deferred_per_token, zb_sets): a stage keeps forward sets and sets awaiting their W, which hold each
 matmul's input and output gradient (about 1.3 forward sets); the set in B is counted as one awaiting its W.
-At 405B Llama 3's published meshes predict 38.2, 35.8 and 29.0% MFU with our code (plan_time.py), fitting 80 GB
-only with full checkpointing (accumulate=unsharded, V=8); without it they would predict 50.4, 46.9 and 38.7% but keep
-70-82 GB of activations (ckpt=none: a block's norm inputs and outputs, q, K, V, the attention output, gate, up and
-their product). One cp rank more halves them: the search's winners, tp8 pp16 cp2 at 8k tokens, fit without any
-recomputation at 50.8% and 48.4% (and 39.1% at 128k with cp32).
+At 405B the activations decide which of Llama 3's published meshes fit (with ckpt=none a block keeps its norms'
+inputs and outputs, q, K, V, the attention output, gate, up and their product); what each then predicts, with its
+range, is bench/plan_published.py's table (bench/README.md).
 """
 import math
 

@@ -1,18 +1,21 @@
 """The planner's search: every layout of a cluster, each priced (plan_memory.py, plan_time.py), the best kept.
 
 tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V powers of two;
---code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py;
+--code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py; --code reference
+adds Megatron-LM's distributed optimizer (ddp over dp x cp > 1) and TP communication overlap (tp > 1);
 hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024 tokens are skipped; per
-layout the lightest checkpointing that fits is kept (more recompute is never faster), and a micro-batch that
-fits with no policy stops the larger ones. The table shows the best layout of each dp x tp x pp x cp mesh;
-within 0.1 MFU point the simpler layout ranks first.
+layout the lightest checkpointing that fits (below HBM less the margin) is kept (more recompute is never faster),
+and a micro-batch that fits with no policy stops the larger ones. The table shows the best layout of each
+dp x tp x pp x cp mesh; within 0.1 MFU point the simpler layout ranks first.
 """
+import itertools
 import math
 from dataclasses import dataclass
 
 from bench.plan_layout import GB, Layout, Shape, invalid
+from bench.plan_links import members_per_node
 from bench.plan_memory import shape_memory
-from bench.plan_time import members_per_node, shape_step_time
+from bench.plan_time import shape_step_time
 from model import param_counts
 
 CKPTS = ("none", "selective", "full")  # each saves more memory and recomputes more
@@ -32,12 +35,12 @@ class Plan:
 
 def evaluate(cfg, cl, lay, seq, batch, need_fit=False, checked=False, code="reference"):
     """The Plan of one layout (None if need_fit and it does not fit); ValueError if it cannot run."""
-    why = None if checked else invalid(cfg, cl, lay, seq, batch)
+    why = None if checked else invalid(cfg, cl, lay, seq, batch, code)
     if why:
         raise ValueError(f"{lay}: {why}")
     s = Shape(cfg, lay, seq, batch, code)
     mem = shape_memory(s)
-    fits = sum(mem.values()) <= cl.hbm_gb * GB
+    fits = sum(mem.values()) <= cl.usable_gb * GB  # below HBM less the margin (plan_layout.MEM_MARGIN)
     return Plan(lay, shape_step_time(s, cl), mem, fits) if fits or not need_fit else None
 
 
@@ -50,7 +53,8 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
     a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
     (ascending), each a list of one layout per checkpoint policy (CKPTS order). Under code="ours" fsdp and hsdp
     come with both gradient accumulations (parallel/fsdp.py) and the zero-bubble schedules, the reference's reduces
-    once per step. fp8: train.py --dtype fp8."""
+    once per step, and adds Megatron-LM's options: its distributed optimizer under ddp and, with sp, its TP
+    communication overlap. fp8: train.py --dtype fp8."""
     for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
         for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
             for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:
@@ -64,13 +68,17 @@ def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="refe
                 scheds = [("gpipe", 1), ("1f1b", 1)] if pp > 1 else [("1f1b", 1)]
                 scheds += [("interleaved", v) for v in pow2((cfg.n_layer + 2) // pp) if v > 1 and pp > 1]
                 scheds += zero_bubble(cfg, pp) if code == "ours" else []
-                for mode, shard, acc in modes:
+                megatron = code == "reference"
+                opts = [(o, d) for o in (False, True)[:1 + (megatron and tp > 1)] for d in (False, True)[:1 + megatron]]
+                for (mode, shard, acc), (tp_overlap, dist_opt) in itertools.product(modes, opts):
+                    if dist_opt and (mode != "ddp" or dp * cp == 1):
+                        continue
                     for sched, V in scheds:
                         for cp_mode in ("ring", "ulysses", "allgather") if cp > 1 else ("ring",):
                             family = [[Layout(dp, tp, pp, cp, mode, shard, micro, c, sched, V, cp_mode,
-                                              accumulate=acc, fp8=fp8) for c in CKPTS]
-                                      for micro in pow2(min(max_micro, batch // dp))]
-                            family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch)]
+                                              accumulate=acc, fp8=fp8, tp_comm_overlap=tp_overlap, dist_opt=dist_opt)
+                                       for c in CKPTS] for micro in pow2(min(max_micro, batch // dp))]
+                            family = [lays for lays in family if not invalid(cfg, cl, lays[0], seq, batch, code)]
                             if family:
                                 yield family
 
@@ -83,9 +91,11 @@ def zero_bubble(cfg, pp):
 
 
 def rank_key(p):
-    """By MFU; within 0.1 point, the simpler layout: ddp, hsdp, fsdp; fewer model splits; smaller micro."""
+    """By MFU; within 0.1 point, the simpler layout: ddp, hsdp, fsdp; fewer model splits; fewer options; smaller
+    micro."""
     lay = p.layout
-    return -round(p.mfu, 3), ("ddp", "hsdp", "fsdp").index(lay.dp_mode), lay.tp * lay.pp * lay.cp, lay.micro
+    return (-round(p.mfu, 3), ("ddp", "hsdp", "fsdp").index(lay.dp_mode), lay.tp * lay.pp * lay.cp,
+            lay.tp_comm_overlap + lay.dist_opt, lay.micro)
 
 
 def plan(cfg, cl, seq, batch, top=10, code="reference", fp8=False):
