@@ -1,7 +1,7 @@
 """What hides under what: exposed TP and DP seconds, the price of cutting a collective into ring hops, and fp8's casts
 (notation: plan_layout.py; links, hide() and tax(): plan_links.py; the factors: plan_factors.py).
 
-TP, --code ours (parallel/tp.py, tp_overlap.py): without sp the 2 forward all-reduces of a layer block, the 2 backward
+TP, --code ours (parallel/tp.py, tp_ring.py): without sp the 2 forward all-reduces of a layer block, the 2 backward
 ones hide under the weight-grad matmuls of q,k,v and of gate,up (2*d*outputs/tp FLOPs per token each), lm_head's under
 its own. With sp and overlap every (t, d) collective of a layer or the head is a ring of tp-1 hops, each under a 1/tp
 chunk of the matmul next to it (ring()); what that costs, and no more than it, is priced: a chunk of t/tp rows runs at
@@ -39,7 +39,7 @@ from parallel.hsdp import replica_bytes
 from parallel.tp import activation_collectives, loss_bytes, seq_collective_bytes
 
 TP_EXPOSED = 0.6     # reference: 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
-RING_HOP_OPS = 6     # ops the host dispatches per hop of one collective (tp_overlap.py: a p2p pair, each chunk's matmul
+RING_HOP_OPS = 6     # ops the host dispatches per hop of one collective (tp_ring.py: a p2p pair, each chunk's matmul
 #                      and its copy or add; a column backward carries two collectives in one hop)
 FP8_LINEARS = 7      # q, k, v, o, gate, up, down: each all-reduces its amaxes over tp and cp in forward and backward
 
