@@ -91,14 +91,14 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard, so
-    the loader need not scan it), refuse ids outside the vocabulary, then write meta.json atomically (last)."""
+    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard), refuse
+    ids outside the vocabulary, then write meta.json atomically (last)."""
     counts, shards = {}, {}
     for split in ("train", "val"):
         counts[split] = 0
         for path in sorted(out_dir.glob(f"*_{split}_*.bin")):
             tokens = read_shard(path)
-            top = max_token_id(path, tokens)
+            top = max_token_id(tokens)
             check_vocab(path, top, vocab_size, f"the {enc_name} tokenizer")
             counts[split] += len(tokens)
             shards[path.name] = {"bytes": path.stat().st_size, "max_token_id": top}
