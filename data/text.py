@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
-from data.tokenizer import get_tokenizer
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from saves.files import write_json
 
 DEFAULT_GLOBS = ("*.txt", "*.jsonl")
@@ -295,7 +295,10 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
                  text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
     """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
     DataError (or ValueError for an unknown tokenizer) with a one-line message, before meta.json exists."""
-    enc = get_tokenizer(tokenizer)
+    try:
+        enc = get_tokenizer(tokenizer)
+    except TokenizerUnavailable as e:
+        raise DataError(f"{e}; or --tokenizer bytes, which works offline") from None
     tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
     files = find_files(paths, globs)
     out_dir = Path(out_dir)

@@ -231,3 +231,23 @@ def test_prepare_text_help_runs():
     out = subprocess.run([sys.executable, "data/prepare.py", "text", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=False, env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0 and "--tokenizer" in out.stdout and "--text-key" in out.stdout, out
+
+
+def test_an_offline_tiktoken_encoding_names_both_ways_out(tmp_path, monkeypatch, capsys):
+    """Was: only TIKTOKEN_CACHE_DIR, not `--tokenizer bytes`, which works offline."""
+    def offline(name):
+        raise OSError(f"no network to fetch {name}")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    (tmp_path / "in.txt").write_text("text\n")
+    code, err = run_text([tmp_path / "in.txt", "--tokenizer", "cl100k_base", "--out", tmp_path / "out"], capsys)
+    assert code == 2 and "\n" not in err and "TIKTOKEN_CACHE_DIR" in err and "--tokenizer bytes" in err, err
+
+
+def test_a_rank_past_32_bits_is_one_line(tmp_path, capsys):
+    """Was: an OverflowError traceback from tiktoken. End-of-text takes the id after the largest rank: 32 bits."""
+    (tmp_path / "in.txt").write_text("text\n")
+    for rank in (2**32, 2**32 - 1):
+        bpe = write_tiktoken({bytes([i]): i for i in range(256)} | {b"ab": rank}, tmp_path / "big.tiktoken")
+        code, err = run_text([tmp_path / "in.txt", "--tokenizer", bpe, "--out", tmp_path / "out"], capsys)
+        assert code == 2 and "\n" not in err and f"rank {rank}" in err, err
