@@ -11,7 +11,10 @@ text         your own files, folders and .jsonl, with any tokenizer (text.py):
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
 the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
 and records the tokenizer, vocab_size, each shard's size and largest token id, and max_token_id.
-Downloads stream to a temporary file and are renamed only when complete (and valid).
+The set is built in a hidden folder beside it and swapped in whole (staging.py): a failed or
+interrupted run leaves the previous set as it was, and a folder holding anything but a set of
+the same kind is refused untouched. Downloads stream to a temporary file and are renamed only
+when complete (and valid); a re-prepare reuses the files already downloaded.
 Bad flags (an --out that cannot be written, --shards out of range) are refused before anything is
 created: one line on stderr, exit status 2.
 """
@@ -32,11 +35,13 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
+from data.staging import carry, owned_by, staged
 from data.text import DEFAULT_GLOBS, prepare_text
 from data.tokenizer import get_tokenizer
 from saves.files import atomic_write, write_json
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
+PREFIX = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "fineweb10b": "fineweb"}  # of the shards' names
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
 FINEWEB_TRAIN_SHARDS = 103
@@ -221,17 +226,17 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
     if name == "shakespeare":
         tokenizer = tokenizer or get_tokenizer("gpt2")  # offline without a cache: fail before creating anything
     out_dir = writable_folder(out_dir or Path(__file__).resolve().parent / name)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create {out_dir}: {e.strerror or e}") from None
-    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
-    if name == "pystdlib":
-        prepare_pystdlib(out_dir, src_dir)
-    elif name == "shakespeare":
-        prepare_shakespeare(out_dir, base_url, tokenizer)
-    else:
-        prepare_fineweb(out_dir, shards, base_url)
+    owns = owned_by(PREFIX[name], ("input.txt",) if name == "shakespeare" else ())
+    with staged(out_dir, name, owns) as tmp:
+        if name == "pystdlib":
+            prepare_pystdlib(tmp, src_dir)
+        elif name == "shakespeare":
+            carry(out_dir, tmp, ["input.txt"])
+            prepare_shakespeare(tmp, base_url, tokenizer)
+        else:
+            previous = sorted(p.name for p in out_dir.glob("fineweb_*.bin")) if out_dir.is_dir() else []
+            carry(out_dir, tmp, [n for n in previous if owns(n)])
+            prepare_fineweb(tmp, shards, base_url)
     return out_dir
 
 

@@ -18,6 +18,10 @@ in flight; the main process writes their tokens in unit order into shards of `sh
 are byte-identical for any number of workers and the corpus is never in memory. Shards are uint32 when the
 vocabulary exceeds 65535, else uint16.
 
+Output. The shards and meta.json are written into a hidden folder beside out_dir, which takes its place only when
+complete (staging.py): a failure or an interruption leaves a previous data set there as it was, and an out_dir
+holding anything but a text data set is refused untouched.
+
 meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
 document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.
 """
@@ -36,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
+from data.staging import owned_by, staged
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from saves.files import write_json
 
@@ -274,77 +279,60 @@ class Shards:
         self.file = None
 
     def abort(self):
+        """Closes a shard left open (the folder it is in is about to be removed)."""
         if self.file is not None:
             self.file.close()
-            self.tmp.unlink(missing_ok=True)
-        for name in self.done:
-            (self.out_dir / name).unlink(missing_ok=True)
-
-
-def clear_out_folder(out_dir):
-    """Removes meta.json and this pipeline's old shards; refuses a folder holding another data set's shards."""
-    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
-    for path in sorted(out_dir.glob("*_*_*.bin")):
-        if re.fullmatch(rf"{PREFIX}_(train|val)_\d{{6}}\.bin", path.name):
-            path.unlink()
-        elif re.fullmatch(r".+_(train|val)_\d+\.bin", path.name):
-            raise DataError(f"{out_dir} holds another data set's shard {path.name}; choose another --out")
+            self.file = None
 
 
 def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
                  text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
     """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
-    DataError (or ValueError for an unknown tokenizer) with a one-line message, before meta.json exists."""
+    DataError (or ValueError for an unknown tokenizer) with a one-line message, and out_dir is left as it was."""
     try:
         enc = get_tokenizer(tokenizer)
     except TokenizerUnavailable as e:
         raise DataError(f"{e}; or --tokenizer bytes, which works offline") from None
     tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
     files = find_files(paths, globs)
-    out_dir = Path(out_dir)
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clear_out_folder(out_dir)
     dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
-    shards = {split: Shards(out_dir, split, shard_tokens, dtype) for split in ("train", "val")}
     job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
     counts = Counter()
-    try:
-        results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
-        first = next(results)  # the workers start before the progress bar's thread
-        with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
-                  desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
-            for train, val, unit_counts in _chain(first, results):
-                shards["train"].add(train)
-                shards["val"].add(val)
-                counts.update(unit_counts)
-                bar.update(unit_counts["bytes"])
-        if not counts["train_docs"] + counts["val_docs"]:
-            raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
-        if not counts["train_docs"]:
-            raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
-        for split in shards.values():
-            split.finish()
-    except BaseException:
-        for split in shards.values():
-            split.abort()
-        if created and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        raise
+    with staged(out_dir, "text", owned_by(PREFIX)) as tmp:
+        shards = {split: Shards(tmp, split, shard_tokens, dtype) for split in ("train", "val")}
+        try:
+            results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
+            first = next(results)  # the workers start before the progress bar's thread
+            with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
+                      desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
+                for train, val, unit_counts in _chain(first, results):
+                    shards["train"].add(train)
+                    shards["val"].add(val)
+                    counts.update(unit_counts)
+                    bar.update(unit_counts["bytes"])
+            if not counts["train_docs"] + counts["val_docs"]:
+                raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
+            if not counts["train_docs"]:
+                raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
+            for split in shards.values():
+                split.finish()
+        finally:
+            for split in shards.values():
+                split.abort()
+        done = {**shards["train"].done, **shards["val"].done}
+        tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
+        meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
+                "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
+                "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
+                "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
+                "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
+                           "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
+                           "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
+        write_json(tmp / "meta.json", meta, indent=2)
     if val_fraction and not counts["val_docs"]:
         print(f"warning: no document fell in the val split (--val-fraction {val_fraction})", file=sys.stderr)
     if counts["replaced"]:
         print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD", file=sys.stderr)
-    done = {**shards["train"].done, **shards["val"].done}
-    tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
-    meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
-            "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
-            "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
-            "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
-            "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
-                       "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
-                       "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
-    write_json(out_dir / "meta.json", meta, indent=2)
     return meta
 
 

@@ -203,10 +203,11 @@ def test_prepare_fineweb_downloads_validates_and_skips(server, tmp_path):
     # a truncated download is rejected before it takes the real name
     truncated = (root / "fineweb_train_000002.bin").read_bytes()[:-10]
     (root / "fineweb_train_000003.bin").write_bytes(truncated)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(DataError, match=f"{url}/fineweb_train_000003.bin.*truncated"):
         prepare("fineweb10b", out, shards=3, base_url=url)
-    assert not [p for p in out.iterdir() if "000003" in p.name]
-    assert not (out / "meta.json").exists()  # the folder is marked incomplete
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous set, whole (was: no meta.json)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left beside it
 
     # HTTP 404
     missing = f"{url}/nowhere/fineweb_val_000000.bin"
