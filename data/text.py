@@ -1,10 +1,10 @@
 """Token shards from your own text: `python data/prepare.py text PATH... --tokenizer NAME` (flags: prepare.py).
 
-Documents. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
-object (blank lines are skipped). Folders are walked in sorted order, keeping the files whose name or relative path
-matches a glob (default *.txt and *.jsonl); a file named on the command line is always read. Each document's
-tokens are followed by the end-of-text token; empty documents are left out. Invalid UTF-8 is replaced by U+FFFD
-(as bytes.decode(errors="replace") does), counted and reported.
+Documents. The files are those corpus.py finds: regular files named, and those in folders whose name matches a glob
+(default *.txt and *.jsonl), each once, never the output folder; what it skips is counted by kind and reported at
+the end. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
+object (blank lines are skipped). Each document's tokens are followed by the end-of-text token; empty documents are
+left out. Invalid UTF-8 is replaced by U+FFFD (as bytes.decode(errors="replace") does), counted and reported.
 
 Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls below val_fraction:
 the same documents for any number of workers, with no counting pass first.
@@ -33,52 +33,21 @@ import re
 import sys
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
 from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
 from data.staging import owned_by, staged
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from saves.files import write_json
 
-DEFAULT_GLOBS = ("*.txt", "*.jsonl")
 UNIT_BYTES = 1 << 20
 CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
 SURROGATE = re.compile("[\ud800-\udfff]")
 PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
-
-
-def find_files(paths, globs=DEFAULT_GLOBS):
-    """[(path, name, is_jsonl, size)] in a fixed order; name (the path relative to its PATH argument) seeds the
-    split. DataError for a missing path, an unreadable file, or no file at all."""
-    found = []
-    for arg in paths:
-        root = Path(arg)
-        if root.is_dir():
-            for folder, subfolders, names in os.walk(root):
-                subfolders.sort()
-                for name in sorted(names):
-                    rel = (Path(folder) / name).relative_to(root)
-                    if any(fnmatchcase(name, g) or fnmatchcase(rel.as_posix(), g) for g in globs):
-                        found.append((Path(folder) / name, rel.as_posix()))
-        elif root.exists() or root.is_symlink():
-            found.append((root, root.name))
-        else:
-            raise DataError(f"{arg}: no such file or folder")
-    if not found:
-        raise DataError(f"empty corpus: no file in {', '.join(map(str, paths))} matches {', '.join(globs)}")
-    files = []
-    for path, name in found:
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-        except OSError as e:
-            raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
-        files.append((str(path), name, path.suffix == ".jsonl", size))
-    return files
 
 
 def plan_units(files, unit_bytes=UNIT_BYTES):
@@ -294,7 +263,7 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
     except TokenizerUnavailable as e:
         raise DataError(f"{e}; or --tokenizer bytes, which works offline") from None
     tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
-    files = find_files(paths, globs)
+    files, skipped = find_files(paths, globs, out_dir)
     dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
     job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
     counts = Counter()
@@ -333,6 +302,8 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
         print(f"warning: no document fell in the val split (--val-fraction {val_fraction})", file=sys.stderr)
     if counts["replaced"]:
         print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD", file=sys.stderr)
+    if skipped:
+        print(f"note: {describe_skipped(skipped)}", file=sys.stderr)
     return meta
 
 

@@ -5,6 +5,7 @@ corpus and a worker that dies are one line on stderr, never a traceback or a han
 
 Run as `python -m tests.test_data_safety MARKER ARGS...`, this file runs `prepare.py ARGS` with every unit of work
 after the corpus's first one touching MARKER and then taking 3 s, so that a test can signal it halfway through."""
+import os
 import subprocess
 import sys
 import time
@@ -112,6 +113,18 @@ def test_a_failed_re_prepare_keeps_the_previous_set(tmp_path, previous):
     assert snapshot(out) == files and not hidden(out.parent)
 
 
+def test_an_out_inside_the_corpus_is_not_read(tmp_path, capsys):
+    """Was: with a glob matching its files, the second run read (and deleted) its own earlier output."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n")
+    argv = ["text", corpus, "--out", corpus / "out", "--glob", "*", "--val-fraction", "0"]
+    assert run_cli(argv, capsys)[0] == 0
+    first = snapshot(corpus / "out")
+    code, err = run_cli(argv, capsys)
+    assert code == 0 and snapshot(corpus / "out") == first, err
+    assert "note: skipped 3 files: 3 in the output folder" in err, err  # meta.json and 2 shards
+
 
 def start_blocked(tmp_path, argv, **popen):
     """prepare.py argv in a process whose second unit of work blocks: (process, marker) once it is blocked there."""
@@ -138,6 +151,20 @@ def test_a_killed_run_leaves_nothing_the_next_run_keeps(tmp_path, previous):
     prepare_text([corpus], out, val_fraction=0)
     assert not hidden(out) and not hidden(out.parent)
 
+
+def test_a_fifo_in_the_corpus_is_skipped_and_named_one_refused(tmp_path):
+    """Was: open() of a FIFO named *.txt blocked forever. Only regular files are read; the skipped ones are told."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n")
+    os.mkfifo(corpus / "pipe.txt")
+    for argv, code, needle in [([corpus], 0, "1 FIFO"), ([corpus / "pipe.txt"], 2, "pipe.txt: not a regular file")]:
+        out = subprocess.run([sys.executable, "data/prepare.py", "text", *map(str, argv), "--out",
+                              str(tmp_path / f"out{code}")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             check=False)
+        err = stderr_lines(out.stderr)
+        assert out.returncode == code and any(needle in line for line in err), out
+        assert code == 0 or len(err) == 1, err
 
 
 if __name__ == "__main__":
