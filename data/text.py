@@ -30,9 +30,11 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -175,7 +177,13 @@ _job = None  # in a worker process: its Tokenizing, made once by the pool's init
 
 
 def _start_worker(*job_args):
+    """A worker leaves Ctrl-C to the main process, which stops handing out work and waits for the units in flight
+    (a terminal sends SIGINT to every process of its group); SIGTERM and SIGHUP end it as they would by default, not
+    through the handlers prepare.py gave the main process, which fork copies."""
     global _job
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     _job = Tokenizing(*job_args)
 
 
@@ -183,8 +191,13 @@ def _run_unit(unit):
     return _job(unit)
 
 
+class WorkerLost(Exception):
+    """A tokenizing worker process died (killed by a signal: the out-of-memory killer, say): not the input's fault."""
+
+
 def tokenized_units(units, job_args, workers):
-    """The results of the units, in order, from `workers` processes (in this process when 1)."""
+    """The results of the units, in order, from `workers` processes (in this process when 1); WorkerLost if one
+    of them dies."""
     if workers == 1:
         yield from map(Tokenizing(*job_args), units)
         return
@@ -198,6 +211,9 @@ def tokenized_units(units, job_args, workers):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise WorkerLost("a tokenizing worker process died (killed by a signal: out of memory?); nothing was "
+                         "written: run again, with fewer --workers if memory is short") from None
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -257,7 +273,8 @@ class Shards:
 def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
                  text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
     """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
-    DataError (or ValueError for an unknown tokenizer) with a one-line message, and out_dir is left as it was."""
+    DataError (or ValueError for an unknown tokenizer) with a one-line message, a worker that dies WorkerLost;
+    out_dir is left as it was on any failure or interruption."""
     try:
         enc = get_tokenizer(tokenizer)
     except TokenizerUnavailable as e:

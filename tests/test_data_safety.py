@@ -6,6 +6,7 @@ corpus and a worker that dies are one line on stderr, never a traceback or a han
 Run as `python -m tests.test_data_safety MARKER ARGS...`, this file runs `prepare.py ARGS` with every unit of work
 after the corpus's first one touching MARKER and then taking 3 s, so that a test can signal it halfway through."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -139,6 +140,25 @@ def start_blocked(tmp_path, argv, **popen):
     return proc
 
 
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_an_interrupted_re_prepare_is_one_line_and_keeps_the_previous_set(tmp_path, previous, how):
+    """Was: SIGTERM left a .tmp shard in --out, which had lost its meta.json; Ctrl-C printed tracebacks (one per
+    worker). SIGTERM goes to the main process; Ctrl-C, as a terminal sends it, to the process group."""
+    out, files = previous
+    corpus = big_corpus(tmp_path / "corpus")
+    workers = 1 if how == "SIGTERM" else 2
+    proc = start_blocked(tmp_path, ["text", corpus, "--out", out, "--workers", workers], start_new_session=True)
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    code, name = (143, "SIGTERM") if how == "SIGTERM" else (130, "SIGINT")
+    err = stderr_lines(err)
+    assert proc.returncode == code and len(err) == 1 and err[0].startswith(f"error: interrupted by {name}"), err
+    assert snapshot(out) == files and not hidden(out.parent)
+
+
 def test_a_killed_run_leaves_nothing_the_next_run_keeps(tmp_path, previous):
     """SIGKILL cannot be caught: the previous set stays whole, and the next preparation of the same --out removes
     what the killed one left. Was: a .tmp shard inside --out that nothing removed."""
@@ -165,6 +185,25 @@ def test_a_fifo_in_the_corpus_is_skipped_and_named_one_refused(tmp_path):
         err = stderr_lines(out.stderr)
         assert out.returncode == code and any(needle in line for line in err), out
         assert code == 0 or len(err) == 1, err
+
+
+def test_a_worker_killed_is_one_line_and_exit_3(tmp_path, previous, monkeypatch, capsys):
+    """As the out-of-memory killer would: was a BrokenProcessPool traceback."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the work runs in this process")
+    out, files = previous
+    corpus, parent = big_corpus(tmp_path / "corpus"), os.getpid()
+    tokenize = Tokenizing.__call__
+
+    def killed(self, unit):
+        if os.getpid() != parent and unit[0][:2] != (0, 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tokenize(self, unit)
+
+    monkeypatch.setattr(Tokenizing, "__call__", killed)
+    code, err = run_cli(["text", corpus, "--out", out, "--workers", 2], capsys)
+    assert code == 3 and len(err) == 1 and "worker" in err[0] and "--workers" in err[0], err
+    assert snapshot(out) == files and not hidden(out.parent)
 
 
 if __name__ == "__main__":
