@@ -294,7 +294,8 @@ def text_main(argv):
       "network once, or TIKTOKEN_CACHE_DIR), or a .tiktoken BPE file")
     a("--out", type=out_folder, help="output folder (default: data/NAME, NAME the first PATH's name)")
     a("--val-fraction", type=fraction, default=0.01, help="share of the documents in the val split (by hash)")
-    a("--workers", type=int_in(1, 1024), default=os.cpu_count() or 1, help="tokenizing processes")
+    a("--workers", type=int_in(1, 1024), help="tokenizing processes (default: one per core; never more than the "
+      "cores or the MiB of text)")
     a("--glob", action="append", help=f"file names kept in folders (repeat it; default {' '.join(DEFAULT_GLOBS)})")
     a("--text-key", default="text", help="the field of each .jsonl object that holds the text")
     a("--seed", type=int, default=1337, help="seeds the val split")

@@ -195,6 +195,11 @@ class WorkerLost(Exception):
     """A tokenizing worker process died (killed by a signal: the out-of-memory killer, say): not the input's fault."""
 
 
+def usable_cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def tokenized_units(units, job_args, workers):
     """The results of the units, in order, from `workers` processes (in this process when 1); WorkerLost if one
     of them dies."""
@@ -270,17 +275,30 @@ class Shards:
             self.file = None
 
 
+def worker_count(asked, units):
+    """The worker processes to start: `asked` (None: as many as useful), but no more than the units of work or the
+    cores, since more only share them (a note says so when that is fewer than asked)."""
+    cores = usable_cores()
+    useful = min(units, cores)
+    if asked is not None and asked > useful:
+        print(f"note: {useful} worker{'s' * (useful != 1)}, not {asked}: no more than the units of work ({units}) "
+              f"and the usable cores ({cores})", file=sys.stderr)
+    return useful if asked is None else min(asked, useful)
+
+
 def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
                  text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
-    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
-    DataError (or ValueError for an unknown tokenizer) with a one-line message, a worker that dies WorkerLost;
-    out_dir is left as it was on any failure or interruption."""
+    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content; `workers` processes
+    (None: one per core) tokenize, never more than the units of work or the cores. Bad input raises DataError (or
+    ValueError for an unknown tokenizer) with a one-line message, a worker that dies WorkerLost; out_dir is left as
+    it was on any failure or interruption."""
     try:
         enc = get_tokenizer(tokenizer)
     except TokenizerUnavailable as e:
         raise DataError(f"{e}; or --tokenizer bytes, which works offline") from None
     tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
     files, skipped = find_files(paths, globs, out_dir)
+    workers = worker_count(workers, sum(1 for _ in plan_units(files, unit_bytes)))
     dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
     job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
     counts = Counter()

@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data import prepare as data_prepare
+from data import text as data_text
 from data.loader import DataError
 from data.prepare import prepare
 from data.text import Tokenizing, prepare_text
@@ -204,6 +206,25 @@ def test_a_worker_killed_is_one_line_and_exit_3(tmp_path, previous, monkeypatch,
     code, err = run_cli(["text", corpus, "--out", out, "--workers", 2], capsys)
     assert code == 3 and len(err) == 1 and "worker" in err[0] and "--workers" in err[0], err
     assert snapshot(out) == files and not hidden(out.parent)
+
+
+def test_workers_are_capped_at_the_work_and_the_cores(tmp_path, monkeypatch):
+    """Was: --workers 1000 started 1000 processes for a few units of work, 10x slower than a few."""
+    made = []
+
+    class Recording(ProcessPoolExecutor):
+        def __init__(self, workers, *args, **kwargs):
+            made.append(workers)
+            super().__init__(min(workers, 2), *args, **kwargs)
+
+    monkeypatch.setattr(data_text, "ProcessPoolExecutor", Recording)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text("x" * 100)
+    prepare_text([corpus], tmp_path / "few", workers=1000, unit_bytes=100)  # 3 units
+    prepare_text([corpus], tmp_path / "one", workers=1000)  # 1 unit: no pool
+    assert made == [min(3, len(os.sched_getaffinity(0)))] or (made == [] and len(os.sched_getaffinity(0)) == 1)
 
 
 if __name__ == "__main__":
