@@ -12,8 +12,9 @@ A background thread prepares step s+1 while step s trains.
 
 meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`; prepare.py also records each
 shard's size and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard holding an
-id at or above vocab_size: it trusts a recorded maximum while the shard keeps its recorded size, and otherwise
-scans the shard once when it opens it (a folder prepared before the record existed).
+id at or above vocab_size. It checks what it will read, not the record: it takes each shard's maximum when it opens
+it, one vectorized pass over the memory-mapped tokens (about 10 ms per 100M tokens in the page cache), so a shard
+edited in place is refused too, with the recorded maximum named when they differ.
 """
 import json
 import queue
@@ -107,20 +108,25 @@ def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def max_token_id(path, tokens, meta=None):
-    """The largest id in the shard (-1 if empty): meta's record of it while the file keeps the recorded size,
-    else one vectorized pass over the tokens."""
-    record = (meta or {}).get("shards", {})
-    record = record.get(Path(path).name) if isinstance(record, dict) else None
-    if (isinstance(record, dict) and is_int(record.get("max_token_id")) and
-            record.get("bytes") == Path(path).stat().st_size):
-        return record["max_token_id"]
+def max_token_id(tokens):
+    """The largest id in a shard's tokens (-1 if empty): one vectorized pass."""
     return int(tokens.max()) if len(tokens) else -1
 
 
-def check_vocab(path, top, vocab_size, where):
+def recorded_max(meta, path):
+    """The largest id meta.json records for the shard at path, or None."""
+    shards = meta.get("shards")
+    record = shards.get(Path(path).name) if isinstance(shards, dict) else None
+    return record.get("max_token_id") if isinstance(record, dict) else None
+
+
+def check_vocab(path, top, vocab_size, where, recorded=None):
+    """DataError naming the shard if its largest id `top` is outside the vocabulary; `recorded`: what meta.json
+    says it was, named when it differs (the shard changed after it was prepared)."""
     if top >= vocab_size:
-        raise DataError(f"{path}: token id {top} is outside the vocabulary (vocab_size {vocab_size} in {where})")
+        changed = f"; it records {recorded} for this shard" if recorded is not None and recorded != top else ""
+        raise DataError(f"{path}: token id {top} is outside the vocabulary (vocab_size {vocab_size} in {where}"
+                        f"{changed})")
 
 
 class TokenLoader:
@@ -139,8 +145,8 @@ class TokenLoader:
         self.shards = [read_shard(p) for p in paths]
         self.max_token_id = -1  # the largest id in this split's shards: a model needs vocab_size above it
         for path, tokens in zip(paths, self.shards):
-            top = max_token_id(path, tokens, self.meta)
-            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json")
+            top = max_token_id(tokens)
+            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json", recorded_max(self.meta, path))
             self.max_token_id = max(self.max_token_id, top)
         # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
         self.starts = np.array([max(len(s) - seq_len, 0) for s in self.shards], dtype=np.int64)

@@ -11,18 +11,24 @@ text         your own files, folders and .jsonl, with any tokenizer (text.py):
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
 the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
 and records the tokenizer, vocab_size, each shard's size and largest token id, and max_token_id.
-Downloads stream to a temporary file and are renamed only when complete (and valid).
+The set is built in a hidden folder beside it and swapped in whole (staging.py): a failed or
+interrupted run leaves the previous set as it was, and a folder holding anything but a set of
+the same kind is refused untouched. Downloads stream to a temporary file and are renamed only
+when complete (and valid); a re-prepare reuses the files already downloaded.
 Bad flags (an --out that cannot be written, --shards out of range) are refused before anything is
-created: one line on stderr, exit status 2.
+created: one line on stderr, exit status 2. So is bad input found later (exit 2), a tokenizing
+worker that dies (exit 3), and Ctrl-C, SIGTERM or SIGHUP (exit 128 + the signal's number).
 """
 import argparse
 import http.client
 import json
 import os
+import signal
 import sys
 import sysconfig
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +37,15 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from data.corpus import DEFAULT_GLOBS
 from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
-from data.text import DEFAULT_GLOBS, prepare_text
+from data.staging import carry, owned_by, staged
+from data.text import WorkerLost, prepare_text
 from data.tokenizer import get_tokenizer
 from saves.files import atomic_write, write_json
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
+PREFIX = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "fineweb10b": "fineweb"}  # of the shards' names
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
 FINEWEB_TRAIN_SHARDS = 103
@@ -68,13 +77,18 @@ def prepared_folder(data, rank=0, world=1):
             raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
                             "run python data/prepare.py NAME")
         return folder
-    folder = Path(__file__).resolve().parent / "pystdlib"
+    folder = default_folder("pystdlib")
     if not (folder / "meta.json").exists():
         if rank == 0:
             prepare("pystdlib", folder)
         if world > 1:
             dist.barrier()
     return folder
+
+
+def default_folder(name):
+    """data/NAME, next to this file."""
+    return Path(__file__).resolve().parent / name
 
 
 def python_files(src_dir):
@@ -91,14 +105,14 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard, so
-    the loader need not scan it), refuse ids outside the vocabulary, then write meta.json atomically (last)."""
+    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard), refuse
+    ids outside the vocabulary, then write meta.json atomically (last)."""
     counts, shards = {}, {}
     for split in ("train", "val"):
         counts[split] = 0
         for path in sorted(out_dir.glob(f"*_{split}_*.bin")):
             tokens = read_shard(path)
-            top = max_token_id(path, tokens)
+            top = max_token_id(tokens)
             check_vocab(path, top, vocab_size, f"the {enc_name} tokenizer")
             counts[split] += len(tokens)
             shards[path.name] = {"bytes": path.stat().st_size, "max_token_id": top}
@@ -220,19 +234,55 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
         raise ValueError(f"--shards {shards}: must be 1..{FINEWEB_TRAIN_SHARDS}")
     if name == "shakespeare":
         tokenizer = tokenizer or get_tokenizer("gpt2")  # offline without a cache: fail before creating anything
-    out_dir = writable_folder(out_dir or Path(__file__).resolve().parent / name)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create {out_dir}: {e.strerror or e}") from None
-    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
-    if name == "pystdlib":
-        prepare_pystdlib(out_dir, src_dir)
-    elif name == "shakespeare":
-        prepare_shakespeare(out_dir, base_url, tokenizer)
-    else:
-        prepare_fineweb(out_dir, shards, base_url)
+    out_dir = writable_folder(out_dir or default_folder(name))
+    owns = owned_by(PREFIX[name], ("input.txt",) if name == "shakespeare" else ())
+    with staged(out_dir, name, owns) as tmp:
+        if name == "pystdlib":
+            prepare_pystdlib(tmp, src_dir)
+        elif name == "shakespeare":
+            carry(out_dir, tmp, ["input.txt"])
+            prepare_shakespeare(tmp, base_url, tokenizer)
+        else:
+            previous = sorted(p.name for p in out_dir.glob("fineweb_*.bin")) if out_dir.is_dir() else []
+            carry(out_dir, tmp, [n for n in previous if owns(n)])
+            prepare_fineweb(tmp, shards, base_url)
     return out_dir
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt, so that a
+    preparation removes its unfinished folder on the way out."""
+
+
+@contextmanager
+def interruptible():
+    """Within the block SIGTERM and SIGHUP raise Interrupted; the previous handlers are back after it."""
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum))
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(work, out):
+    """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input (DataError,
+    ValueError), 3 for a worker process that died, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. On any
+    of them the preparation's unfinished folder is gone and out is as it was."""
+    try:
+        with interruptible():
+            return work(), 0
+    except (DataError, ValueError) as e:
+        code, message = 2, e
+    except WorkerLost as e:
+        code, message = 3, e
+    except (KeyboardInterrupt, Interrupted) as e:
+        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+        code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
+    print(f"error: {message}", file=sys.stderr)
+    return None, code
 
 
 def text_main(argv):
@@ -244,20 +294,20 @@ def text_main(argv):
       "network once, or TIKTOKEN_CACHE_DIR), or a .tiktoken BPE file")
     a("--out", type=out_folder, help="output folder (default: data/NAME, NAME the first PATH's name)")
     a("--val-fraction", type=fraction, default=0.01, help="share of the documents in the val split (by hash)")
-    a("--workers", type=int_in(1, 1024), default=os.cpu_count() or 1, help="tokenizing processes")
+    a("--workers", type=int_in(1, 1024), help="tokenizing processes (default: one per core; never more than the "
+      "cores or the MiB of text)")
     a("--glob", action="append", help=f"file names kept in folders (repeat it; default {' '.join(DEFAULT_GLOBS)})")
     a("--text-key", default="text", help="the field of each .jsonl object that holds the text")
     a("--seed", type=int, default=1337, help="seeds the val split")
     a("--shard-tokens", type=int_in(1, 2**31 - 1), default=100_000_000, help="tokens per shard")
     args = parser.parse_args(argv)
-    out = args.out or Path(__file__).resolve().parent / (Path(args.paths[0]).resolve().name or "text")
+    out = args.out or default_folder(Path(args.paths[0]).resolve().name or "text")
     t0 = time.time()
-    try:
-        meta = prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
-                            tuple(args.glob or DEFAULT_GLOBS), args.text_key, args.seed, args.shard_tokens)
-    except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    meta, code = run(lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
+                                          tuple(args.glob or DEFAULT_GLOBS), args.text_key, args.seed,
+                                          args.shard_tokens), out)
+    if code:
+        return code
     print(f"{out}: {meta['train_docs']:,} train + {meta['val_docs']:,} val documents, {meta['train_tokens']:,} + "
           f"{meta['val_tokens']:,} tokens ({args.tokenizer}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
     return 0
@@ -274,11 +324,9 @@ def main(argv=None):
                         help=f"fineweb10b: train shards, 1-{FINEWEB_TRAIN_SHARDS} (default 1)")
     args = parser.parse_args(argv)
     t0 = time.time()
-    try:
-        out_dir = prepare(args.name, args.out, args.shards)
-    except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out_dir, code = run(lambda: prepare(args.name, args.out, args.shards), args.out or default_folder(args.name))
+    if code:
+        return code
     meta = json.loads((out_dir / "meta.json").read_text())
     print(f"{out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['tokenizer']}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")

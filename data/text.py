@@ -1,10 +1,10 @@
 """Token shards from your own text: `python data/prepare.py text PATH... --tokenizer NAME` (flags: prepare.py).
 
-Documents. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
-object (blank lines are skipped). Folders are walked in sorted order, keeping the files whose name or relative path
-matches a glob (default *.txt and *.jsonl); a file named on the command line is always read. Each document's
-tokens are followed by the end-of-text token; empty documents are left out. Invalid UTF-8 is replaced by U+FFFD
-(as bytes.decode(errors="replace") does), counted and reported.
+Documents. The files are those corpus.py finds: regular files named, and those in folders whose name matches a glob
+(default *.txt and *.jsonl), each once, never the output folder; what it skips is counted by kind and reported at
+the end. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
+object (blank lines are skipped). Each document's tokens are followed by the end-of-text token; empty documents are
+left out. Invalid UTF-8 is replaced by U+FFFD (as bytes.decode(errors="replace") does), counted and reported.
 
 Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls below val_fraction:
 the same documents for any number of workers, with no counting pass first.
@@ -18,6 +18,10 @@ in flight; the main process writes their tokens in unit order into shards of `sh
 are byte-identical for any number of workers and the corpus is never in memory. Shards are uint32 when the
 vocabulary exceeds 65535, else uint16.
 
+Output. The shards and meta.json are written into a hidden folder beside out_dir, which takes its place only when
+complete (staging.py): a failure or an interruption leaves a previous data set there as it was, and an out_dir
+holding anything but a text data set is refused untouched.
+
 meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
 document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.
 """
@@ -26,54 +30,26 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
-from fnmatch import fnmatchcase
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
 from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
-from data.tokenizer import get_tokenizer
+from data.staging import owned_by, staged
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from saves.files import write_json
 
-DEFAULT_GLOBS = ("*.txt", "*.jsonl")
 UNIT_BYTES = 1 << 20
 CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
 SURROGATE = re.compile("[\ud800-\udfff]")
 PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
-
-
-def find_files(paths, globs=DEFAULT_GLOBS):
-    """[(path, name, is_jsonl, size)] in a fixed order; name (the path relative to its PATH argument) seeds the
-    split. DataError for a missing path, an unreadable file, or no file at all."""
-    found = []
-    for arg in paths:
-        root = Path(arg)
-        if root.is_dir():
-            for folder, subfolders, names in os.walk(root):
-                subfolders.sort()
-                for name in sorted(names):
-                    rel = (Path(folder) / name).relative_to(root)
-                    if any(fnmatchcase(name, g) or fnmatchcase(rel.as_posix(), g) for g in globs):
-                        found.append((Path(folder) / name, rel.as_posix()))
-        elif root.exists() or root.is_symlink():
-            found.append((root, root.name))
-        else:
-            raise DataError(f"{arg}: no such file or folder")
-    if not found:
-        raise DataError(f"empty corpus: no file in {', '.join(map(str, paths))} matches {', '.join(globs)}")
-    files = []
-    for path, name in found:
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-        except OSError as e:
-            raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
-        files.append((str(path), name, path.suffix == ".jsonl", size))
-    return files
 
 
 def plan_units(files, unit_bytes=UNIT_BYTES):
@@ -201,7 +177,13 @@ _job = None  # in a worker process: its Tokenizing, made once by the pool's init
 
 
 def _start_worker(*job_args):
+    """A worker leaves Ctrl-C to the main process, which stops handing out work and waits for the units in flight
+    (a terminal sends SIGINT to every process of its group); SIGTERM and SIGHUP end it as they would by default, not
+    through the handlers prepare.py gave the main process, which fork copies."""
     global _job
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     _job = Tokenizing(*job_args)
 
 
@@ -209,8 +191,18 @@ def _run_unit(unit):
     return _job(unit)
 
 
+class WorkerLost(Exception):
+    """A tokenizing worker process died (killed by a signal: the out-of-memory killer, say): not the input's fault."""
+
+
+def usable_cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def tokenized_units(units, job_args, workers):
-    """The results of the units, in order, from `workers` processes (in this process when 1)."""
+    """The results of the units, in order, from `workers` processes (in this process when 1); WorkerLost if one
+    of them dies."""
     if workers == 1:
         yield from map(Tokenizing(*job_args), units)
         return
@@ -224,6 +216,9 @@ def tokenized_units(units, job_args, workers):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise WorkerLost("a tokenizing worker process died (killed by a signal: out of memory?); nothing was "
+                         "written: run again, with fewer --workers if memory is short") from None
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -274,74 +269,76 @@ class Shards:
         self.file = None
 
     def abort(self):
+        """Closes a shard left open (the folder it is in is about to be removed)."""
         if self.file is not None:
             self.file.close()
-            self.tmp.unlink(missing_ok=True)
-        for name in self.done:
-            (self.out_dir / name).unlink(missing_ok=True)
+            self.file = None
 
 
-def clear_out_folder(out_dir):
-    """Removes meta.json and this pipeline's old shards; refuses a folder holding another data set's shards."""
-    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until we finish
-    for path in sorted(out_dir.glob("*_*_*.bin")):
-        if re.fullmatch(rf"{PREFIX}_(train|val)_\d{{6}}\.bin", path.name):
-            path.unlink()
-        elif re.fullmatch(r".+_(train|val)_\d+\.bin", path.name):
-            raise DataError(f"{out_dir} holds another data set's shard {path.name}; choose another --out")
+def worker_count(asked, units):
+    """The worker processes to start: `asked` (None: as many as useful), but no more than the units of work or the
+    cores, since more only share them (a note says so when that is fewer than asked)."""
+    cores = usable_cores()
+    useful = min(units, cores)
+    if asked is not None and asked > useful:
+        print(f"note: {useful} worker{'s' * (useful != 1)}, not {asked}: no more than the units of work ({units}) "
+              f"and the usable cores ({cores})", file=sys.stderr)
+    return useful if asked is None else min(asked, useful)
 
 
 def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
                  text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
-    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content. Bad input raises
-    DataError (or ValueError for an unknown tokenizer) with a one-line message, before meta.json exists."""
-    enc = get_tokenizer(tokenizer)
+    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content; `workers` processes
+    (None: one per core) tokenize, never more than the units of work or the cores. Bad input raises DataError (or
+    ValueError for an unknown tokenizer) with a one-line message, a worker that dies WorkerLost; out_dir is left as
+    it was on any failure or interruption."""
+    try:
+        enc = get_tokenizer(tokenizer)
+    except TokenizerUnavailable as e:
+        raise DataError(f"{e}; or --tokenizer bytes, which works offline") from None
     tokenizer_file = str(Path(tokenizer).resolve()) if enc.name.startswith("sha256:") else None
-    files = find_files(paths, globs)
-    out_dir = Path(out_dir)
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clear_out_folder(out_dir)
+    files, skipped = find_files(paths, globs, out_dir)
+    workers = worker_count(workers, sum(1 for _ in plan_units(files, unit_bytes)))
     dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
-    shards = {split: Shards(out_dir, split, shard_tokens, dtype) for split in ("train", "val")}
     job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
     counts = Counter()
-    try:
-        results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
-        first = next(results)  # the workers start before the progress bar's thread
-        with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
-                  desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
-            for train, val, unit_counts in _chain(first, results):
-                shards["train"].add(train)
-                shards["val"].add(val)
-                counts.update(unit_counts)
-                bar.update(unit_counts["bytes"])
-        if not counts["train_docs"] + counts["val_docs"]:
-            raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
-        if not counts["train_docs"]:
-            raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
-        for split in shards.values():
-            split.finish()
-    except BaseException:
-        for split in shards.values():
-            split.abort()
-        if created and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        raise
+    with staged(out_dir, "text", owned_by(PREFIX)) as tmp:
+        shards = {split: Shards(tmp, split, shard_tokens, dtype) for split in ("train", "val")}
+        try:
+            results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
+            first = next(results)  # the workers start before the progress bar's thread
+            with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
+                      desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
+                for train, val, unit_counts in _chain(first, results):
+                    shards["train"].add(train)
+                    shards["val"].add(val)
+                    counts.update(unit_counts)
+                    bar.update(unit_counts["bytes"])
+            if not counts["train_docs"] + counts["val_docs"]:
+                raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
+            if not counts["train_docs"]:
+                raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
+            for split in shards.values():
+                split.finish()
+        finally:
+            for split in shards.values():
+                split.abort()
+        done = {**shards["train"].done, **shards["val"].done}
+        tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
+        meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
+                "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
+                "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
+                "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
+                "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
+                           "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
+                           "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
+        write_json(tmp / "meta.json", meta, indent=2)
     if val_fraction and not counts["val_docs"]:
         print(f"warning: no document fell in the val split (--val-fraction {val_fraction})", file=sys.stderr)
     if counts["replaced"]:
         print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD", file=sys.stderr)
-    done = {**shards["train"].done, **shards["val"].done}
-    tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
-    meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
-            "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
-            "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
-            "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
-            "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
-                       "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
-                       "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
-    write_json(out_dir / "meta.json", meta, indent=2)
+    if skipped:
+        print(f"note: {describe_skipped(skipped)}", file=sys.stderr)
     return meta
 
 

@@ -6,8 +6,9 @@ NAME   any tiktoken encoding: gpt2, cl100k_base, o200k_base, ... tiktoken downlo
        (run tiktoken.get_encoding(NAME) there, copy the folder).
 FILE   a local .tiktoken BPE file (one `base64-of-the-token rank` line per token, tiktoken's own format; Llama 3's
        tokenizer.model is one): its tokens, the pre-tokenizer of cl100k_base and Llama 3 (FILE_PIECES), and
-       <|endoftext|> after the largest rank. It is named by the SHA-256 of its bytes, "sha256:<hex>"; meta.json
-       keeps that name and the file's path, and reloading the file (sample.py) refuses one whose bytes changed.
+       <|endoftext|> after the largest rank (ids are 32-bit, so ranks stop at 2**32 - 2). It is named by the
+       SHA-256 of its bytes, "sha256:<hex>"; meta.json keeps that name and the file's path, and reloading the file
+       (sample.py) refuses one whose bytes changed.
 """
 import base64
 import binascii
@@ -24,6 +25,11 @@ EOT = "<|endoftext|>"
 # and their trailing newlines; newlines with the whitespace before them; other whitespace.
 FILE_PIECES = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+MAX_RANK = 2**32 - 2  # token ids are 32-bit (tiktoken's, and uint32 shards) and <|endoftext|> takes the next one
+
+
+class TokenizerUnavailable(DataError):
+    """A tiktoken encoding that cannot be loaded here: no network, and no cache of its files."""
 
 
 def bytes_tokenizer():
@@ -61,6 +67,9 @@ def file_tokenizer(path, expected=None):
                         "single bytes are missing): not a byte-level BPE")
     if len(set(ranks.values())) != len(ranks) or min(ranks.values()) < 0:
         raise DataError(f"tokenizer file {path}: its ranks are not distinct non-negative integers")
+    if max(ranks.values()) > MAX_RANK:
+        raise DataError(f"tokenizer file {path}: its largest rank {max(ranks.values())} leaves no 32-bit id for "
+                        f"<|endoftext|> (ranks must stay at or below {MAX_RANK})")
     return tiktoken.Encoding(name=name, pat_str=FILE_PIECES, mergeable_ranks=ranks,
                              special_tokens={EOT: max(ranks.values()) + 1})
 
@@ -78,7 +87,7 @@ def get_tokenizer(name, file=None):
         try:
             return tiktoken.get_encoding(name)
         except (OSError, ValueError) as e:  # no network and no cache (requests errors are OSErrors)
-            raise DataError(
+            raise TokenizerUnavailable(
                 f"cannot load the {name} tokenizer ({type(e).__name__}): tiktoken needs network "
                 "access once, or TIKTOKEN_CACHE_DIR pointing at a pre-seeded cache"
             ) from None

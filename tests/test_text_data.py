@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -231,3 +232,48 @@ def test_prepare_text_help_runs():
     out = subprocess.run([sys.executable, "data/prepare.py", "text", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=False, env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0 and "--tokenizer" in out.stdout and "--text-key" in out.stdout, out
+
+
+def test_skipped_files_are_counted_by_kind(tmp_path, capsys):
+    """Was: files without an extension (README, LICENSE) were left out without a word."""
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    for name in ("a.txt", "README", "LICENSE", "sub/Makefile", "notes.md", "data.csv"):
+        (tmp_path / "in" / name).write_text("text\n")
+    code, err = run_text([tmp_path / "in", "--out", tmp_path / "out"], capsys)
+    assert code == 0 and "note: skipped 5 files: 3 without an extension, 1 .csv, 1 .md" in err, err
+
+
+def test_each_file_is_read_once(corpus, tmp_path, capsys):
+    """Was: a .jsonl inside a folder and also named on the command line was read twice (its documents duplicated);
+    so was a file reached through a symbolic link. Files are told apart by their resolved path."""
+    root, _ = corpus
+    code, _ = run_text([root, "--out", tmp_path / "once"], capsys)
+    assert code == 0
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "same.txt").symlink_to(root / "a.txt")
+    code, err = run_text([root, root / "sub" / "c.jsonl", root, linked, "--out", tmp_path / "again"], capsys)
+    assert code == 0 and "7 already read" in err, err
+    once, again = (json.loads((tmp_path / n / "meta.json").read_text()) for n in ("once", "again"))
+    assert (again["train_docs"], again["val_docs"]) == (once["train_docs"], once["val_docs"])
+    assert files_of(tmp_path / "again") == {**files_of(tmp_path / "once"), "meta.json": ANY}
+
+
+def test_an_offline_tiktoken_encoding_names_both_ways_out(tmp_path, monkeypatch, capsys):
+    """Was: only TIKTOKEN_CACHE_DIR, not `--tokenizer bytes`, which works offline."""
+    def offline(name):
+        raise OSError(f"no network to fetch {name}")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    (tmp_path / "in.txt").write_text("text\n")
+    code, err = run_text([tmp_path / "in.txt", "--tokenizer", "cl100k_base", "--out", tmp_path / "out"], capsys)
+    assert code == 2 and "\n" not in err and "TIKTOKEN_CACHE_DIR" in err and "--tokenizer bytes" in err, err
+
+
+def test_a_rank_past_32_bits_is_one_line(tmp_path, capsys):
+    """Was: an OverflowError traceback from tiktoken. End-of-text takes the id after the largest rank: 32 bits."""
+    (tmp_path / "in.txt").write_text("text\n")
+    for rank in (2**32, 2**32 - 1):
+        bpe = write_tiktoken({bytes([i]): i for i in range(256)} | {b"ab": rank}, tmp_path / "big.tiktoken")
+        code, err = run_text([tmp_path / "in.txt", "--tokenizer", bpe, "--out", tmp_path / "out"], capsys)
+        assert code == 2 and "\n" not in err and f"rank {rank}" in err, err
