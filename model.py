@@ -25,9 +25,6 @@ from torch import nn
 
 from model_config import LLAMA3, PRESETS, ModelConfig, config_from_dict  # noqa: F401  (model.X everywhere)
 
-SDPA_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
-
-
 # ---------------------------------------------------------------- layers
 
 class ScaledRMSNorm(torch.autograd.Function):
@@ -139,14 +136,22 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def fused_gqa(device_type, dtype):
+    """Whether a fused SDPA kernel takes grouped-query K/V as they are (enable_gqa) on this device and dtype: flash on
+    CUDA in fp16 and bf16, and the CPU's flash kernel in any dtype. CUDA's fp32 kernel (memory-efficient) needs as
+    many K/V heads as query heads; handed fewer, SDPA would fall back to the math kernel and its (T x T) scores."""
+    return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
+
+
 def causal_attention(q, k, v):
-    """q: (B, H, T, hd), k/v: (B, Hkv, T, hd) -> (B, H, T, hd). The fused kernel (flash on CUDA) takes the Hkv heads
-    as they are: query head h reads kv head h·Hkv/H, and no copy of K or V is made."""
-    if SDPA_TAKES_GQA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    repeat = q.shape[1] // k.shape[1]  # torch < 2.5: SDPA needs as many kv heads as query heads
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
-                                          is_causal=True)
+    """q: (B, H, T, hd), k/v: (B, Hkv, T, hd) -> (B, H, T, hd) through a fused kernel. Where the kernel takes the Hkv
+    heads as they are (fused_gqa), query head h reads kv head h·Hkv/H and no copy of K or V is made; else (fp32 on
+    CUDA) each kv head is repeated for its H/Hkv query heads, the memory-efficient kernel's price for O(T) memory."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv == H or fused_gqa(q.device.type, q.dtype):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)  # (B, H, T, hd) each
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):

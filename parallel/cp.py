@@ -104,7 +104,7 @@ def ulysses_attention(q, k, v, group):
     q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, heads/CP, T, hd) each, zigzag rank order
     where = gathered_positions(q.shape[2], cp, q.device)  # position of each gathered token
     order = torch.argsort(where)  # gathered index of each position
-    # model.py's attention hands SDPA the kv heads as they are (enable_gqa; its torch < 2.5 fallback repeats)
+    # model.causal_attention: the kv heads as they are to a kernel that takes GQA, repeated for one that does not
     y = causal_attention(q[:, :, order], k[:, :, order], v[:, :, order])  # (B, H/CP, T, hd), position order
     return heads_to_seq(y[:, :, where], group)
 

@@ -6,8 +6,8 @@ Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per laye
           accumulator (Hkv heads) that travels with its block and ends back at the block's owner.
 Overlap:  each hop starts before the attention of the block in hand; the dK,dV hop overlaps the next step's work.
 Kernels:  K,V reach every block call with their own Hkv heads: the fused kernels share each kv head among its H/Hkv
-          query heads; the math fallback views q as (B, Hkv, H/Hkv·Tq, hd), so its matmuls copy no K,V and sum
-          dK,dV over the group in their reduction. Per (query chunk, key chunk): earlier key chunk = full block,
+          query heads; the math fallback (fp32 on CUDA) views q as (B, Hkv, H/Hkv·Tq, hd), so its matmuls copy no
+          K,V and sum dK,dV over the group, and takes the query rows in chunks of at most MATH_SCORES fp32 scores. Per (query chunk, key chunk): earlier key chunk = full block,
           same = causal, later = skipped; under zigzag each step costs every rank half a block (`flops` counts).
 Merge:    online softmax of the blocks' (out_i, lse_i): lse = logaddexp(lse, lse_i), out = out·exp(lse_old - lse) +
           out_i·exp(lse_i - lse). Backward needs only the final out and lse. cp.py's allgather reuses both.
@@ -75,43 +75,67 @@ def _flash_cpu_bwd(dout, q, k, v, out, lse, causal, scale, aux):
 
 
 def _by_kv_head(x, kv_heads):
-    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads that share a kv head, stacked along the rows."""
+    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads that share a kv head, stacked along the rows (a view when
+    x is contiguous: heads h = kv·H/Hkv + g are adjacent; a chunk of rows is copied)."""
     B, H, T, d = x.shape
-    return x.reshape(B, kv_heads, H // kv_heads * T, d)  # a view: heads h = kv·H/Hkv + g are adjacent
+    return x.reshape(B, kv_heads, H // kv_heads * T, d)
 
 
-def _scores(q_rows, k, causal, scale, tq):
-    """q_rows (B, Hkv, G·Tq, hd), k (B, Hkv, Tk, hd) -> fp32 scores (B, Hkv, G·Tq, Tk), causal per query head."""
+MATH_SCORES = 2 ** 26  # fp32 scores one math-kernel call may hold (256 MB): more query rows are taken in chunks
+
+
+def _query_chunks(q, k):
+    """Slices of q's rows, each small enough that its (heads x rows x keys) fp32 scores fit in MATH_SCORES."""
+    B, H, tq, _ = q.shape
+    rows = max(1, MATH_SCORES // (B * H * k.shape[2]))
+    return [slice(i, min(i + rows, tq)) for i in range(0, tq, rows)]
+
+
+def _scores(q_rows, k, causal, scale, rows):
+    """q_rows (B, Hkv, G·r, hd): the query rows `rows` of a block, by kv head; k (B, Hkv, Tk, hd) -> fp32 scores
+    (B, Hkv, G·r, Tk), causal per query head (a causal block is a diagonal one: row i sees keys up to i)."""
     s = (q_rows.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
-        B, kv_heads, rows, tk = s.shape
-        future = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
-        s = s.view(B, kv_heads, rows // tq, tq, tk).masked_fill(future, float("-inf")).view(B, kv_heads, rows, tk)
+        B, kv_heads, n, tk = s.shape
+        r = rows.stop - rows.start
+        future = torch.arange(tk, device=s.device) > torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+        s = s.view(B, kv_heads, n // r, r, tk).masked_fill(future, float("-inf")).view(B, kv_heads, n, tk)
     return s
 
 
 def _math_fwd(q, k, v, causal, scale):
+    """Plain attention for the dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA), a chunk of query rows
+    at a time (MATH_SCORES), K,V with their own kv heads."""
     B, H, tq, hd = q.shape
+    out, lse = torch.empty_like(q), torch.empty(B, H, tq, dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):
-        s = _scores(_by_kv_head(q, k.shape[1]), k, causal, scale, tq)
-        lse = s.logsumexp(-1)  # (B, Hkv, G·Tq)
-        out = torch.exp(s - lse[..., None]) @ v.float()  # (B, Hkv, G·Tq, hd)
-        return out.view(B, H, tq, hd).to(q.dtype), lse.view(B, H, tq), None
+        for rows in _query_chunks(q, k):
+            s = _scores(_by_kv_head(q[:, :, rows], k.shape[1]), k, causal, scale, rows)
+            chunk_lse = s.logsumexp(-1)  # (B, Hkv, G·r)
+            o = torch.exp(s - chunk_lse[..., None]) @ v.float()  # (B, Hkv, G·r, hd)
+            out[:, :, rows] = o.view(B, H, -1, hd).to(q.dtype)
+            lse[:, :, rows] = chunk_lse.view(B, H, -1)
+    return out, lse, None
 
 
 def _math_bwd(dout, q, k, v, out, lse, causal, scale, aux):
     B, H, tq, hd = q.shape
     kv_heads = k.shape[1]
+    dq = torch.empty_like(q)
+    dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device), torch.zeros(v.shape, dtype=torch.float32,
+                                                                                    device=q.device)
     with torch.autocast(q.device.type, enabled=False):
-        q_rows, dout_rows = _by_kv_head(q, kv_heads).float(), _by_kv_head(dout, kv_heads).float()
-        s = _scores(q_rows, k, causal, scale, tq)
-        p = torch.exp(s - _by_kv_head(lse[..., None], kv_heads))  # (B, Hkv, G·Tq, Tk): share of the full softmax
-        dv = p.transpose(-2, -1) @ dout_rows  # (B, Hkv, Tk, hd): the group summed by the matmul
-        delta = (dout_rows * _by_kv_head(out, kv_heads).float()).sum(-1, keepdim=True)  # (B, Hkv, G·Tq, 1)
-        ds = p * (dout_rows @ v.float().transpose(-2, -1) - delta)
-        dq = (ds @ k.float() * scale).view(B, H, tq, hd)
-        dk = ds.transpose(-2, -1) @ q_rows * scale  # (B, Hkv, Tk, hd)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        for rows in _query_chunks(q, k):
+            q_rows = _by_kv_head(q[:, :, rows], kv_heads).float()
+            dout_rows = _by_kv_head(dout[:, :, rows], kv_heads).float()
+            s = _scores(q_rows, k, causal, scale, rows)
+            p = torch.exp(s - _by_kv_head(lse[:, :, rows, None], kv_heads))  # (B, Hkv, G·r, Tk): the softmax
+            dv += p.transpose(-2, -1) @ dout_rows  # (B, Hkv, Tk, hd): the group summed by the matmul
+            delta = (dout_rows * _by_kv_head(out[:, :, rows], kv_heads).float()).sum(-1, keepdim=True)
+            ds = p * (dout_rows @ v.float().transpose(-2, -1) - delta)
+            dq[:, :, rows] = (ds @ k.float() * scale).view(B, H, -1, hd).to(q.dtype)
+            dk += ds.transpose(-2, -1) @ q_rows * scale  # (B, Hkv, Tk, hd)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 KERNELS = {"flash_cuda": (_flash_cuda_fwd, _flash_cuda_bwd), "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd),

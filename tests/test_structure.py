@@ -119,3 +119,20 @@ def test_links_in_the_readmes_point_to_files_that_exist():
         for target in re.findall(r"\]\(([^)#\s]+)", readme.read_text()):
             if "://" not in target:
                 assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)} links to missing {target}"
+
+
+TORCH_APIS = {  # what the code calls -> the first torch release that has it as used
+    "enable_gqa=": (2, 5),  # F.scaled_dot_product_attention with grouped-query K/V
+    "torch._scaled_mm(": (2, 5),  # returns one tensor (2.4: a tuple with the amax)
+    "F.rms_norm(": (2, 4),
+    "torch.get_autocast_dtype(": (2, 4),
+    "register_post_accumulate_grad_hook(": (2, 1),
+}
+
+
+def test_the_torch_floor_is_the_oldest_release_with_every_api_the_code_uses():
+    line = next(r for r in (REPO / "requirements.txt").read_text().splitlines() if r.startswith("torch>="))
+    floor = tuple(int(x) for x in line.split(">=")[1].split()[0].split(".")[:2])
+    code = "".join(p.read_text() for p in PYTHON if not p.relative_to(REPO).as_posix().startswith("tests/"))
+    used = {api: version for api, version in TORCH_APIS.items() if api in code}
+    assert used and floor == max(used.values()), (floor, used)
