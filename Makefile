@@ -1,45 +1,64 @@
-# Every target installs what it needs into .venv first (from requirements*.txt).
-# Where torch is already importable (GPU images) the venv sees it instead of reinstalling it.
+# Every target installs what it needs into .venv first: training from requirements.txt, tests and benches also from
+# requirements-dev.txt. Where torch is already importable (GPU images) the venv sees it instead of reinstalling it, so
+# nothing here calls a console script (torchrun, pytest, ruff) the venv may not own: always `python -m ...`.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
 NGPU   := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
 RUN    ?= out/$(if $(filter 0,$(NGPU)),tiny,small)
+# FineWeb shards of ~98.5M GPT-2 tokens for the GPU run: one per GPU covers its 2,000 steps of 32 x 1,024 tokens
+SHARDS ?= $(NGPU)
+CORE   := test_config test_model test_mesh test_comm test_layers test_structure test_attention_kernels \
+          test_ddp test_fsdp test_tp test_cp test_pp test_ckpt test_train
 
-.PHONY: install train sample test bench lint clean
+.PHONY: install install-dev train sample test test-core bench lint clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.run: requirements.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(PIP) -r requirements.txt
 	touch $@
 
-install: $(VENV)/.installed
+$(VENV)/.dev: $(VENV)/.run requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.run
+install-dev: $(VENV)/.dev
 
 data/pystdlib/meta.json: | install
 	$(PY) data/prepare.py pystdlib
 
-# CPU: the tiny model for about 5 minutes. GPU node: the small model on every GPU, bf16, compiled.
-train: install data/pystdlib/meta.json
+# CPU: the tiny model on the offline corpus for about 5 minutes. GPU node: the small model on every GPU, bf16,
+# compiled, on FineWeb (GPT-2 tokens) where the network reaches it, else on the offline corpus, saying why.
+train: install
 ifeq ($(NGPU),0)
+	$(MAKE) --no-print-directory data/pystdlib/meta.json
 	$(PY) train.py --model tiny --steps 400 --global-batch 32 --micro-batch 16 --lr 3e-3 --warmup 20 \
-		--eval-every 100 --log-every 50 --out $(RUN) --metrics $(RUN)/metrics.jsonl
+		--eval-every 100 --log-every 50 --out $(RUN) --metrics $(RUN)/metrics.jsonl --resume auto
 else
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NGPU) train.py --model small --dtype bf16 --compile \
-		--steps 2000 --global-batch $$((32 * $(NGPU))) --micro-batch 16 --lr 1e-3 --min-lr 1e-4 --warmup 100 \
-		--eval-every 250 --log-every 50 --save-every 500 --out $(RUN) --metrics $(RUN)/metrics.jsonl
+	data=$$($(PY) data/prepare.py fineweb10b --shards $(SHARDS) --fallback pystdlib --print-folder) && \
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NGPU) train.py --data $$data --model small \
+		--dtype bf16 --compile --steps 2000 --global-batch $$((32 * $(NGPU))) --micro-batch 16 --lr 1e-3 \
+		--min-lr 1e-4 --warmup 100 --eval-every 250 --log-every 50 --save-every 500 --out $(RUN) \
+		--metrics $(RUN)/metrics.jsonl --resume auto
 endif
 
 sample: install
 	$(PY) sample.py --run $(RUN) --prompt "def " --max-new-tokens 300 --temperature 0.8 --top-k 40
 
-test: install
+# The whole suite (CI runs it), and the core's for someone changing one parallelism (under 3 minutes on 2 cores).
+test: install-dev
 	$(PY) -m pytest -q --durations=10 tests
 
-bench: install data/pystdlib/meta.json
+test-core: install-dev
+	$(PY) -m pytest -q $(addprefix tests/,$(addsuffix .py,$(CORE)))
+
+bench: install-dev data/pystdlib/meta.json
 	$(PY) bench/run_all.py
 
-lint: install
-	$(VENV)/bin/ruff check .
+lint: install-dev
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf out runs .pytest_cache .ruff_cache

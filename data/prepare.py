@@ -267,15 +267,19 @@ def interruptible():
             signal.signal(sig, handler)
 
 
-def run(work, out):
+def run(work, out, quiet=False):
     """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input (DataError,
     ValueError), 3 for a worker process that died, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. On any
-    of them the preparation's unfinished folder is gone and out is as it was."""
+    of them the preparation's unfinished folder is gone and out is as it was. quiet: a DataError is only kept, in
+    run.last_error (a fallback follows)."""
     try:
         with interruptible():
             return work(), 0
     except (DataError, ValueError) as e:
         code, message = 2, e
+        if quiet and isinstance(e, DataError):
+            run.last_error = e
+            return None, code
     except WorkerLost as e:
         code, message = 3, e
     except (KeyboardInterrupt, Interrupted) as e:
@@ -322,14 +326,26 @@ def main(argv=None):
     parser.add_argument("--out", type=out_folder, help="output folder (default: data/NAME next to this file)")
     parser.add_argument("--shards", type=shard_count, default=1,
                         help=f"fineweb10b: train shards, 1-{FINEWEB_TRAIN_SHARDS} (default 1)")
+    parser.add_argument("--fallback", choices=SOURCES, help="if NAME cannot be prepared (no network), prepare this "
+                        "one instead and say why on stderr (make train on a GPU node: fineweb10b, else pystdlib)")
+    parser.add_argument("--print-folder", action="store_true", help="stdout: only the prepared folder (for make)")
     args = parser.parse_args(argv)
-    t0 = time.time()
-    out_dir, code = run(lambda: prepare(args.name, args.out, args.shards), args.out or default_folder(args.name))
+    t0, name = time.time(), args.name
+    out_dir, code = run(lambda: prepare(name, args.out, args.shards), args.out or default_folder(name),
+                        quiet=args.fallback is not None)
+    if code == 2 and args.fallback:  # the network, or a download that did not check out
+        name = args.fallback
+        print(f"note: {args.name} could not be prepared ({run.last_error}); using the {name} corpus instead",
+              file=sys.stderr)
+        out_dir, code = run(lambda: prepare(name, None, args.shards), default_folder(name))
     if code:
         return code
     meta = json.loads((out_dir / "meta.json").read_text())
-    print(f"{out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-          f"({meta['tokenizer']}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
+    summary = (f"{out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+               f"({meta['tokenizer']}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
+    print(out_dir if args.print_folder else summary)
+    if args.print_folder:
+        print(summary, file=sys.stderr)
     return 0
 
 

@@ -63,7 +63,7 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
     assert launched.returncode == 0, out + logs[-6000:]
     assert single.returncode == 0, single_out
     command = (tmp_path / "command").read_text()
-    assert (f".venv/bin/torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d "
+    assert (f".venv/bin/python -m torch.distributed.run --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d "
             f"--rdzv-endpoint 127.0.0.1:{env['RDZV_PORT']} --rdzv-id test --max-restarts 3 train.py") in command
     assert "mesh: world 4 = dp 2 x pp 1 x cp 2 x tp 1" in logs
     got, expected = read_losses(tmp_path / "launched.jsonl"), read_losses(tmp_path / "single.jsonl")

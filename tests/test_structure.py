@@ -136,3 +136,15 @@ def test_the_torch_floor_is_the_oldest_release_with_every_api_the_code_uses():
     code = "".join(p.read_text() for p in PYTHON if not p.relative_to(REPO).as_posix().startswith("tests/"))
     used = {api: version for api, version in TORCH_APIS.items() if api in code}
     assert used and floor == max(used.values()), (floor, used)
+
+
+def test_launchers_call_python_modules_not_console_scripts_the_venv_may_not_own():
+    """A venv made with --system-site-packages over an image's torch has no bin/torchrun (nor pytest, ruff, when the
+    image brings them): the Makefile and train.sbatch call `python -m` for each."""
+    for name in ("Makefile", "train.sbatch"):
+        lines = [line for line in (REPO / name).read_text().splitlines() if not line.lstrip().startswith("#")]
+        for script in ("torchrun", "pytest", "ruff"):
+            called = [line for line in lines if re.search(rf"(bin/|^\s*|&&\s*){script}\b", line)]
+            assert not called, f"{name} calls the {script} script: {called}"
+    assert "-m torch.distributed.run" in (REPO / "Makefile").read_text()
+    assert "-m torch.distributed.run" in (REPO / "train.sbatch").read_text()
