@@ -40,14 +40,14 @@ class ScaledRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def output(x, weight, rstd, x32=None):  # also --ckpt selective's recomputation, from what backward keeps
-        return weight * ((x.to(rstd.dtype) if x32 is None else x32) * rstd).to(x.dtype)
+        return weight.to(x.dtype) * ((x.to(rstd.dtype) if x32 is None else x32) * rstd).to(x.dtype)  # x's dtype
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         x_hat = x.to(rstd.dtype) * rstd
         grad_weight = (grad * x_hat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        g = (grad * weight).to(rstd.dtype)  # d loss / d x̂
+        g = (grad * weight.to(grad.dtype)).to(rstd.dtype)  # d loss / d x̂
         grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
 
@@ -103,6 +103,15 @@ def compute_dtype(x):
     """The dtype matmuls run in: autocast's where it is on, else x's."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class Embedding(nn.Embedding):
+    """The token embedding, its rows in the compute dtype: the residual stream starts there (the precision policy,
+    parallel/__init__.py), whatever dtype the table is kept in (fp32 masters; FSDP gathers it in the compute dtype)."""
+
+    def forward(self, ids):
+        out = F.embedding(ids, self.weight)  # (B, T, d)
+        return out.to(compute_dtype(out))
 
 
 def rope_frequencies(head_dim, theta, scaling=None, device=None):
@@ -262,7 +271,7 @@ class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.padded_vocab, cfg.d_model)
+        self.embed_tokens = Embedding(cfg.padded_vocab, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.padded_vocab)

@@ -51,6 +51,7 @@ class Trainer:
     scaler: optim.LossScaler
     autocast: object
     micro_batch: int
+    dtype: torch.dtype  # the compute dtype: matmul inputs, the residual stream, what tp, sp, pp and cp send
 
 
 def build(cfg, mesh, run):
@@ -97,7 +98,7 @@ def prepare(run, cfg, mesh):
     autocast = torch.autocast(device.type, dtype=DTYPES[run.dtype]) if run.dtype != "fp32" else nullcontext()
     opt = optim.make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
     return Trainer(chunks, wrapper, mesh, opt, optim.LossScaler(run.dtype == "fp16", device), autocast,
-                   run.micro_batch)
+                   run.micro_batch, DTYPES[run.dtype])
 
 
 def split_batch(x, y, micro_batch, mesh):
@@ -112,7 +113,7 @@ def forward_backward(trainer, x, y):
     t = trainer
     batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
     if t.mesh.pp > 1:  # the pipeline schedule runs them all (parallel/pp.py)
-        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.scaler.scale)
+        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.scaler.scale, t.dtype)
     total = torch.zeros((), device=x.device)
     for i, (xb, yb) in enumerate(batches):
         t.wrapper.sync_grads = i == len(batches) - 1  # the gradient reduction runs in the last backward
@@ -155,7 +156,7 @@ def evaluate(trainer, loader, n_batches):
         x, y = loader.get(step)
         batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
         if t.mesh.pp > 1:
-            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast)
+            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.dtype)
             continue
         for xb, yb in batches:
             with t.autocast:

@@ -122,10 +122,9 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
 
 
 def residual_bytes(s, a_bytes):
-    """Bytes per element of the residual stream, in the dtype of the weights forward sees (the embedding's output,
-    to which every block adds): ddp computes with the fp32 masters, fsdp and hsdp with units gathered in the compute
-    dtype. The pipeline sends it between stages (parallel/pp.py)."""
-    return 4 if s.lay.dp_mode == "ddp" else a_bytes
+    """Bytes per element of the residual stream: the compute dtype's in every layout (the precision policy,
+    parallel/__init__.py: the embedding's rows and every block's output). The pipeline sends it between stages."""
+    return a_bytes
 
 
 def norm_per_token(s, users, a_bytes, output=True):

@@ -36,6 +36,16 @@
                    handle.wait() returns. What a unit offers it: name, group, local (this rank's fp32 shard of the
                    flat layout [matrices | vectors | padding]), start, shard_numel, numel, padded, matrix_ranges().
    tp_ring.py changes how tp.py's sequence-parallel modules run by swapping their class (same parameters).
+
+5. The precision policy, the same in every layout (--dtype bf16; fp16 alike; fp8: bf16 and the block matmuls'
+   operands in fp8, fp8.py). fp32: the master weights and their gradients, Adam's moments, the gradient reductions
+   (DDP's buckets, FSDP's reduce-scatter unless --reduce-dtype bf16, HSDP's replicas, the clip's norm), and inside the
+   norms (x̂ and 1/rms), softmax (the kernels' log-sum-exp) and the loss (its log-sum-exp, one chunk at a time).
+   bf16: every matmul's inputs and output (autocast), the weights FSDP gathers, the embedding's rows, each norm's
+   output, the residual stream, and so everything activations send: tp's all-reduces and sp's gathers and
+   reduce-scatters, pp's activations and their gradients, cp's K, V (and ring attention's dK, dV accumulate in fp32).
+   Measured choice: a bf16 residual stream halves those bytes and the saved activations, and trains as an fp32 one
+   does (bench/README.md, "precision"); Megatron and torchtitan keep it in bf16 too.
 """
 from collections import namedtuple
 

@@ -71,7 +71,6 @@ class Bucket:
 class DDP:
     def __init__(self, module, mesh, bucket_mb=25.0, overlap=True):
         self.module, self.mesh, self.overlap = module, mesh, overlap
-        self.weight_dtype = torch.float32  # forward computes with the fp32 masters (autocast casts per matmul)
         self.group = mesh.dp_cp_group
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.sync_grads = True  # False on all but the last micro-batch: grads just accumulate

@@ -124,7 +124,7 @@ class FSDP:
                  reduce_dtype=torch.float32, overlap=True, keep_gathered=False):
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
         self.keep_gathered = keep_gathered  # gather each unit once per step, not per micro-batch and pass
-        self.weight_dtype, self.reduce_dtype = compute_dtype, reduce_dtype  # forward computes with gathered weights
+        self.reduce_dtype = reduce_dtype
         self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas; if not, more come
         self.phase = "forward"  # labels the all-gathers; no forward prefetch while in backward
         self.all_gathers = Counter()  # {"forward": n, "backward": n} by the pass that uses them; tests read it

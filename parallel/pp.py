@@ -144,7 +144,7 @@ class Pipeline:
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
         self.inputs, self.outputs, self.input_grads, self.alive = {}, {}, {}, set()
         self.receives, self.sends = {}, []  # (op, chunk, mb) -> (buffer, its Posted batch); Posted sends in flight
-        chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the dtype of the weights
+        chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the compute dtype
         self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model), activation_dtype)
         self.loss = torch.zeros((), device=self.device)
         self.max_in_flight = 0  # most activation sets (forwards awaiting their backward, or W) alive at once
@@ -281,23 +281,23 @@ class Posted:
 def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0, wrapper=None, train=True,
             runner=Pipeline):
     """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, the runner, a Pipeline:
-    its max_in_flight). activation_dtype: of what flows between stages, the dtype of the weights forward sees (the
-    embedding's output, to which every block adds)."""
+    its max_in_flight). activation_dtype: of what flows between stages, the compute dtype (the residual stream's)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
     pipeline = runner(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, activation_dtype)
     return pipeline.run(actions), pipeline
 
 
-def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale):
-    """Forward and backward of every micro-batch; the summed local loss (nonzero on the last stage)."""
-    return execute(chunks, mesh, batches, positions, autocast, wrapper.weight_dtype, loss_scale, wrapper)[0]
+def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale, dtype):
+    """Forward and backward of every micro-batch; the summed local loss (nonzero on the last stage). dtype: the
+    compute dtype, which the residual stream, and so every activation sent between stages, carries."""
+    return execute(chunks, mesh, batches, positions, autocast, dtype, loss_scale, wrapper)[0]
 
 
-def eval_step(chunks, wrapper, mesh, batches, positions, autocast):
+def eval_step(chunks, wrapper, mesh, batches, positions, autocast, dtype):
     """The summed mean loss of the micro-batches, on the device (last stage; 0 elsewhere)."""
     with torch.no_grad():
-        return execute(chunks, mesh, batches, positions, autocast, wrapper.weight_dtype, train=False)[0]
+        return execute(chunks, mesh, batches, positions, autocast, dtype, train=False)[0]
 
 
 # -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)

@@ -85,14 +85,14 @@ class DeferredScale(Function):
     def forward(ctx, h, weight, deferred):
         ctx.deferred = deferred
         ctx.save_for_backward(h, weight)
-        return weight * h
+        return weight.to(h.dtype) * h  # in h's dtype, as model.ScaledRMSNorm
 
     @staticmethod
     def backward(ctx, grad):
         h, weight = ctx.saved_tensors
         store, live = ctx.deferred
         store.defer([live], lambda: [(grad * h).flatten(0, -2).sum(0)])  # (d,)
-        return (grad * weight).to(h.dtype), None, None
+        return (grad * weight.to(grad.dtype)).to(h.dtype), None, None
 
 
 def apply(chunk):

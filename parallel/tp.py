@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from model import CrossEntropy, Linear, RMSNorm
+from model import CrossEntropy, Linear, RMSNorm, compute_dtype
 from parallel import tag_tp_shard
 from parallel.mesh import LayoutError
 
@@ -212,7 +212,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.vocab_start  # (B, T)
         mine = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine.unsqueeze(-1)  # (B, T, d)
-        return LeaveTP.apply(x, self.group, self.sequence_parallel)
+        return LeaveTP.apply(x.to(compute_dtype(x)), self.group, self.sequence_parallel)  # summed in the compute dtype
 
 
 # ---------------------------------------------------------------- vocab-parallel cross-entropy

@@ -133,11 +133,12 @@ def saved_bytes(cfg, policy, autocast):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_selective_keeps_no_norm_or_swiglu_output(autocast):
-    """Selective keeps exactly the norms' outputs (fp32; under bf16 autocast the 3 + 2 + 1 copies q, k, v, gate, up
-    and the head cast) and SwiGLU's product fewer, and its gradients are bit-identical to keeping them."""
+    """Selective keeps exactly the norms' outputs (in the compute dtype: fp32, or bf16 under autocast, one tensor
+    that q, k, v, gate, up and the head read as it is) and SwiGLU's product fewer, and its gradients are bit-identical
+    to keeping them."""
     (none, none_grads), (selective, grads) = (saved_bytes(CFG, p, autocast) for p in ("none", "selective"))
     d, f, tokens = CFG.d_model, CFG.ffn_dim, 2 * CFG.seq_len
-    per_layer = (5 * d + f) * 2 if autocast else (2 * d + f) * 4
+    per_layer = (2 * d + f) * (2 if autocast else 4)
     assert none - selective == tokens * (CFG.n_layer * per_layer + d * (2 if autocast else 4))
     for a, b in zip(grads, none_grads):
         assert torch.equal(a, b)
