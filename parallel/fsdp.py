@@ -3,12 +3,11 @@
 Split:    the batch (as DDP) and the model state in units per pipeline chunk (the embedding, each block, final norm +
           lm_head), each flattened, padded to a multiple of M and cut into M shards; a rank keeps its shard in fp32.
 Sends:    per micro-batch an all-gather in the compute dtype (c bytes) of every unit for forward and of each block for
-          backward, and a reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of every unit's gradient into the
-          fp32 shard gradient. Per rank and step, P params (E in embedding, norm, head), A micro-batches:
-          (M-1)/M · A·((2P-E)·c + P·r). Under pp units are gathered once per step: (M-1)/M · P(c + A·r).
-          --accumulate unsharded sums the micro-batches' gradients locally and reduce-scatters once: A·r becomes r.
-Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's; a reduce-scatter is waited for
-          after the next unit's backward (--no-overlap: nothing overlaps).
+          backward, and a reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of each unit's gradient: per rank
+          and step, P params (E in embedding, norm, head), A micro-batches, (M-1)/M · A·((2P-E)·c + P·r); under pp
+          units are gathered once per step: (M-1)/M · P(c + A·r); fsdp_accumulate.py's unsharded sum: A·r becomes r.
+Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's (also where checkpointing
+          recomputes a forward); a reduce-scatter is waited for after the next unit's backward (--no-overlap: none).
 Memory:   16·P/M bytes of fp32 state (+ padding), ~2 gathered units, one flat gradient the size of the largest unit
           during backward (unsharded accumulation: every unit's, all step, r·P). Saved weights are (unit, offset)
           records gathered again in backward; under pp a stage's units stay gathered through the step.
@@ -200,6 +199,8 @@ class FSDP:
             views = GatherUnit.apply(self, unit, *unit.params)  # waits for the (prefetched) all-gather
             if self.overlap and self.phase == "forward" and unit in self.next_unit:
                 self.all_gathers["forward"] += self.next_unit[unit].start_gather()  # prefetch under this compute
+            elif self.phase == "backward":  # a forward recomputed in backward (activation checkpointing)
+                self._prefetch_backward(unit)
             unit.attach(views)
             self.in_forward[unit.full.untyped_storage().data_ptr()] = unit
             return run_first(*args, **kwargs)
@@ -214,15 +215,17 @@ class FSDP:
         if not isinstance(saved, SavedWeight):
             return saved
         self.phase = "backward"
-        unit = saved.unit
-        self.all_gathers["backward"] += unit.start_gather()
-        full = unit.wait_gathered()
-        prev = self.prev_unit.get(unit)
-        if self.overlap and prev is not None and prev.name != "embed_tokens":
-            self.all_gathers["backward"] += prev.start_gather()
-        elif self.overlap and prev is not None and not self.sync_grads:  # the next micro-batch's forward needs it
-            self.all_gathers["forward"] += prev.start_gather()
+        self.all_gathers["backward"] += saved.unit.start_gather()
+        full = saved.unit.wait_gathered()
+        self._prefetch_backward(saved.unit)
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_backward(self, unit):
+        """Backward goes on to the unit before this one: its gather starts now, under this unit's backward (and
+        recompute). The embedding's backward needs no weights: only the next micro-batch's forward, if one follows."""
+        prev = self.prev_unit.get(unit)
+        if self.overlap and prev is not None and (prev.name != "embed_tokens" or not self.sync_grads):
+            self.all_gathers["forward" if prev.name == "embed_tokens" else "backward"] += prev.start_gather()
 
     # ---------------------------------------------------------------- backward
     def reduce_grads(self, unit, grads):
@@ -304,9 +307,8 @@ class FSDP:
     # ---------------------------------------------------------------- optimizer, norm, state
     def zero_grad(self):
         """The shard gradients, whose views are the params' .grad, stay allocated across steps."""
-        for unit in self.units:
-            if unit.grad is not None:
-                unit.grad.zero_()
+        for unit in (u for u in self.units if u.grad is not None):
+            unit.grad.zero_()
 
     def optim_params(self):
         return [p for unit in self.units for p in unit.params]

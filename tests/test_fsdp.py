@@ -14,6 +14,7 @@ from torch import nn
 
 import model as M
 import optim
+from parallel import ckpt
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
 from parallel.mesh import Mesh
@@ -78,9 +79,11 @@ def memory_check(rank, world, mesh):
                 gathered_left=[u.name for u in fsdp.units if u.full is not None or u.pending is not None])
 
 
-def order_check(rank, world, mesh, overlap):
-    """The collective log with markers: when each block's forward and backward finished."""
-    fsdp = FSDP(tiny_gpt(), mesh, mesh.dp_cp_group, init_param, "cpu", overlap=overlap)
+def order_check(rank, world, mesh, overlap, policy="none"):
+    """The collective log with markers: when each block's forward and backward finished. policy: --ckpt's."""
+    chunks = tiny_gpt()
+    ckpt.apply(chunks[0], policy)
+    fsdp = FSDP(chunks, mesh, mesh.dp_cp_group, init_param, "cpu", overlap=overlap)
     gpt, stats = fsdp.module[0], mesh.stats
     for name, block in gpt.layers.items():
         block.register_forward_hook(lambda m, i, o, n=name: stats.log.append((f"forward done {n}", "", 0)))
@@ -182,6 +185,7 @@ def _all_checks(rank, world):
     mesh = Mesh(rank, world)
     return dict(memory=memory_check(rank, world, mesh),
                 order={overlap: order_check(rank, world, mesh, overlap) for overlap in (True, False)},
+                recompute=order_check(rank, world, mesh, True, "full"),
                 overlap={"fsdp": overlap_check(rank, world, FSDP, mesh),
                          "hsdp": overlap_check(rank, world, HSDP, Mesh(rank, world, dp=4, dp_shard=2))},
                 init=init_and_state_check(rank, world, mesh),
@@ -232,6 +236,17 @@ def test_fsdp_prefetches_next_unit_and_reduce_scatters_during_backward(ranks):
         # backward gathers the blocks only: the embedding's needs no weights, the head is still gathered
         assert r["all_gathers"] == {"forward": units, "backward": CFG.n_layer}
         assert log.count("reduce_scatter") == units
+
+
+def test_fsdp_prefetches_under_recompute_too(ranks):
+    """--ckpt full: backward recomputes each block's forward, which gathers the block again. Nothing is unpacked then,
+    so the prefetch starts from the recomputed forward: before block k's backward is done, the gathers of blocks
+    last..k-1 have all started (the one it waits for next is in flight under it); without that, only last..k."""
+    log, last = ranks[0]["recompute"]["log"], CFG.n_layer - 1
+    backward = log[log.index(f"forward done {last}") + 1:]
+    for k in range(last, 0, -1):
+        gathers = backward[:backward.index(f"backward done {k}")].count("all_gather")
+        assert gathers == last - k + 2, (k, gathers, backward)
 
 
 def test_fsdp_init_is_shard_by_shard_and_equals_one_process(ranks):

@@ -62,7 +62,7 @@ PLAIN = {  # each parallelism: the file holding its plain algorithm, what a read
     "context parallel": "parallel/cp.py", "activation checkpointing": "parallel/ckpt.py",
 }
 LAYERS = ("parallel/tp_ring.py", "parallel/pp_bw_split.py", "parallel/fsdp_accumulate.py", "fp8.py")  # a flag's
-BUDGET = {"FSDP": 340}  # lines a reader reads for one parallelism's plain path: 300, and FSDP's unit (a flat buffer
+BUDGET = {"FSDP": 345}  # lines a reader reads for one parallelism's plain path: 300, and FSDP's unit (a flat buffer
 # cut into shards), gather-and-free with its prefetch both ways, the reduce-scatter, and the shard-to-global map that
 # saves and the gradient norm read
 PLANNER = re.compile(r"^# -+ traffic formulas", re.M)  # the planner's formulas close a file: not the algorithm
