@@ -10,7 +10,6 @@ import hashlib
 import math
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +170,8 @@ def parse_args(argv=None, namespace=None):
     a("--startup-timeout", type=positive_float, default=3600.0,
       help="seconds a collective may wait during set-up, the first two steps and the first evaluation, which "
            "compile stage after stage")
-    a("--out", default="out", help="run folder: saves, metrics, trace")
+    a("--out", help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that differ from "
+      "their defaults, a new one for a fresh run, the newest of that name for --resume)")
     a("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
     a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
       help="continue from the newest complete save in --out in any layout (error if none); "
@@ -183,7 +183,8 @@ def parse_args(argv=None, namespace=None):
     a("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
     a("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
     a("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
-    a("--metrics", help="append one JSON line per step to this file (rank 0)")
+    a("--metrics", help="append one JSON line per step, and the run's summary at the end, to this file (rank 0; "
+      "default OUT/metrics.jsonl)")
     a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-4 to --out")
     args = p.parse_args(argv, namespace=namespace)
     check_args(args)
@@ -216,10 +217,49 @@ def check_args(args):
         raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
 
 
+NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep", "async_save", "eval_every",
+               "eval_batches", "timeout", "startup_timeout", "peak_tflops", "device"}  # they change no number trained
+
+
+def given_flags(run):
+    """{flag: value} of the flags this run sets to something other than their defaults, that change what it trains
+    (a data folder or checkpoint by its name): the run's name, and what bench/compare.py tells runs apart by."""
+    defaults = vars(parse_args([]))
+    return {k.replace("_", "-"): Path(v).name if k in ("data", "init_from") else v
+            for k, v in sorted(vars(run).items()) if k in defaults and k not in NOT_IN_NAME and v != defaults[k]}
+
+
+def default_out(run, root=Path("runs")):
+    """runs/NAME, NAME the model and the given flags (a hash past 120 characters). A fresh run takes the first of
+    NAME, NAME-2, NAME-3, ... that holds no run (so back-to-back ablations never collide and nothing is lost);
+    --resume the newest that exists (so a torchrun restart with --resume auto finds its own saves)."""
+    flags = {k: v for k, v in given_flags(run).items() if k != "model"}
+    name = "-".join([run.model] + [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+                                   for k, v in flags.items()]).replace("/", "_")
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    names = [root / name] + [root / f"{name}-{i}" for i in range(2, 10_000)]
+    if run.resume:
+        existing = [p for p in names[:next(i for i, p in enumerate(names) if not p.exists())]]
+        return existing[-1] if existing else names[0]
+    for path in names:
+        if not path.exists() or not holds_a_run(path):
+            return path
+    raise UsageError(f"--out: {root / name} and 9,999 more of that name hold runs; choose --out")
+
+
+def holds_a_run(path):
+    return any(path.glob("step_*")) or (path / "attempts.json").exists()
+
+
 def resolve(argv=None, environ=None):
     """The frozen Run of this process: the flags (checked), torchrun's environment, and the device's defaults."""
     environ = os.environ if environ is None else environ
     run = parse_args(argv, namespace=Run())
+    run.flags = given_flags(run)
+    if run.out is None:
+        run.out = str(default_out(run))
+    run.metrics = run.metrics or str(Path(run.out) / "metrics.jsonl")
     rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
     run.rank, run.world, run.local_rank = rank, world, int(environ.get("LOCAL_RANK", 0))
     run.ranks_here = int(environ.get("LOCAL_WORLD_SIZE", 1))
@@ -365,9 +405,9 @@ def data_identity(meta_path):
 # ---------------------------------------------------------------- the peak that MFU divides by
 
 def peak_flops(run, cfg):
-    """Per-device peak FLOP/s and where it came from: --peak-tflops, the table by the GPU's full name, or on CPU the
-    best measured rate of this run's own largest matmul (forward and both backward shapes), on the threads the run
-    uses, so that MFU stays at or below 100% on an idle machine."""
+    """Per-device peak FLOP/s and where it came from: --peak-tflops, or the table by the GPU's full name. A CPU has no
+    honest peak (a measured matmul rate moved 70x between runs on shared cores): MFU is shown only with
+    --peak-tflops there."""
     if run.peak_tflops:
         return run.peak_tflops * 1e12, "--peak-tflops"
     if run.backend == "nccl":
@@ -375,21 +415,4 @@ def peak_flops(run, cfg):
         if name in PEAK_TFLOPS:
             return PEAK_TFLOPS[name] * 1e12, f"{name} bf16 dense peak"
         return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
-    m = min(run.micro_batch * cfg.seq_len, 8192)  # the token rows of one micro-batch's matmuls
-    k, n = cfg.d_model, max(cfg.ffn_dim, cfg.padded_vocab)
-    best = max(matmul_rate(a, b, DTYPES[run.dtype]) for a, b in (((m, k), (k, n)), ((m, n), (n, k)), ((k, m), (m, n))))
-    return best, (f"best measured CPU {run.dtype} rate of this run's largest matmul, {m}x{k}x{n} and its backward "
-                  f"shapes, on {torch.get_num_threads()} threads (no device table for CPU)")
-
-
-def matmul_rate(shape_a, shape_b, dtype, trials=4, trial_s=0.05):
-    """FLOP/s of a @ b, the best of a few short trials: other jobs on the cores only ever slow a trial down."""
-    a, b = torch.randn(shape_a, dtype=dtype), torch.randn(shape_b, dtype=dtype)
-    flops, rates = 2 * shape_a[0] * shape_a[1] * shape_b[1], []
-    for _ in range(trials):
-        n, t0 = 0, time.perf_counter()
-        while n == 0 or time.perf_counter() - t0 < trial_s:
-            a @ b
-            n += 1
-        rates.append(flops * n / (time.perf_counter() - t0))
-    return max(rates)
+    return 0.0, "no peak for a CPU: pass --peak-tflops for MFU"

@@ -11,9 +11,10 @@ same model as one process.
 import json
 import math
 import os
-import resource
+import statistics
 import sys
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 import config
@@ -201,7 +204,9 @@ def train(run):
     except BaseException:
         folder.close()
         raise
-    log = StepLog(run, cfg, mesh, start)
+    if run.rank == 0:
+        print(f"run folder: {run.out}", flush=True)
+    log = StepLog(run, cfg, mesh, start, trainer)
     profiler = start_profiler(run.profile, Path(run.out), run.rank)
     try:
         for step in log.bar:
@@ -228,7 +233,7 @@ def train(run):
         profiler.stop()
         loader.close()
         folder.close()
-    return log.close()
+    return log.close(run.out)
 
 
 # ---------------------------------------------------------------- setup and bookkeeping around the loop
@@ -276,26 +281,30 @@ def scheduled_lr(run, step):
 
 
 class StepLog:
-    """Per-step metrics (one JSON line each with --metrics, rank 0), the tqdm bar and the console lines."""
+    """Per-step metrics (one JSON line each in --metrics, rank 0), the tqdm bar, the console lines, and the run's
+    summary at the end (printed, and as the last metrics line)."""
 
-    def __init__(self, run, cfg, mesh, start):
-        self.args, self.mesh, self.device, self.rank = run, mesh, torch.device(run.device), mesh.global_rank
-        args = run
+    def __init__(self, run, cfg, mesh, start, trainer):
+        self.run, self.mesh, self.device, self.rank = run, mesh, torch.device(run.device), mesh.global_rank
         self.peak, peak_source = config.peak_flops(run, cfg)
-        self.tokens = args.global_batch * cfg.seq_len
-        recomputed = ckpt.recomputed_layers(cfg, args.ckpt)
+        self.tokens = run.global_batch * cfg.seq_len
+        recomputed = ckpt.recomputed_layers(cfg, run.ckpt)
         self.flops_model = M.flops_per_token(cfg) * self.tokens  # MFU: PaLM's 6N + 12·L·d·T per token
         self.flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens  # HFU adds recompute
-        self.metrics, self.local_losses = None, []
-        if args.metrics and self.rank == 0:
-            Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(args.metrics, "a")
+        self.metrics, self.local_losses, self.rows, self.t0 = None, [], [], time.perf_counter()
+        self.cpu_memory = CPUMemory(trainer) if self.device.type == "cpu" else None
         if self.rank == 0:
+            Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(run.metrics, "a")
             n_total, n_non_emb = M.param_counts(cfg)
-            print(f"model {args.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M non-embedding), "
+            print(f"model {run.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M non-embedding), "
                   f"{self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak {self.peak / 1e12:.3f} TFLOP/s from "
-                  f"{peak_source}; {args.global_batch} x {cfg.seq_len} tokens per step", flush=True)
-        self.bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=self.rank != 0,
+                  f"{peak_source}; {run.global_batch} x {cfg.seq_len} tokens per step", flush=True)
+            if run.warmup >= run.steps:
+                last = optim.lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps)
+                print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate never reaches --lr "
+                      f"{run.lr:g} (it ends at {last:.3g})", flush=True)
+        self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps, disable=self.rank != 0,
                         dynamic_ncols=True)
 
     def start_step(self):
@@ -304,59 +313,132 @@ class StepLog:
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this step's peak
         return time.perf_counter()
 
-    def logs(self, step):
-        return bool(self.metrics) or bool(self.args.log_every and (step + 1) % self.args.log_every == 0)
-
     def end_step(self, step, local_loss, health, trainer, t0):
-        """Reads the step's scalars in one transfer: the health, the loss scale, and on a step that logs, the loss
-        (averaged over replicas on the device first). Other steps keep their loss on the device until the end."""
+        """Reads the step's scalars in one transfer: the health, the loss scale and the loss (averaged over replicas on
+        the device first)."""
         self.local_losses.append(local_loss)
-        logged = self.logs(step)  # the same on every rank: the all-reduce below is collective
-        values = [health, trainer.scaler.scale.reshape(1)] + [replica_mean(local_loss, self.mesh).reshape(1)] * logged
+        values = [health, trainer.scaler.scale.reshape(1), replica_mean(local_loss, self.mesh).reshape(1)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer step has finished: dt_s covers all of it
-        grad_norm, overflow, bad_losses, scale, *loss = torch.cat(values).tolist()
+        grad_norm, overflow, bad_losses, scale, loss = torch.cat(values).tolist()
         dt, world = time.perf_counter() - t0, self.mesh.world
-        row = {"step": step + 1, "loss": loss[0] if loss else None, "lr": trainer.opt.param_groups[0]["lr"],
+        row = {"step": step + 1, "loss": loss, "lr": trainer.opt.param_groups[0]["lr"],
                "grad_norm": grad_norm, "tokens": self.tokens, "dt_s": dt, "tok_s": self.tokens / dt,
                "tflops": self.flops_model / dt / world / 1e12,
                "mfu": self.flops_model / dt / world / self.peak if self.peak else None,
                "hfu": self.flops_hw / dt / world / self.peak if self.peak else None,
-               **memory_gb(self.device), "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
+               **(self.cpu_memory.gb() if self.cpu_memory else cuda_memory_gb(self.device)),
+               "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
         if trainer.scaler.enabled:
             row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step's update
         return row
 
     def write(self, row):
         del row["bad_losses"]
-        if row["loss"] is None:  # a step that does not log
-            return
+        self.rows.append(row)
         if self.metrics:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_s']:.0f}", mfu=f"{(row['mfu'] or 0):.1%}")
-        if self.rank == 0 and self.args.log_every and row["step"] % self.args.log_every == 0:
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_s']:.0f}", mfu=mfu)
+        if self.rank == 0 and self.run.log_every and row["step"] % self.run.log_every == 0:
             extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
             self.bar.write(f"step {row['step']}: loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} norm "
-                           f"{row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {(row['mfu'] or 0):.2%} "
-                           f"mem {row['mem_gb']:.2f} GB")
+                           f"{row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {mfu} mem {row['mem_gb']:.2f} GB")
 
-    def close(self):
-        """Every step's global loss, read in one transfer at the end."""
+    def close(self, out):
+        """The summary (rank 0: printed, and the last metrics line), then every step's global loss, read in one
+        transfer."""
+        losses = replica_mean(torch.stack(self.local_losses), self.mesh).tolist() if self.local_losses else []
+        if self.rank == 0 and self.rows:
+            summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags)
+            self.bar.write(summary_line(summary))
+            self.metrics.write(json.dumps({"summary": summary}) + "\n")
         if self.metrics:
             self.metrics.close()
-        if not self.local_losses:
-            return []
-        return replica_mean(torch.stack(self.local_losses), self.mesh).tolist()
+        return losses
 
 
-def memory_gb(device):
-    """The step's peak of allocated and reserved memory; on CPU, the process's peak resident size for both."""
-    if device.type == "cuda":
-        return {"mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-                "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
-    return {"mem_gb": rss, "mem_reserved_gb": rss}
+def read_metrics(path):
+    """(the step rows of a --metrics file, the summaries of the runs that wrote it, newest last)."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in lines if "summary" not in r], [r["summary"] for r in lines if "summary" in r]
+
+
+def run_summary(rows, wall_s, out, flags):
+    """What a run ends with: the last train and val loss, the median tok/s and MFU over its steps (the first, which
+    compiles and warms up, left out when there are others), the peak memory, the wall time, its flags."""
+    timed = rows[1:] or rows
+    median = lambda key: statistics.median(r[key] for r in timed) if timed[0][key] is not None else None  # noqa
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    return {"run": str(out), "steps": rows[-1]["step"], "loss": rows[-1]["loss"], "val_loss": val[-1] if val else None,
+            "tok_s": median("tok_s"), "mfu": median("mfu"), "mem_gb": max(r["mem_gb"] for r in rows),
+            "wall_s": wall_s, "flags": flags}
+
+
+def summary_line(s):
+    val = f", val {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
+    mfu = f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""
+    return (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}, peak memory "
+            f"{s['mem_gb']:.2f} GB, {s['wall_s']:.0f} s, in {s['run']}")
+
+
+class CPUMemory:
+    """mem_gb on CPU, where no allocator counts: the tensors the run keeps (weights, gradients, Adam's state) plus the
+    peak of the bytes a step allocates, counted once, in the first step (LiveBytes), as every step is the same."""
+
+    def __init__(self, trainer):
+        self.trainer, self.peak, self.counting = trainer, None, LiveBytes()
+        self.counting.__enter__()
+
+    def gb(self):
+        if self.peak is None:
+            self.counting.__exit__(None, None, None)
+            t = self.trainer
+            kept = [p for p in t.wrapper.optim_params()] + [p.grad for p in t.wrapper.optim_params()
+                                                             if p.grad is not None]
+            kept += [v for s in t.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            self.peak = (storage_bytes(kept) + self.counting.peak) / 1e9
+        return {"mem_gb": self.peak, "mem_reserved_gb": None}
+
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages behind the tensors (views of one buffer count once; None is skipped)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor)}.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create while active, from creation until freed; `peak` is the maximum.
+    A storage's Python object outlives every tensor using it (PyTorch keeps it), so a finalizer marks the free."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, n = storage.data_ptr(), storage.nbytes()
+            if n and key not in inputs and key not in self.live:  # views and in-place results are not new
+                self.live[key] = n
+                self.now += n
+                weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def cuda_memory_gb(device):
+    """The step's peak of allocated and reserved memory (the caching allocator's)."""
+    return {"mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
 
 
 class NoProfiler:

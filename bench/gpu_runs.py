@@ -39,8 +39,10 @@ def model_cfg(preset, overrides):
 
 
 def lines(path):
+    """The step rows of a --metrics file (its summary line left out)."""
     p = Path(path)
-    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+    return [r for r in rows if "summary" not in r]
 
 
 def finished(r, path, status):

@@ -15,7 +15,6 @@ L24  each layout x micro-batch is a real `python train.py` (world 1) or `python 
      after the first.
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
+import train  # noqa: E402
 from bench import common  # noqa: E402
 from parallel.ckpt import recomputed_layers  # noqa: E402
 
@@ -118,7 +118,7 @@ def error_line(stderr):
 
 def summarize(metrics_path):
     """Medians over the steps after the first (kernel selection, allocator warm-up), max of memory."""
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = train.read_metrics(metrics_path)[0]
     rows = [r for r in rows if "mfu" in r][1:]
     pick = {k: common.median([r.get(k) for r in rows]) for k in ("mfu", "hfu", "tok_s", "tflops", "comm_gb", "dt_s")}
     pick["mem_gb"] = max(r["mem_gb"] for r in rows)

@@ -3,7 +3,6 @@ stored (sqrt keeps ceil(N/C) boundaries); what is recomputed (matches recomputed
 selective repeats no matmul); dropout recomputes the same mask (L19); bad policies exit 2."""
 import contextlib
 import io
-import json
 import math
 
 import pytest
@@ -65,7 +64,7 @@ def test_tp_dropout_recomputes_identically_in_training(runs):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hfu_counts_the_recomputed_layers(policy, runs):
     _, out = runs
-    rows = [json.loads(line) for line in (out / f"{policy}.jsonl").read_text().splitlines()]
+    rows = train.read_metrics(out / f"{policy}.jsonl")[0]
     cfg = config.model_config(config.parse_args(_argv(out, [])), 257)
     ratio = M.flops_per_token(cfg, recomputed_layers=ckpt.recomputed_layers(cfg, policy)) / M.flops_per_token(cfg)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in rows)

@@ -121,7 +121,7 @@ def test_dp_layout_matches_one_process(name, reference, tmp_path):
         assert r0["all_gathers"] == {"forward": A * units, "backward": A * r0["n_layer"]}
         assert r0["calls"]["reduce_scatter"] == (1 if "unsharded" in flags else A) * units
         assert r0["calls"]["all_gather"] == A * (units + r0["n_layer"])
-    first_row = json.loads((Path(tmp_path) / "metrics.jsonl").read_text().splitlines()[0])
+    first_row = train.read_metrics(Path(tmp_path) / "metrics.jsonl")[0][0]
     assert first_row["comm_gb"] * 1e9 == pytest.approx(sum(want.values()), rel=0.01)
 
     # L9 / L16: the Chrome trace holds the collectives of the profiled steps

@@ -18,6 +18,7 @@ from parallel import ckpt
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
 from parallel.mesh import Mesh
+from tests.memory import storage_bytes
 from tests.ranks import run_ranks
 from tests.wrapper_state import full_state, load_full_state
 
@@ -44,13 +45,6 @@ def batch(rank):
     return x, x.roll(-1, 1)
 
 
-def storage_bytes(tensors):
-    """Bytes of the distinct storages behind tensors (views of one buffer count once)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def memory_check(rank, world, mesh):

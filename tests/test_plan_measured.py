@@ -25,7 +25,7 @@ import train
 from bench import plan as P
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
-from tests.memory import LiveBytes
+from tests.memory import LiveBytes, storage_bytes
 from tests.ranks import run_ranks
 
 MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128",
@@ -92,8 +92,6 @@ def parse(world, flags, micro, accum, rank=0):
     return args, cfg, lay, args.global_batch
 
 
-def storage_bytes(tensors):
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def measure(rank, world, flags, micro, accum):

@@ -4,7 +4,6 @@ cost-balanced split and its bad inputs. On gloo ranks: every schedule equals one
 (M = 1, P, 2P), composition with ddp, fsdp, tp, cp and ckpt, at most P activation sets in flight on
 stage 0 under 1F1B (M under GPipe), and a rank that raises mid-schedule ends every rank with an error.
 The layout runs share four launches (module fixtures); each test asserts one property."""
-import json
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -195,7 +194,7 @@ def _train_many(rank, world, runs, folder):
         metrics = f"{folder}/run{i}.jsonl"
         losses = train.main(a + ["--eval-every", "10", "--eval-batches", "1", "--metrics", metrics,
                                  "--out", f"{folder}/run{i}"])
-        out.append((losses, json.loads(open(metrics).read().splitlines()[-1])["val_loss"] if rank == 0 else None))
+        out.append((losses, train.read_metrics(metrics)[0][-1]["val_loss"] if rank == 0 else None))
     return out
 
 
