@@ -231,9 +231,12 @@ def train(run):
         raise Interrupted(folder.interrupted()) from None
     finally:
         profiler.stop()
-        loader.close()
+        loader.close()  # joins its thread
         folder.close()
-    return log.close(run.out)
+    losses = log.close(run.out)  # the last collective (the losses' gather); then no thread is left but the main one
+    if run.world > 1:
+        mesh.world_group.barrier()  # every rank is past every collective before main() destroys the group
+    return losses
 
 
 # ---------------------------------------------------------------- setup and bookkeeping around the loop
@@ -349,6 +352,7 @@ class StepLog:
     def close(self, out):
         """The summary (rank 0: printed, and the last metrics line), then every step's global loss, read in one
         transfer."""
+        self.bar.close()
         losses = replica_mean(torch.stack(self.local_losses), self.mesh).tolist() if self.local_losses else []
         if self.rank == 0 and self.rows:
             summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags)

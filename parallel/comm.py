@@ -171,6 +171,11 @@ class Group:
             ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], group=self.pg))
         return dist.batch_isend_irecv(ops) if ops else []
 
+    def barrier(self):
+        """Every rank of the group has reached this point (not counted: no payload)."""
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
     @torch.compiler.disable
     def broadcast(self, t, src=0):
         if self.size == 1:
