@@ -16,10 +16,13 @@ Where each amax comes from: x's and W's from the tensors in forward, dY's from t
 delayed, nothing is kept across steps. Powers of two make the multiply exact, so the scale only decides what
 underflows, and an fp8 value dequantized to bf16 casts back to itself: FSDP's fp8 all-gather then gives the very
 values of a bf16 all-gather cast here, bit for bit.
-Layouts: a scale must be the one a single process would use, so the amax is the whole tensor's. Under tp a rank
-holds a shard of W (and of x for o, down; of dY for q, k, v, gate, up), under cp a slice of the tokens of x and dY:
-each amax is MAX-all-reduced over tp and cp (a few bytes, counted as `all_reduce_max`). dp and pp ranks run whole
-micro-batches, FSDP gathers whole weights: no reduction. The matmul then runs on the local shard.
+Layouts: a scale must be the one a single process would use, so the amax is the whole tensor's: each is MAX-all-
+reduced over the groups that split its tensor (a few bytes, counted as `all_reduce_max`). Under tp a column-parallel
+linear holds a shard of W and of dY, a row-parallel one of W and of x; cp splits every x and dY by tokens. A block's
+weights are reduced together, once per forward (BlockWeights): per layer and micro-batch, tp alone, 3 reductions in
+forward (the weights, o's and down's inputs) and 5 in backward (the column linears' dY), where every tensor reduced
+over tp and cp took 14 (28 with cp). dp and pp ranks run whole micro-batches, FSDP gathers whole weights: no
+reduction. The matmul then runs on the local shard.
 FSDP/HSDP --fp8-all-gather (gather_in_fp8): a block unit's shard is cast with each matrix's scale (the amax
 MAX-reduced over the shard group and tp first) and all-gathered as e4m3 bytes, exactly half the bf16 all-gather:
 (M-1)/M · padded unit · 1 byte; its norm gains are not matmul weights and travel in bf16 beside it, (M-1) · 2v bytes
@@ -29,17 +32,19 @@ Costs. Memory: nothing more is saved for backward (x and W as they came, and the
 bf16 copy of x per linear); transients of 1 byte/element (the casts, column-major copies for backward), FSDP
 --fp8-all-gather 1 byte/element more while a unit arrives. Time: per linear and step 3 amax passes (x, W, dY), 5
 casts (x and W again in backward: no second amax) and 3 transposed fp8 copies, which torch.compile fuses; under tp
-or cp one tiny blocking all-reduce per group in forward and in backward. --sp's rings (tp_ring.py) stay off:
+or cp the few tiny blocking reductions above. --sp's rings (tp_ring.py) stay off:
 under fp8 each sp gather and reduce-scatter is one call, and backward keeps the gathered input.
 CPU: torch._scaled_mm runs there, but as a reference loop (about 1000x slower than a bf16 matmul of 512x128x384),
 so on CPU scaled_mm upcasts the fp8 operands to fp32 (exact) and multiplies in fp32: exact products, fp32 sums,
 one rounding, the arithmetic of _scaled_mm (tests/test_fp8.py checks one against the other).
 """
 import math
+from functools import partial
 
 import torch
 
 from model import Linear
+from parallel import tp_shard_of
 
 E4M3, E5M2 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)
 MULTIPLE = 16  # _scaled_mm on a GPU: the inner dimension and the columns of every operand, multiples of 16
@@ -110,14 +115,16 @@ def row_major(t):
 
 
 class ScaledLinear(torch.autograd.Function):
-    """y = x·Wᵀ with x, W in e4m3 and dY in e5m2, each scaled by its amax reduced over `groups` (tp, cp)."""
+    """y = x·Wᵀ with x, W in e4m3 and dY in e5m2: W's scale given (w_scale), x's and dY's from their amaxes, each
+    MAX-reduced over the groups that split that tensor (x_groups, dy_groups)."""
 
     @staticmethod
-    def forward(ctx, x, weight, groups):
+    def forward(ctx, x, weight, w_scale, x_groups, dy_groups, x_scale=None):
         xb, wb = x.to(torch.bfloat16).reshape(-1, x.shape[-1]), weight.to(torch.bfloat16)  # (M, K), (N, K)
-        scales = scale_for(amaxes([xb, wb], groups), E4M3)
+        x_scale = scale_for(amaxes([xb], x_groups), E4M3)[0] if x_scale is None else x_scale
+        scales = torch.stack([x_scale, w_scale])
         ctx.save_for_backward(x, weight, scales)  # as they came: nothing new is kept (FSDP gathers W again)
-        ctx.groups = groups
+        ctx.dy_groups = dy_groups
         y = scaled_mm(cast(xb, scales[0], E4M3), cast(wb, scales[1], E4M3).t(), scales[0], scales[1], torch.bfloat16,
                       fast_accum=True)  # (M, N)
         return y.view(*x.shape[:-1], -1)
@@ -128,30 +135,64 @@ class ScaledLinear(torch.autograd.Function):
         x8 = cast(x.reshape(-1, x.shape[-1]), scales[0], E4M3)  # (M, K): forward's values, no second amax
         w8 = cast(weight, scales[1], E4M3)  # (N, K)
         g = grad.reshape(-1, grad.shape[-1]).to(torch.bfloat16)  # (M, N)
-        g_scale = scale_for(amaxes([g], ctx.groups), E5M2)[0]
+        g_scale = scale_for(amaxes([g], ctx.dy_groups), E5M2)[0]
         g8 = cast(g, g_scale, E5M2)
         grad_x = scaled_mm(g8, column_major(w8), g_scale, scales[1], x.dtype)  # (M, N)·(N, K)
         grad_w = scaled_mm(row_major(g8.t()), column_major(x8), g_scale, scales[0], weight.dtype)  # (N, M)·(M, K)
-        return grad_x.view(x.shape), grad_w, None
+        return grad_x.view(x.shape), grad_w, None, None, None, None
 
 
 def linear(x, weight, groups=()):
-    return ScaledLinear.apply(x, weight, list(groups))
+    """y = x·Wᵀ in fp8, every amax reduced over `groups` (each tensor split over each of them; x's and W's in one)."""
+    scales = scale_for(amaxes([x.to(torch.bfloat16), weight.to(torch.bfloat16)], groups), E4M3)
+    return ScaledLinear.apply(x, weight, scales[1], [], list(groups), scales[0])
 
 
-def apply(chunk, groups):
+class BlockWeights:
+    """The e4m3 scales of one block's linear weights: at the block's first fp8 matmul of each forward (q_proj's, in
+    the block's order), one MAX all-reduce over tp of every weight's amax; the block's other matmuls read theirs. An
+    amax of the fp32 master is the amax of its bf16 copy rounded (rounding is monotonic): no copy is made."""
+
+    def __init__(self, linears, group):
+        self.linears, self.groups, self.scales = linears, [group] if group is not None else [], None
+
+    def scale(self, module):
+        if module is self.linears[0] or self.scales is None:
+            amax = torch.stack([m.weight.detach().abs().amax() for m in self.linears]).to(torch.bfloat16)
+            self.scales = scale_for(reduce_max(amax, self.groups), E4M3)
+        return self.scales[self.linears.index(module)]
+
+
+def reduce_max(values, groups):
+    """fp32 values MAX-all-reduced over the groups."""
+    out = values.float()
+    for group in groups:
+        group.max_all_reduce(out)
+    return out
+
+
+def apply(chunk, tp_group=None, cp_group=None):
     """Routes a GPT chunk's block matmuls through fp8, in place, through their matmul hook (parallel/__init__.py): the
     linears of every block (model.Linear, tp's column and row linears alike); the embedding, attention and lm_head
-    stay as they are. groups: the mesh groups a tensor may be split over (tp, cp)."""
-    groups = [g for g in groups if g.size > 1]
-
-    def fp8_linear(x, weight):
-        return linear(x, weight, groups)
+    stay as they are. groups: (the tp group, the cp group). Each amax is reduced only over the groups that split its
+    tensor, read from the weight's tp_shard tag: a column-parallel linear (split by output features) sees its whole
+    input and a shard of dY; a row-parallel one a shard of its input and the whole dY; cp splits every x and dY by
+    tokens, no weight. A block's weights share one reduction (BlockWeights)."""
+    tp = [tp_group] if tp_group is not None and tp_group.size > 1 else []
+    cp = [cp_group] if cp_group is not None and cp_group.size > 1 else []
     for block in chunk.layers.values():
-        for module in block.modules():
-            if isinstance(module, Linear):
-                module.matmul = fp8_linear
+        linears = [m for m in block.modules() if isinstance(m, Linear)]
+        weights = BlockWeights(linears, tp[0] if tp else None)
+        for module in linears:
+            dim = (tp_shard_of(module.weight) or (None,))[0]  # 0: column-parallel, 1: row-parallel, None: whole
+            x_groups, dy_groups = (tp if dim == 1 else []) + cp, (tp if dim == 0 else []) + cp
+            module.matmul = partial(block_linear, module=module, weights=weights, x_groups=x_groups,
+                                    dy_groups=dy_groups)
     return chunk
+
+
+def block_linear(x, weight, module, weights, x_groups, dy_groups):
+    return ScaledLinear.apply(x, weight, weights.scale(module), x_groups, dy_groups)
 
 
 # ---------------------------------------------------------------- FSDP: block units all-gathered in e4m3

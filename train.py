@@ -73,7 +73,7 @@ def build(cfg, mesh, run):
         if mesh.cp > 1:
             cp.parallelize(chunk, mesh, mode=run.cp_mode)
         if run.dtype == "fp8":  # the block matmuls; scales reduced over the groups that split their tensors
-            fp8.apply(chunk, [mesh.tp_group, mesh.cp_group])
+            fp8.apply(chunk, mesh.tp_group, mesh.cp_group)
         ckpt.apply(chunk, run.ckpt)
         if mesh.pp > 1 and run.pp_schedule in ("zb1", "zbv"):  # weight gradients wait for the schedule's W
             pp_bw_split.apply(chunk)

@@ -21,7 +21,7 @@ from bench.plan_time import MM_EFF, MM_ROWS0
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from model import PRESETS
-from parallel import global_name
+from parallel import global_name, tp
 from parallel.fsdp import FSDP
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
@@ -149,13 +149,29 @@ def _tp_scales_rank(rank, world):
                 max_calls=mesh.stats.calls["all_reduce_max"])
 
 
+def _reductions_rank(rank, world):
+    """A 2-layer tp-2 GPT in fp8: the scale reductions of one forward and one backward."""
+    mesh = Mesh(rank, world, tp=world)
+    cfg = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=256, seq_len=16)
+    with torch.device("meta"):
+        gpt = tp.parallelize(M.GPT(cfg), mesh)
+    gpt = M.init_weights(fp8.apply(gpt, mesh.tp_group, mesh.cp_group), 0, "cpu")
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    mesh.stats.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = gpt(x[:, :-1], x[:, 1:])
+    forward = mesh.stats.calls["all_reduce_max"]
+    loss.backward()
+    return forward, mesh.stats.calls["all_reduce_max"] - forward
+
+
 def _fsdp_gather_rank(rank, world):
     """One forward and backward of FSDP under fp8, its block units gathered in bf16, then in fp8."""
     mesh, out = Mesh(rank, world), {}
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     for in_fp8 in (False, True):
         with torch.device("meta"):
-            gpt = fp8.apply(M.GPT(FSDP_CFG), [])
+            gpt = fp8.apply(M.GPT(FSDP_CFG))
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
                        lambda name, p, flat=None, out=None: M.local_init(name, p, FSDP_CFG, 5, flat, out), "cpu",
                        compute_dtype=torch.bfloat16)
@@ -194,7 +210,8 @@ def _step1_grads(rank, world, flags):
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8_runs")
     jobs = [(name, _train, (BASE + FAST + ["--out", str(out / name)] + flags,)) for name, flags in LAYOUTS.items()]
-    jobs += [("tp_scales", _tp_scales_rank, ()), ("fsdp_gather", _fsdp_gather_rank, ())]
+    jobs += [("tp_scales", _tp_scales_rank, ()), ("fsdp_gather", _fsdp_gather_rank, ()),
+             ("reductions", _reductions_rank, ())]
     jobs += [(f"grads {name}", _step1_grads, (LAYOUTS[name],)) for name in STEP1_GRADS]
     ranks = run_ranks(run_jobs, 2, args=(jobs,), timeout=600)
     return dict(ref=train.main(BASE + FAST + ["--out", str(out / "ref")]), ranks=ranks,
@@ -249,6 +266,14 @@ def test_scales_under_tp_are_one_process_scales(runs):
     for r in result(runs, "tp_scales"):
         assert r["y"] and r["dw"]
         assert r["max_calls"] == 2  # one all-reduce of (amax x, amax W) in forward, one of amax dY in backward
+
+
+def test_each_amax_is_reduced_only_where_its_tensor_is_split(runs):
+    """Per layer under tp: one reduction of the block's weights and one of o's and of down's inputs in forward (the
+    column linears see their whole input), one of each column linear's dY in backward (the row linears' dY is whole):
+    3 + 5, where reducing every tensor's amax over tp took 7 + 7."""
+    for forward, backward in result(runs, "reductions"):
+        assert (forward, backward) == (3 * 2, 5 * 2)
 
 
 # ---------------------------------------------------------------- the planner (bench/plan.py --dtype fp8)

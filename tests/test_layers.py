@@ -40,8 +40,8 @@ def changes(before, after):
 
 
 LAYERS = {
-    "fp8 (one process)": (1, False, lambda gpt: fp8.apply(gpt, []), {"matmul"}),
-    "fp8 (tp 2, sp)": (2, True, lambda gpt: fp8.apply(gpt, []), {"matmul"}),
+    "fp8 (one process)": (1, False, lambda gpt: fp8.apply(gpt), {"matmul"}),
+    "fp8 (tp 2, sp)": (2, True, lambda gpt: fp8.apply(gpt), {"matmul"}),
     "zero-bubble split (one process)": (1, False, pp_bw_split.apply, {"weight_grads"}),
     "zero-bubble split (tp 2, sp)": (2, True, pp_bw_split.apply, {"weight_grads"}),
     "tp ring (tp 2, sp)": (2, True, tp_ring.apply, {"class", "ring"}),
