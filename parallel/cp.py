@@ -130,12 +130,12 @@ class _GatherKV(torch.autograd.Function):
 
 def _in_position_order(kv, cp):
     """(CP·2, B, Hkv, s, hd) gathered in rank order -> (2, B, Hkv, T, hd) in position order, in one copy. Rank r
-    holds chunks r and 2CP-1-r, so chunk p is rank p's first chunk for p < CP and rank 2CP-1-p's second after."""
+    holds chunks r and 2CP-1-r, so chunk p is rank p's first chunk for p < CP and rank 2CP-1-p's second after: the
+    first chunks in rank order, then the second ones in reverse (slices and a flip: no index built on the host)."""
     _, B, kv_heads, s, hd = kv.shape
     chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)  # (2, B, Hkv, CP, 2, c, hd)
-    ranks = torch.tensor([*range(cp), *reversed(range(cp))], device=kv.device)
-    slots = torch.tensor([0] * cp + [1] * cp, device=kv.device)
-    return chunks[:, :, :, ranks, slots].reshape(2, B, kv_heads, cp * s, hd)
+    ordered = torch.cat([chunks[:, :, :, :, 0], chunks[:, :, :, :, 1].flip(3)], dim=3)  # (2, B, Hkv, 2CP, c, hd)
+    return ordered.reshape(2, B, kv_heads, cp * s, hd)
 
 
 def _chunk_blocks(rank, cp, c):

@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
-from parallel import ring_attention
+from parallel import cp, ring_attention
 from parallel.mesh import Mesh
 
 
@@ -94,3 +94,39 @@ def test_ring_attentions_math_kernel_takes_query_rows_in_chunks(monkeypatch):
     for a, b in zip(big[:-1], small[:-1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(small[0].double(), reference(*qkv(torch.float32)), rtol=0, atol=1e-5)
+
+
+class HostOps(TorchDispatchMode):
+    """Ops that take data from the host (a tensor built from a Python list) or read a value back to it."""
+    HOST = {"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.HOST:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_allgather_cp_attention_builds_nothing_on_the_host():
+    """cp's allgather mode put the gathered K,V in position order with two index tensors made from Python lists in
+    every layer's forward (a host-to-device copy each, uncompiled); now slices and a flip. Same output."""
+    q, k, v = (t.requires_grad_() for t in qkv(torch.float32, t=32))
+    with HostOps() as host:
+        out = cp.allgather_attention(q, k, v, Mesh().cp_group)
+        out.sum().backward()
+    assert host.seen == []
+    torch.testing.assert_close(out.double(), reference(*qkv(torch.float32, t=32)), rtol=0, atol=1e-5)
+
+
+def test_the_position_order_of_gathered_kv():
+    """Rank r holds chunks r and 2CP-1-r: gathered in rank order, position order is every rank's first chunk, then
+    the second ones from the last rank back."""
+    cp_size, c = 3, 2
+    chunks = {r: (r, 2 * cp_size - 1 - r) for r in range(cp_size)}
+    gathered = torch.tensor([[chunk] * c for r in range(cp_size) for _ in ("k", "v") for chunk in chunks[r]],
+                            dtype=torch.float32).view(cp_size * 2, 1, 1, 2 * c, 1)  # each token tagged by its chunk
+    ordered = cp._in_position_order(gathered, cp_size)
+    assert ordered[0, 0, 0, :, 0].tolist() == [p for p in range(2 * cp_size) for _ in range(c)]
