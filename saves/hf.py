@@ -137,8 +137,13 @@ def check_config(folder, cfg, args):
         refuse("head_dim", f"is {config['head_dim']!r}; this model's is hidden_size / num_attention_heads = "
                            f"{cfg.head_dim}")
     vocab = config.get("vocab_size")
-    if not is_number(vocab, integer=True) or not cfg.vocab_size <= vocab <= cfg.padded_vocab:
-        refuse("vocab_size", f"is {vocab!r}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
+    if not is_number(vocab, integer=True) or vocab < 1:
+        refuse("vocab_size", f"is {vocab!r}; it must be a positive integer")
+    if vocab < cfg.vocab_size:  # the data has ids the checkpoint has no row for: no flag can help
+        refuse("vocab_size", f"is {vocab}, fewer than the {cfg.vocab_size} ids of this run's data (or --vocab-size): "
+                             "prepare the data with the checkpoint's own tokenizer")
+    if vocab > cfg.padded_vocab:
+        refuse("vocab_size", f"is {vocab}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
                              f"(pass --vocab-size {vocab})")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}; this model's MLP is SwiGLU (silu)")

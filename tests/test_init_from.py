@@ -184,15 +184,16 @@ def test_a_config_this_run_disagrees_with_is_one_line_and_exit_2(checkpoints, tm
                           (["--d-model", "256"], "hidden_size is 128, this run has --d-model 256"),
                           (["--n-kv-head", "8"], "num_key_value_heads is 4, this run has --n-kv-head 8"),
                           (["--ffn-dim", "512"], "intermediate_size is 384, this run has --ffn-dim 512"),
-                          (["--vocab-size", "1000"], "vocab_size is 320, this run's model has 1000 rows")]:
+                          (["--vocab-size", "1000"], "vocab_size is 320, fewer than the 1000 ids of this run")]:
         assert needle in refused(base + [str(folder)] + extra, capsys)
     for edit, needle in [(lambda c: c.update(model_type="mistral"), "model_type is 'mistral'"),
                          (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5}),
                           "rope_parameters.rope_type is 'yarn'"),
                          (lambda c: c.update(attention_bias=True), "attention_bias is True"),
                          (lambda c: c.update(head_dim=32), "head_dim is 32"),
-                         (lambda c: c.update(tie_word_embeddings=False, vocab_size=128), "vocab_size is 128")]:
-        assert needle in refused(base + [str(edited_copy(folder, tmp_path, edit))], capsys)
+                         (lambda c: c.update(tie_word_embeddings=False, vocab_size=128),
+                          "vocab_size is 128, fewer than the 257 ids of this run's data (or --vocab-size): prepare")]:
+        assert needle in refused(base + [str(edited_copy(folder, tmp_path, edit))], capsys)  # no flag suggested
     assert "is truncated or malformed" in refused(base + [str(edited_copy(folder, tmp_path, drop=4))], capsys)
     assert "is not a folder" in refused(base + [str(tmp_path / "nowhere")], capsys)
     assert not out.exists()  # refused before anything is written
