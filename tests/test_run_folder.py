@@ -1,0 +1,136 @@
+"""One writer per run folder, and a run's start and end told in one line: a second run into a folder whose run still
+trains, fresh or --resume, exits 2 (the lock dies with its holder, so a killed run's folder resumes); a save past
+--steps, a full disk at the start, Ctrl-C, and flags that would do nothing are one line each; a run that wrote no save
+restarts from step 0 under --resume; a longer --steps continues a finished run."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import saves.restarts
+import saves.write
+import train
+from tests.test_checkpoint import ARGS, quiet
+from tests.test_faults import full_disk_open
+from tests.test_save_integrity import exit_of, one_error_line
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = ARGS + ["--micro-batch", "8"]
+
+
+def start_slow_run(out, steps=2000):
+    """A training process that holds its run folder for a while; returns it once it has begun training."""
+    proc = subprocess.Popen([sys.executable, "train.py", *RUN, "--steps", str(steps), "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (out / "attempts.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_second_writer_is_refused_while_the_first_trains_and_welcome_once_it_died(tmp_path):
+    out = tmp_path / "run"
+    first = start_slow_run(out)
+    try:
+        for flags in ([], ["--resume"]):  # fresh: both would have passed the folder check; resume: two attempts
+            code, err = exit_of(train.main, RUN + ["--steps", "4", "--out", str(out)] + flags)
+            assert code == 2, err
+            line = one_error_line(err)
+            assert line.startswith(f"error: --out: {out} is in use by a run still writing to it") and '"pid"' in line
+    finally:
+        first.send_signal(signal.SIGKILL)  # its lock goes with it: nothing stale is left to clear by hand
+        first.wait()
+    losses = quiet(train.main, RUN + ["--steps", "3", "--out", str(out), "--resume", "auto"])
+    assert len(losses) == 3  # it saved nothing before it died: the run starts again
+
+
+def test_a_run_that_wrote_no_save_restarts_under_resume(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "attempts.json").write_text(json.dumps([{"attempt": 1, "resumed_from": 0, "reached": 2,
+                                                    "status": "running"}]))
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out)])  # a fresh run would overwrite it
+    assert code == 2 and "holds saves of another run (attempts.json): pass --resume" in one_error_line(err)
+    assert len(quiet(train.main, RUN + ["--steps", "2", "--out", str(out), "--resume"])) == 2
+    attempts = json.loads((out / "attempts.json").read_text())
+    assert [a["status"] for a in attempts] == ["running", "done"]
+
+
+def test_a_longer_run_continues_a_finished_one_and_a_shorter_one_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    quiet(train.main, RUN + ["--steps", "3", "--out", str(out)])
+    losses = train.main(RUN + ["--steps", "5", "--out", str(out), "--resume"])
+    assert len(losses) == 2 and "the learning-rate schedule is recomputed for 5 steps" in capsys.readouterr().out
+    code, err = exit_of(train.main, RUN + ["--steps", "4", "--out", str(out), "--resume"])
+    assert code == 2 and one_error_line(err) == (f"error: --steps: the newest save, {out / 'step_0000005'}, is at "
+                                                 f"step 5, past --steps 4")
+
+
+def test_a_full_disk_at_the_start_is_one_line_exit_3(tmp_path, monkeypatch):
+    def full(path, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(saves.restarts, "write_json", full)
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(tmp_path / "run")])
+    assert code == 3, err
+    assert one_error_line(err).startswith(f"error: cannot write {tmp_path / 'run' / 'attempts.json'} (No space left "
+                                          "on device); stopped before training, the newest save is none")
+
+
+def test_ctrl_c_is_one_line_naming_where_it_stopped(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", *RUN, "--steps", "2000", "--save-every", "1",
+                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(out.glob("step_*")) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    line = one_error_line(err)
+    assert line.startswith("error: interrupted after step ") and "; the newest save is " in line, line
+    assert json.loads((out / "attempts.json").read_text())[-1]["status"].startswith("interrupted after step")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--pp-schedule", "zb1"], "--pp-split/--pp-virtual/--pp-schedule: has no effect without --pp > 1"),
+    (["--cp-mode", "ulysses"], "--cp-mode: has no effect without --cp > 1"),
+    (["--seed", "-1"], "--seed: invalid integer in [0, 2^63) value: '-1'"),
+    (["--seed", str(2 ** 70)], "--seed: invalid integer in [0, 2^63) value"),
+    (["--global-batch", str(10 ** 11), "--micro-batch", "1"], "--global-batch: one step's token batch needs"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(tmp_path, flags, needle):
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(tmp_path / "run")] + flags)
+    assert code == 2 and needle in one_error_line(err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr_0_is_accepted_and_moves_no_weight(tmp_path):
+    losses = quiet(train.main, RUN + ["--steps", "3", "--lr", "0", "--min-lr", "0", "--out", str(tmp_path)])
+    assert len(set(round(x, 6) for x in losses)) == 3  # other batches, the same weights: no NaN, no refusal
+    for bad in ("-1", "nan", "inf"):
+        code, err = exit_of(train.main, RUN + ["--lr", bad, "--out", str(tmp_path / bad)])
+        assert code == 2 and "--lr" in one_error_line(err)
+
+
+def test_an_async_save_on_a_full_disk_that_takes_the_attempt_record_too_is_one_line_exit_3(tmp_path, monkeypatch):
+    """The disk fills during step 4's async save: the rank file and attempts.json both fail. Exit 3, one line naming
+    the intact save, no temp folder left (the record could not be written: the message says what could)."""
+    monkeypatch.setattr(saves.write, "open", full_disk_open(4, ".bin"), raising=False)
+    write_json = saves.restarts.write_json
+
+    def full_after_step_2(path, records, **kwargs):
+        if records[-1]["reached"] > 2:
+            raise OSError(28, "No space left on device")
+        return write_json(path, records, **kwargs)
+    monkeypatch.setattr(saves.restarts, "write_json", full_after_step_2)
+    out = tmp_path / "run"
+    code, err = exit_of(train.main, RUN + ["--steps", "6", "--save-every", "2", "--async-save", "--out", str(out)])
+    assert code == 3, err
+    assert one_error_line(err) == (f"error: the save of step 4 failed (No space left on device) and was removed; the "
+                                   f"last good save, {out / 'step_0000002'}, is intact")
+    assert not list(out.glob(".tmp_*")) and [p.name for p in out.glob("step_*")] == ["step_0000002"]
