@@ -16,7 +16,6 @@ The planner (bench/plan.py --code ours --measured) then prices the same layouts 
 constants, never a step time: the ranks' matmul, attention and memory rates, the links' bus bandwidths and
 latencies (bench/cluster_report.py; results in bench/results/cluster.md).
 """
-import argparse
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from bench.cluster_net import Net, can_admin_net  # noqa: E402
 from bench.cluster_report import JOBS, LAYOUTS, MODEL, OPS, report  # noqa: E402
+from config import OneLineParser, UsageError, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
 from tests.ranks import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "cluster_worker.py"
@@ -115,16 +115,20 @@ def run_jobs(args, log):
 
 
 def main(argv=None):
-    ap = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    ap = common.add_common_args(OneLineParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--nodes", type=int, default=2, choices=[2], help="emulated nodes (the layouts are for 2)")
     ap.add_argument("--ranks", type=int, default=2, choices=[2], help="ranks per node")
-    ap.add_argument("--gbit", type=float, default=1.0, help="each node's link, Gbit/s each way")
-    ap.add_argument("--delay-ms", type=float, default=0.2, help="added delay each way (needs sch_netem)")
-    ap.add_argument("--rounds", type=int, default=2, help="times each job runs, the jobs alternating")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per layout per round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument("--timeout", type=float, default=240, help="seconds one job may take")
-    args = ap.parse_args(argv)
+    ap.add_argument("--gbit", type=positive_float, default=1.0, help="each node's link, Gbit/s each way")
+    ap.add_argument("--delay-ms", type=nonnegative_float, default=0.2, help="added delay each way (needs sch_netem)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="times each job runs, the jobs alternating")
+    ap.add_argument("--steps", type=positive_int, default=4, help="timed steps per layout per round")
+    ap.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
+    ap.add_argument("--timeout", type=positive_float, default=240, help="seconds one job may take")
+    try:
+        args = ap.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not can_admin_net():
         print("skipped: bench/cluster.py needs root (CAP_NET_ADMIN) to make network namespaces")
         return 0

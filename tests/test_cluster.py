@@ -2,7 +2,6 @@
 torchrun per namespace meeting at node 0 (as root only). A dp 2 x tp 2 run across them logs the same losses as one
 process, its gradient all-reduce really crosses the link between the nodes, and nothing the cluster made outlives
 it, even when a rank dies. Without CAP_NET_ADMIN the bench says so in one line and exits 0."""
-import json
 import os
 import shutil
 import signal
@@ -15,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import train
+from bench import cluster
 from bench.cluster import torchrun
 from bench.cluster_net import Net, can_admin_net, namespaces, sh
 from tests.layouts import BASE
@@ -25,7 +26,14 @@ STEPS = ["--steps", "3", "--peak-tflops", "1"]
 
 
 def losses(path):
-    return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines()]
+    return [row["loss"] for row in train.read_metrics(path)[0]]
+
+
+@pytest.mark.parametrize("flags", [["--gbit", "-1"], ["--rounds", "0"], ["--timeout", "-5"], ["--steps", "0"]])
+def test_impossible_bench_settings_are_one_line_exit_2(flags, capsys):
+    assert cluster.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flags[0]}: invalid") and err.count("\n") == 1, err
 
 
 def test_without_net_admin_the_bench_skips_in_one_line(tmp_path):
