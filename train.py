@@ -465,6 +465,14 @@ def start_profiler(enabled, out, rank):
     return profiler
 
 
+def report_to_launcher(error):
+    """Under torchrun the error line also goes into this worker's error file: torchrun's report, which follows it on
+    the console, then ends with it as the root cause instead of a pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": f"error: {error}", "timestamp": str(int(time.time()))}))
+
+
 def main(argv=None):
     joined = dist.is_initialized()  # a caller's process group (tests) outlives this run; our own does not
     try:
@@ -480,6 +488,7 @@ def main(argv=None):
     finally:
         if not joined and dist.is_initialized():
             dist.destroy_process_group()  # a clean exit: no collective thread is left to the interpreter's end
+    report_to_launcher(error)
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
         print(f"error: {error}", file=sys.stderr)
     elif int(os.environ.get("WORLD_SIZE", 1)) > 1:

@@ -77,3 +77,14 @@ def test_short_jobs_of_every_dp_mode_exit_0():
     while a peer was still in the last collective. Each dp mode once here (bench/exits.py --repeat N runs them
     again and again)."""
     assert exits.main(["--repeat", "1", "--steps", "3"]) == 0
+
+
+def test_under_torchrun_our_error_line_ends_the_console(tmp_path):
+    """torchrun follows a failed worker with ~45 lines of its own; its report now ends with our line as the root
+    cause (the worker's error file) instead of a pointer to its documentation."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "train.py", "--model", "tiny", "--steps", "2", "--tp", "3", "--device", "cpu",
+                           "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    tail = [line.strip() for line in done.stderr.strip().splitlines()[-3:]]
+    assert tail[-2] == "traceback : error: --tp: tp·pp·cp = 3·1·1 = 3 does not divide the world size 2", tail
