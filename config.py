@@ -372,29 +372,62 @@ def check_layout(cfg, run):
         pp.layer_counts(cfg, run.pp, run.pp_virtual, run.micro_batches, run.pp_split, run.pp_schedule)
 
 
+MARGIN = 0.10  # of the device's memory, kept free: the allocator's fragmentation, NCCL's buffers, the CUDA context
+
+
+def step_bytes(cfg, run):
+    """{what: bytes} one rank holds at the peak of a step, an estimate from the shapes: the model state (fp32 weights,
+    gradients, Adam's two moments: 16 bytes per parameter after sharding), the weights in use (FSDP's two gathered
+    units, or autocast's cast of the stage's weights), the activations backward keeps (per layer and token in the
+    compute dtype: the norms' inputs and outputs, q, k, v, attention's output, the MLP's gate, up and product; a
+    checkpointed layer keeps its input, and one layer is remade at a time; a pipeline stage keeps up to P micro-
+    batches' sets, GPipe M), the logits and their gradient, and the step's token ids."""
+    e = 4 if run.dtype == "fp32" else 2
+    d, f, params = cfg.d_model, cfg.ffn_dim, M.param_counts(cfg)[0]
+    sh = run.tp if run.sp else 1  # the residual stream's split under sequence parallel
+    shard = {"ddp": 1, "fsdp": run.dp * run.cp, "hsdp": (run.dp_shard or 1) * run.cp}[run.dp_mode]
+    stage = params / (run.tp * run.pp)
+    block = M.layer_param_count(cfg) / run.tp
+    tokens = run.micro_batch * cfg.seq_len / run.cp
+    layer = e * (4 * d / sh + (4 * d + 2 * d * cfg.n_kv_head / cfg.n_head + 3 * f) / run.tp) + 8 / sh  # per token
+    layers = -(-cfg.n_layer // run.pp)
+    kind = ckpt.parse(run.ckpt)[0]
+    kept = layers * layer if kind in ("none", "selective") else layers * e * d / sh + layer  # remade one at a time
+    if kind == "selective":
+        kept -= layers * e * (2 * d / sh + f / run.tp)
+    sets = 1 if run.pp == 1 else (run.micro_batches if run.pp_schedule == "gpipe" else min(run.pp, run.micro_batches))
+    vocab = cfg.padded_vocab / run.tp
+    return {"model state": 16 * stage / shard,
+            "weights in use": 2 * e * block if run.dp_mode != "ddp" else (e * stage if e < 4 else 0),
+            "activations": sets * tokens * kept,
+            "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,
+            "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
+
+
+def device_memory(run):
+    """(bytes one rank may use, what they are): the GPU's memory, or on CPU the memory available now over the ranks
+    on this machine."""
+    if run.backend == "nccl":
+        return torch.cuda.get_device_properties(run.device).total_memory, torch.cuda.get_device_name(run.device)
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available / run.ranks_here, f"this machine's available RAM / {run.ranks_here} rank(s)"
+
+
 def check_fits(cfg, run):
-    """Refuses a run whose model state alone cannot fit on one device, before anything is built: parameters,
-    gradients and Adam's two moments (16 bytes per parameter) split over tp·pp and, when sharded, over the
-    data-parallel shard group, against the device's memory (on CPU, the machine's RAM over the ranks on it).
-    Also one (tokens, d) activation of a micro-batch, and the step's token ids. Each is a lower bound of what the
-    run needs, so a run that fits is never refused."""
+    """Refuses, before anything is built, a run whose step (step_bytes) would not fit in the device's memory less a
+    margin, naming the largest part and the flag that moves it."""
     if cfg.vocab_size >= 2 ** 31:
         raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
-    shards = run.tp * run.pp * {"ddp": 1, "fsdp": run.dp * run.cp, "hsdp": (run.dp_shard or 1) * run.cp}[run.dp_mode]
-    state = 16 * M.param_counts(cfg)[0] / shards
-    activation = 2 * run.micro_batch * cfg.seq_len * cfg.d_model / (run.cp * (run.tp if run.sp else 1))
-    batch = 16 * run.global_batch / run.dp * cfg.seq_len + 8 * run.global_batch  # int64 inputs and targets, offsets
-    if run.backend == "nccl":
-        limit, where = torch.cuda.get_device_properties(run.device).total_memory, torch.cuda.get_device_name(run.device)
-    else:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / run.ranks_here
-        where = f"this machine's RAM / {run.ranks_here} rank(s)"
-    for flag, what, need in (("--model", "model state (16 bytes per parameter after sharding)", state),
-                             ("--micro-batch", "one micro-batch activation", activation),
-                             ("--global-batch", "one step's token batch", batch)):
-        if need > limit:
-            raise UsageError(f"{flag}: {what} needs {need / 1e9:.4g} GB per rank, more than the {limit / 1e9:.4g} "
-                             f"GB of {where}")
+    parts, (limit, where) = step_bytes(cfg, run), device_memory(run)
+    need = sum(parts.values())
+    if need > (1 - MARGIN) * limit:
+        largest = max(parts, key=parts.get)
+        flag = {"activations": "--micro-batch", "logits": "--micro-batch", "token ids": "--global-batch"}.get(largest,
+                                                                                                            "--model")
+        shown = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts.items())
+        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more than "
+                         f"{1 - MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; shard the model (--dp-mode fsdp, "
+                         f"--tp, --pp), checkpoint (--ckpt), or shrink --micro-batch")
 
 
 def data_identity(meta_path):

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
+import config
 import train
 from bench import compare
 from tests.layouts import BASE
+from tests.test_save_integrity import exit_of, one_error_line
 
 FLAGS = BASE + ["--steps", "3", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4", "--warmup", "1"]
 
@@ -75,3 +77,26 @@ def test_cpu_metrics_have_no_mfu_and_count_the_tensors(in_tmp):
 def test_a_warmup_that_outlasts_the_run_is_said(in_tmp):
     _, printed = run(FLAGS + ["--out", "w", "--warmup", "20"])
     assert "note: --warmup 20 >= --steps 3: the learning rate never reaches --lr 0.003" in printed
+
+
+@pytest.mark.parametrize("extra", [[], ["--ckpt", "full"], ["--ckpt", "selective"], ["--dtype", "bf16"]],
+                         ids=["none", "full", "selective", "bf16"])
+def test_the_memory_check_counts_what_a_step_holds(in_tmp, extra):
+    """config.step_bytes (model state, weights in use, activations, logits) against the tensors' measured peak of the
+    same run: never below it, and close (it refuses no run that fits by much)."""
+    argv = FLAGS + ["--n-layer", "8", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "128", "--out", "r"]
+    run(argv + extra)
+    measured = train.read_metrics(in_tmp / "r" / "metrics.jsonl")[0][-1]["mem_gb"] * 1e9
+    resolved = config.resolve(argv + extra)
+    estimate = sum(config.step_bytes(config.model_config(resolved, 257), resolved).values())
+    assert measured <= estimate <= 1.25 * measured, (measured, estimate)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(in_tmp, monkeypatch):
+    """--model 1b on a 24 GB machine: 24 GB of model state alone passed the old check (against 25.3 GB), and the
+    kernel killed the run 14 minutes later. A step's whole estimate, with a margin, refuses it at once."""
+    monkeypatch.setattr(config, "device_memory", lambda run: (24e9, "a 24 GB machine"))
+    code, err = exit_of(train.main, ["--model", "1b", "--device", "cpu", "--out", "big", "--micro-batch", "1",
+                                     "--global-batch", "8", "--seq-len", "512"])
+    assert code == 2 and "a step needs about" in one_error_line(err) and "of a 24 GB machine" in err, err
+    assert not (in_tmp / "big").exists()
