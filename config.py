@@ -185,7 +185,7 @@ def parse_args(argv=None, namespace=None):
     a("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
     a("--metrics", help="append one JSON line per step, and the run's summary at the end, to this file (rank 0; "
       "default OUT/metrics.jsonl)")
-    a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-4 to --out")
+    a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 3-5 to --out")
     args = p.parse_args(argv, namespace=namespace)
     check_args(args)
     return args

@@ -25,7 +25,7 @@ over tp and cp took 14 (28 with cp). dp and pp ranks run whole micro-batches, FS
 reduction. The matmul then runs on the local shard.
 FSDP/HSDP --fp8-all-gather (gather_in_fp8): a block unit's shard is cast with each matrix's scale (the amax
 MAX-reduced over the shard group and tp first) and all-gathered as e4m3 bytes, exactly half the bf16 all-gather:
-(M-1)/M · padded unit · 1 byte; its norm gains are not matmul weights and travel in bf16 beside it, (M-1) · 2v bytes
+(g-1)/g · padded unit · 1 byte; its norm gains are not matmul weights and travel in bf16 beside it, (g-1) · 2v bytes
 (v: the most norm elements one shard holds, <= 2d). Then dequantized into the bf16 unit buffer (exact): the rest of
 FSDP does not change. Embedding and norm + head units stay in bf16.
 Costs. Memory: nothing more is saved for backward (x and W as they came, and their scales; bf16 autocast saves a

@@ -454,7 +454,8 @@ class NoProfiler:
 
 
 def start_profiler(enabled, out, rank):
-    """--profile: a Chrome trace of steps 2-4 in --out (trace_rank{r}.json)."""
+    """--profile: a Chrome trace in --out (trace_rank{r}.json) of steps 3-5 as the metrics number them (from 1): step
+    1 compiles and warms up, step 2 warms the profiler."""
     if not enabled:
         return NoProfiler()
     out.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,10 @@
 
 Split:    nothing across ranks: a chunk's blocks are grouped into checkpointed segments; only a segment's input
           (the (b, s, d) residual stream at the boundary) is kept, and backward re-runs its forward from there.
-Policies: full      every block alone: N boundaries stored, N blocks recomputed;
+Policies: full      every block alone: L boundaries stored, L blocks recomputed;
           every:K   the blocks whose global index is a multiple of K alone; the others keep everything;
-          segment:C C consecutive blocks per segment: ceil(N/C) boundaries, plus one segment's activations
-                    while it is recomputed: O(N/C + C); sqrt is C = ceil(sqrt N), O(sqrt N) (L18 sweeps C);
+          segment:C C consecutive blocks per segment: ceil(L/C) boundaries, plus one segment's activations
+                    while it is recomputed: O(L/C + C); sqrt is C = ceil(sqrt L), O(sqrt L) (L18 sweeps C);
           selective nothing is checkpointed, but the outputs of the norms and of SwiGLU, which only matmuls read,
                     are not kept by those matmuls: backward makes them again from what the norm (its input and
                     1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer 2·d·r/sh + f·e/tp fewer bytes

@@ -1,7 +1,7 @@
 """DDP: every rank holds the whole model (or its tp/pp piece) and averages gradients over dp x cp.
 
 Split:       the batch. Each dp rank (and each cp rank, which sees other tokens) gets its own slice.
-Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·P bytes per rank (fp32).
+Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·N bytes per rank (fp32, N params).
 Overlap:     the gradients live in flat fp32 buckets (--bucket-mb) laid out in reverse creation order, the order in
              which backward produces them; each parameter's .grad is a view into its bucket, so autograd accumulates
              straight into what the all-reduce sends: no copy in or out. A bucket's async all-reduce (ReduceOp.AVG

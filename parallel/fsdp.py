@@ -1,15 +1,15 @@
-"""FSDP: each of the M ranks of a group keeps 1/M of every parameter, gradient and Adam state.
+"""FSDP: each of the g ranks of a group keeps 1/g of every parameter, gradient and Adam state.
 
 Split:    the batch (as DDP) and the model state in units per pipeline chunk (the embedding, each block, final norm +
-          lm_head), each flattened, padded to a multiple of M and cut into M shards; a rank keeps its shard in fp32.
+          lm_head), each flattened, padded to a multiple of g and cut into g shards; a rank keeps its shard in fp32.
 Sends:    per micro-batch an all-gather in the compute dtype (c bytes) of every unit for forward and of each block for
           backward, and a reduce-scatter (r bytes: fp32, or --reduce-dtype bf16) of each unit's gradient: per rank
-          and step, P params (E in embedding, norm, head), A micro-batches, (M-1)/M · A·((2P-E)·c + P·r); under pp
-          units are gathered once per step: (M-1)/M · P(c + A·r); fsdp_accumulate.py's unsharded sum: A·r becomes r.
+          and step, N params (E in embedding, norm, head), M micro-batches, (g-1)/g · M·((2N-E)·c + N·r); under pp
+          units are gathered once per step: (g-1)/g · N(c + M·r); fsdp_accumulate.py's unsharded sum: M·r becomes r.
 Overlap:  forward prefetches the next unit's all-gather, backward the previous unit's (also where checkpointing
           recomputes a forward); a reduce-scatter is waited for after the next unit's backward (--no-overlap: none).
-Memory:   16·P/M bytes of fp32 state (+ padding), ~2 gathered units, one flat gradient the size of the largest unit
-          during backward (unsharded accumulation: every unit's, all step, r·P). Saved weights are (unit, offset)
+Memory:   16·N/g bytes of fp32 state (+ padding), ~2 gathered units, one flat gradient the size of the largest unit
+          during backward (unsharded accumulation: every unit's, all step, r·N). Saved weights are (unit, offset)
           records gathered again in backward; under pp a stage's units stay gathered through the step.
 """
 from collections import Counter, namedtuple
@@ -250,7 +250,7 @@ class FSDP:
         if self.flat is None:  # freed by finish_grad_sync
             self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
         flat, views = self.flat[:unit.padded], unit.views(self.flat)
-        flat[unit.numel:].zero_()  # the padding (under M elements)
+        flat[unit.numel:].zero_()  # the padding (under g elements)
         # a param this backward did not reach (grad None): its view zeroed, copied onto itself
         torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
         return flat

@@ -1,9 +1,9 @@
 """A layer on FSDP and HSDP (--accumulate unsharded): a step's micro-batch gradients summed locally, unsharded, and
 reduce-scattered once, after the last backward of each unit, instead of once per micro-batch.
 
-Sends:    the reduce-scatter's (M-1)/M · P·r bytes once per step instead of A times; the all-gathers do not change.
+Sends:    the reduce-scatter's (g-1)/g · N·r bytes once per step instead of M times; the all-gathers do not change.
 Overlap:  as FSDP's: the one reduce-scatter of a unit runs under the next unit's backward.
-Memory:   every unit's flat gradient (reduce dtype, r·P bytes) is kept all step, instead of one shared buffer: the
+Memory:   every unit's flat gradient (reduce dtype, r·N bytes) is kept all step, instead of one shared buffer: the
           memory FSDP saves on gradients, spent to send fewer bytes (DDP's no_sync, sharded).
 """
 import torch

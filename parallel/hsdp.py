@@ -2,13 +2,13 @@
 
 Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), replicated R times
           (mesh.replicate_group); the batch over all dp x cp ranks.
-Sends:    FSDP's traffic inside the shard group, (K-1)/K · A·((2P-E)·c + P·r) per step (fsdp.py), plus, once per
+Sends:    FSDP's traffic inside the shard group, (K-1)/K · M·((2N-E)·c + N·r) per step (fsdp.py), plus, once per
           step, one all-reduce of each unit's fp32 gradient shard, summed over the step's micro-batches, across the
-          replicas: 2·(R-1)/R · 4P/K bytes per rank, whatever A. Only that all-reduce, 1/K of DDP's, crosses servers.
+          replicas: 2·(R-1)/R · 4N/K bytes per rank, whatever M. Only that all-reduce, 1/K of DDP's, crosses servers.
 Overlap:  a unit's replica all-reduce is launched as soon as its step gradient shard is complete (the reduce-scatter
           of its last backward of the step is in, at the end of the next unit's backward), and waited for when the
           next unit's is launched, one unit later (the last units' in finish_grad_sync): it runs under backward.
-Memory:   16·P/K bytes of model state per rank: K, not dp, sets the saving.
+Memory:   16·N/K bytes of model state per rank: K, not dp, sets the saving.
 """
 import torch
 
