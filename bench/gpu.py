@@ -39,7 +39,7 @@ BUDGET_S = 480.0
 RUN_CAP_S = {True: 150.0, False: 90.0}    # the most one compiled / eager run may take
 MIN_START_S = {True: 60.0, False: 20.0, None: 10.0}  # a run (an in-process part) starts only with this much left
 NO_HF = "transformers not installed (bench-only dependency)"
-OURS = [("tok_s", ".0f"), ("mfu_pct", ".1f"), ("tflops", ".3g"), ("mem", ".2f"), ("reserved", ".2f")]
+OURS = [("tok_s", ".0f"), ("mfu_pct", ".1f"), ("tflops", ".3g"), ("mem", ".3g"), ("reserved", ".3g")]
 
 
 class Run:

@@ -60,6 +60,8 @@ def run_ours(r, tmp, preset, overrides, micro, compiled, dtype):
         M.param_counts(model_cfg(preset, overrides))[0])
     with tempfile.TemporaryDirectory(dir=shm if room else None) as out:
         flags = [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        if r.smoke:  # a CPU has no peak of its own in train.py: the bench gives it its best measured matmul rate
+            flags += ["--peak-tflops", f"{common.measured_cpu_peak_tflops(min_s=0.2):.6g}"]
         status = child([sys.executable, str(REPO / "train.py"), "--model", preset, *flags, "--device", r.device.type,
                         "--dtype", dtype, "--steps", str(r.steps), "--compile" if compiled else "--no-compile",
                         "--micro-batch", str(micro), "--global-batch", str(micro), "--log-every", "0",
