@@ -12,8 +12,10 @@ Runs alternate ours/torch `--rounds` times so that a busy shared machine hurts b
 median(our step time) / median(torch's). Target: <= 1.10.
 
 TP and PP (bench/vs_torch_peers.py): parallel.tp.parallelize vs torch DTensor parallelize_module (+ SequenceParallel
-and loss_parallel), with and without sequence parallel; parallel.pp.split + execute vs torch.distributed.pipelining
-(GPipe, 1F1B, interleaved 1F1B) on the same stage modules. They use a config every pair can split (kv heads % 2).
+and loss_parallel), with and without sequence parallel; under sp ours as train.py runs it on gloo (each collective
+one call: tp-sp) and with the ring layer that overlaps them on NCCL (tp-sp-ring); parallel.pp.split + execute vs
+torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B) on the same stage modules. They use a config every pair
+can split (kv heads % 2).
 """
 import argparse
 import statistics
@@ -72,15 +74,16 @@ def _run(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed):
 
 
 PAIRS = {"ddp": ("ours-ddp", "torch-ddp"), "fsdp": ("ours-fsdp", "torch-fsdp2"), "tp": ("ours-tp", "torch-tp"),
-         "tp-sp": ("ours-tp", "torch-tp"), "pp-gpipe": ("ours-pp", "torch-pp"), "pp-1f1b": ("ours-pp", "torch-pp"),
-         "pp-interleaved": ("ours-pp", "torch-pp")}
+         "tp-sp": ("ours-tp", "torch-tp"), "tp-sp-ring": ("ours-tp", "torch-tp"), "pp-gpipe": ("ours-pp", "torch-pp"),
+         "pp-1f1b": ("ours-pp", "torch-pp"), "pp-interleaved": ("ours-pp", "torch-pp")}
 PEER_QUICK = dict(n_layer=4, d_model=32, n_head=2, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
 def launch(pair, impl, fields, args, seed=1337, warmup=2):
     """One run of one implementation on args.world ranks: a dict per rank (losses, times, cpu)."""
     if pair.startswith("tp"):
-        fn, fn_args = peers.run_tp, (impl, fields, args.micro_batch, args.steps, warmup, seed, pair == "tp-sp")
+        fn, fn_args = peers.run_tp, (impl, fields, args.micro_batch, args.steps, warmup, seed, pair != "tp",
+                                     pair == "tp-sp-ring")
     elif pair.startswith("pp"):
         fn, fn_args = peers.run_pp, (impl, pair[3:], fields, args.micro_batch, args.n_micro, args.steps, warmup, seed)
     else:

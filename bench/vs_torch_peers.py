@@ -66,14 +66,15 @@ def torch_cross_entropy(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build_tp(impl, cfg, rank, world, seed, sp):
-    """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism."""
+def build_tp(impl, cfg, rank, world, seed, sp, ring=False):
+    """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism. ring: ours
+    with tp_ring's overlapped sp collectives (train.py's default on NCCL; on gloo it blocks instead)."""
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     if impl == "ours-tp":
         mesh = Mesh(rank, world, tp=world)
         tp.parallelize(gpt, mesh, sequence_parallel=sp, overlap=True)
-        if sp:
+        if ring:
             tp_ring.apply(gpt)
         M.init_weights(gpt, seed, "cpu")
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
@@ -92,10 +93,10 @@ def build_tp(impl, cfg, rank, world, seed, sp):
     return gpt, list(gpt.parameters()), None, loss_parallel
 
 
-def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp):
+def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp, ring=False):
     cfg = M.ModelConfig(**cfg_fields)
     torch.manual_seed(seed)
-    net, params, wrapper, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp)
+    net, params, wrapper, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp, ring)
     gen = torch.Generator().manual_seed(seed * 1000)  # tp ranks read the same batch
     return timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen, loss_ctx)
 

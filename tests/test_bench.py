@@ -200,12 +200,12 @@ def test_sweep_reports_the_line_that_says_what_failed():
 
 
 def test_vs_torch_tp_and_pp_peers_match_losses(tmp_path, capsys):
-    peers = ["tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved"]
+    peers = ["tp", "tp-sp", "tp-sp-ring", "pp-gpipe", "pp-1f1b", "pp-interleaved"]
     vs_torch.main(["--quick", "--out", str(tmp_path), "--pairs", ",".join(peers)])
     rows = {r[0]: r for r in table_rows(tmp_path / "vs_torch.md")}
     assert list(rows) == peers
-    assert all(rows[p][1:3] == ["ours-tp", "torch-tp"] for p in peers[:2])
-    assert all(rows[p][1:3] == ["ours-pp", "torch-pp"] for p in peers[2:])
+    assert all(rows[p][1:3] == ["ours-tp", "torch-tp"] for p in peers[:3])
+    assert all(rows[p][1:3] == ["ours-pp", "torch-pp"] for p in peers[3:])
     assert all(rows[p][10] in ("bit-identical", "rtol 1e-5") for p in peers)  # the same training, step by step
     assert "ANSWER L8" in capsys.readouterr().out
 
