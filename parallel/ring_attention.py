@@ -7,8 +7,9 @@ Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per laye
 Overlap:  each hop starts before the attention of the block in hand; the dK,dV hop overlaps the next step's work.
 Kernels:  K,V reach every block call with their own Hkv heads: the fused kernels share each kv head among its H/Hkv
           query heads; the math fallback (fp32 on CUDA) views q as (B, Hkv, H/Hkv·Tq, hd), so its matmuls copy no
-          K,V and sum dK,dV over the group, and takes the query rows in chunks of at most MATH_SCORES fp32 scores. Per (query chunk, key chunk): earlier key chunk = full block,
-          same = causal, later = skipped; under zigzag each step costs every rank half a block (`flops` counts).
+          K,V and sum dK,dV over the group, and takes the query rows in chunks of at most MATH_SCORES fp32 scores.
+          Per (query chunk, key chunk): earlier key chunk = full block, same = causal, later = skipped; under zigzag
+          each step costs every rank half a block (`flops` counts).
 Merge:    online softmax of the blocks' (out_i, lse_i): lse = logaddexp(lse, lse_i), out = out·exp(lse_old - lse) +
           out_i·exp(lse_i - lse). Backward needs only the final out and lse. cp.py's allgather reuses both.
 Memory:   at most two K,V blocks per rank (in hand, arriving): never the whole sequence, never K,V per query head.
