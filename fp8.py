@@ -147,6 +147,8 @@ def apply(chunk, groups):
 
     def fp8_linear(x, weight):
         return linear(x, weight, groups)
+    if groups:  # each matmul's amax all-reduces break a compiled block's graph: run it eagerly, or dynamo compiles
+        fp8_linear = torch.compiler.disable(fp8_linear)  # its pieces per weight shape, past the recompile limit
     for block in chunk.layers.values():
         for module in block.modules():
             if isinstance(module, Linear):

@@ -164,7 +164,8 @@ class RowParallelLinear(Linear):
         shard(self.weight, 1, group)
 
     def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
-        return LeaveTP.apply(super().forward(x), self.group, self.sequence_parallel)
+        partial_sum = super().forward(x)  # first: where a compiled graph breaks in it (fp8), LeaveTP.apply, a new
+        return LeaveTP.apply(partial_sum, self.group, self.sequence_parallel)  # object each call, is not yet held
 
 
 class NormThenEnter(RMSNorm):
