@@ -73,9 +73,8 @@ def build(cfg, mesh, run):
         ckpt.apply(chunk, run.ckpt)
         if mesh.pp > 1 and run.pp_schedule in ("zb1", "zbv"):  # weight gradients wait for the schedule's W
             pp_bw_split.apply(chunk)
-        if run.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
-            for block in chunk.layers.values():
-                block.forward = torch.compile(block.forward)
+        if run.compile:  # before FSDP wraps the chunk's parts: its gather/free bookkeeping stays eager
+            compile_parts(chunk)
 
     def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
         return M.local_init(name, meta, cfg, run.seed, flat, out)
@@ -86,6 +85,24 @@ def build(cfg, mesh, run):
     wrapper = DATA_PARALLEL[run.dp_mode](nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
                                          overlap=run.overlap, **dp_options)
     return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if run.fp8_all_gather else wrapper
+
+
+def compile_parts(chunk):
+    """torch.compile each part of the chunk that holds its math: every block's forward, the embedding, the final norm
+    and the loss (the chunked cross-entropy, forward and backward). What joins the parts stays eager: RoPE's cache,
+    the head's one matmul, the pipeline's hand-offs, and every collective, around which a compiled part breaks its
+    graph (parallel/comm.py). No compiled part reads the device back to the host: a step keeps its one host read."""
+    for block in chunk.layers.values():
+        block.forward = torch.compile(block.forward)
+    # The embedding's and the loss's frames of their own (lambdas): torch.compile cannot start in torch.nn's forward
+    # or in a partial, and would run both in one shared wrapper frame whose recompiles would turn shapes dynamic
+    if chunk.embed_tokens is not None:  # the first pipeline stage
+        embed = chunk.embed_tokens.forward
+        chunk.embed_tokens.forward = torch.compile(lambda ids: embed(ids))
+    if chunk.lm_head is not None:  # the last
+        chunk.norm.forward = torch.compile(chunk.norm.forward)
+        loss = chunk.loss_fn
+        chunk.loss_fn = torch.compile(lambda logits, targets: loss(logits, targets))
 
 
 def prepare(run, cfg, mesh):

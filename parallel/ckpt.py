@@ -71,10 +71,13 @@ def keep_saved(chunk, pack, unpack):
     """Adds a rule for the tensors the chunk's forward saves for backward: pack(t) returns t itself when t is not
     its kind, else what to keep instead, and unpack(kept) gives the tensor back in backward. The first rule wraps the
     chunk's forward in one saved_tensors_hooks context that tries the rules in order: such contexts do not nest (the
-    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one."""
+    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one. The rules
+    run eagerly: called from the eager stretch of a compiled part, a hook would otherwise be compiled itself, once
+    per kind of tensor it is handed."""
     if "saved_rules" not in vars(chunk):
         chunk.saved_rules, forward = [], chunk.forward
 
+        @torch.compiler.disable
         def pack_saved(t):
             for i, (rule_pack, _) in enumerate(chunk.saved_rules):
                 kept = rule_pack(t)
@@ -82,6 +85,7 @@ def keep_saved(chunk, pack, unpack):
                     return i, kept
             return t
 
+        @torch.compiler.disable
         def unpack_saved(saved):
             return chunk.saved_rules[saved[0]][1](saved[1]) if isinstance(saved, tuple) else saved
 
