@@ -74,7 +74,9 @@ def build(cfg, mesh, run):
         if mesh.pp > 1 and run.pp_schedule in ("zb1", "zbv"):  # weight gradients wait for the schedule's W
             pp_bw_split.apply(chunk)
         if run.compile:  # before FSDP wraps the chunk's parts: its gather/free bookkeeping stays eager
-            compile_parts(chunk)
+            if run.ckpt == "selective":  # what a compiled block saves is the compiler's choice: steer it
+                ckpt.selective_in_graph(chunk)
+            compile_parts(chunk, final_norm=run.ckpt != "selective")
 
     def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
         return M.local_init(name, meta, cfg, run.seed, flat, out)
@@ -87,11 +89,13 @@ def build(cfg, mesh, run):
     return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if run.fp8_all_gather else wrapper
 
 
-def compile_parts(chunk):
+def compile_parts(chunk, final_norm=True):
     """torch.compile each part of the chunk that holds its math: every block's forward, the embedding, the final norm
     and the loss (the chunked cross-entropy, forward and backward). What joins the parts stays eager: RoPE's cache,
     the head's one matmul, the pipeline's hand-offs, and every collective, around which a compiled part breaks its
-    graph (parallel/comm.py). No compiled part reads the device back to the host: a step keeps its one host read."""
+    graph (parallel/comm.py). No compiled part reads the device back to the host: a step keeps its one host read.
+    final_norm=False (--ckpt selective) leaves the final norm eager: its output goes to the head's eager matmul, and
+    only from eager autograd can selective's rule take it (parallel/ckpt.py)."""
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward)
     # The embedding's and the loss's frames of their own (lambdas): torch.compile cannot start in torch.nn's forward
@@ -100,7 +104,8 @@ def compile_parts(chunk):
         embed = chunk.embed_tokens.forward
         chunk.embed_tokens.forward = torch.compile(lambda ids: embed(ids))
     if chunk.lm_head is not None:  # the last
-        chunk.norm.forward = torch.compile(chunk.norm.forward)
+        if final_norm:
+            chunk.norm.forward = torch.compile(chunk.norm.forward)
         loss = chunk.loss_fn
         chunk.loss_fn = torch.compile(lambda logits, targets: loss(logits, targets))
 

@@ -20,10 +20,11 @@ from tests.ranks import run_ranks
 FLAGS = ["--steps", "3", "--n-layer", "10"]
 PP_FLAGS = ["--steps", "3", "--n-layer", "20"]  # 10 blocks a pipeline rank
 SETS = {  # name: (world, flags, {layout: flags})
-    "one process": (1, FLAGS, {"one process": [], "fp8": ["--dtype", "fp8"]}),
+    "one process": (1, FLAGS, {"one process": [], "selective": ["--ckpt", "selective"], "fp8": ["--dtype", "fp8"]}),
     "two ranks": (2, FLAGS, {
         "ddp": [], "fsdp": ["--dp-mode", "fsdp"], "hsdp": ["--dp-mode", "hsdp", "--dp-shard", "1"],
         "tp": ["--tp", "2"], "tp+sp": ["--tp", "2", "--sp"],
+        "tp+sp selective": ["--tp", "2", "--sp", "--ckpt", "selective"],
         "cp ring": ["--cp", "2"], "cp ulysses": ["--cp", "2", "--cp-mode", "ulysses"],
         "cp allgather": ["--cp", "2", "--cp-mode", "allgather"], "fp8 tp": ["--tp", "2", "--dtype", "fp8"]}),
     "pipeline": (2, PP_FLAGS, {
