@@ -54,32 +54,41 @@ def _train_each(rank, world, argvs):
     return results
 
 
+def train_set(name):
+    """{layout: {compiled: (losses, graphs, graph breaks) or a traceback}}, from rank 0 of the set's ranks."""
+    world, flags, layouts = SETS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        argvs = [BASE + flags + layout + ["--out", f"{tmp}/{i}{c}"] + ["--compile"] * c
+                 for i, layout in enumerate(layouts.values()) for c in (0, 1)]
+        results = iter(run_ranks(_train_each, world, args=(argvs,), timeout=900)[0])
+    return {layout: {False: next(results), True: next(results)} for layout in layouts}
+
+
 @pytest.fixture(scope="module")
 def trained():
-    """{(set, layout): {compiled: (losses, graphs, graph breaks) or a traceback}}, from rank 0 of each set."""
-    out = {}
-    for name, (world, flags, layouts) in SETS.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            argvs = [BASE + flags + layout + ["--out", f"{tmp}/{i}{c}"] + ["--compile"] * c
-                     for i, layout in enumerate(layouts.values()) for c in (0, 1)]
-            results = iter(run_ranks(_train_each, world, args=(argvs,), timeout=900)[0])
-        for layout in layouts:
-            out[name, layout] = {False: next(results), True: next(results)}
-    return out
+    """The runs of each set, trained when a test first asks for one of its layouts (-k runs only the sets it needs)."""
+    sets = {}
 
-
-def result(trained, layout, compiled):
-    got = trained[layout][compiled]
-    assert not isinstance(got, str), f"{layout[1]} {'compiled' if compiled else 'eager'} failed:\n{got}"
-    return got
+    def get(layout, compiled):
+        if layout[0] not in sets:
+            try:
+                sets[layout[0]] = train_set(layout[0])
+            except Exception as e:  # noqa: BLE001 - ranks that die or hang fail the set's tests, trained once
+                sets[layout[0]] = e
+        if isinstance(sets[layout[0]], Exception):
+            raise sets[layout[0]]
+        got = sets[layout[0]][layout[1]][compiled]
+        assert not isinstance(got, str), f"{layout[1]} {'compiled' if compiled else 'eager'} failed:\n{got}"
+        return got
+    return get
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[name for _, name in LAYOUTS])
 def test_compiled_parts_train_like_eager_without_recompiling(layout, trained):
     rtol = FP8_RTOL if "fp8" in layout[1] else 1e-4
-    assert_same_losses(result(trained, layout, True)[0], result(trained, layout, False)[0], rtol=rtol)
+    assert_same_losses(trained(layout, True)[0], trained(layout, False)[0], rtol=rtol)
 
 
 def test_one_process_compiles_block_embedding_norm_and_loss_in_four_graphs(trained):
-    _, graphs, breaks = result(trained, ("one process", "one process"), True)
+    _, graphs, breaks = trained(("one process", "one process"), True)
     assert (graphs, breaks) == (4, 0)
