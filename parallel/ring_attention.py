@@ -66,9 +66,9 @@ def _flash_cuda_bwd(dout, q, k, v, out, lse, causal, scale, aux):
 
 
 # On CPU the fused kernel runs outside any compiled graph, and so do the merges around it in a loop (dynamo skips a
-# loop's frame that breaks): Inductor's C++ for allgather's blocks, forward and backward traced whole, takes about a
-# minute to build on 2 cores for a 64-token test model (ring's blocks, per block pattern, a third of that), and the
-# CPU kernel is an external call in the graph either way. CPU only: on CUDA the flash kernels and merges compile.
+# loop's frame that breaks): Inductor's C++ for allgather's blocks, forward and backward traced whole, took ~40 s to
+# build on 2 cores for a 64-token test model, and the CPU kernel is an external call in the graph either way. CPU
+# only: on CUDA the flash kernels and their merges compile.
 @torch.compiler.disable
 def _flash_cpu_fwd(q, k, v, causal, scale):
     out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
