@@ -195,7 +195,9 @@ def selective_in_graph(chunk):
 
     def run_apart(*modules):
         for module in modules:
-            module.__class__ = eager.setdefault(type(module), run_eagerly(type(module)))
+            if type(module) not in eager:
+                eager[type(module)] = run_eagerly(type(module))
+            module.__class__ = eager[type(module)]
     for block in chunk.layers.values():
         attn, mlp = block.self_attn, block.mlp
         for norm, module, readers in ((block.input_layernorm, attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
