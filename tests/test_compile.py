@@ -4,8 +4,9 @@ Each set of ranks trains its layouts one after another, eager then compiled; tor
 makes it compile as a fresh process would (Inductor's graph cache on disk still serves a graph that another layout
 or rank compiled first). Every rank holds 10 blocks, more than dynamo's recompile limit of 8: a block compiled once per
 block fails the run (fail_on_recompile_limit_hit) instead of falling back to eager. Collectives, FSDP's gather/free
-bookkeeping and the pipeline's hand-offs stay outside the graphs. One process compiles 4 graphs and breaks none: the
-blocks', the embedding's, the final norm's and the loss's."""
+bookkeeping and the pipeline's hand-offs stay outside the graphs, and on CPU so do ring attention's kernel calls
+(parallel/ring_attention.py). One process compiles 4 graphs and breaks none: the blocks', the embedding's, the final
+norm's and the loss's."""
 import tempfile
 import traceback
 
@@ -22,7 +23,8 @@ PP_FLAGS = ["--steps", "3", "--n-layer", "20"]  # 10 blocks a pipeline rank
 SETS = {  # name: (world, flags, {layout: flags})
     "one process": (1, FLAGS, {"one process": [], "selective": ["--ckpt", "selective"], "fp8": ["--dtype", "fp8"]}),
     "two ranks": (2, FLAGS, {
-        "ddp": [], "fsdp": ["--dp-mode", "fsdp"], "hsdp": ["--dp-mode", "hsdp", "--dp-shard", "1"],
+        "ddp": [], "fsdp": ["--dp-mode", "fsdp"],
+        "hsdp": ["--dp-mode", "hsdp", "--dp-shard", "1"],  # shard groups of one rank, replicated over two
         "tp": ["--tp", "2"], "tp+sp": ["--tp", "2", "--sp"],
         "tp+sp selective": ["--tp", "2", "--sp", "--ckpt", "selective"],
         "cp ring": ["--cp", "2"], "cp ulysses": ["--cp", "2", "--cp-mode", "ulysses"],
