@@ -180,14 +180,16 @@ def apply(chunk, tp_group=None, cp_group=None):
     tokens, no weight. A block's weights share one reduction (BlockWeights)."""
     tp = [tp_group] if tp_group is not None and tp_group.size > 1 else []
     cp = [cp_group] if cp_group is not None and cp_group.size > 1 else []
+    matmul = block_linear
+    if tp or cp:  # the amax all-reduces break a compiled block's graph: run the matmul eagerly, or dynamo compiles
+        matmul = torch.compiler.disable(block_linear)  # its pieces once per weight shape and dtype, past its limit
     for block in chunk.layers.values():
         linears = [m for m in block.modules() if isinstance(m, Linear)]
         weights = BlockWeights(linears, tp[0] if tp else None)
         for module in linears:
             dim = (tp_shard_of(module.weight) or (None,))[0]  # 0: column-parallel, 1: row-parallel, None: whole
             x_groups, dy_groups = (tp if dim == 1 else []) + cp, (tp if dim == 0 else []) + cp
-            module.matmul = partial(block_linear, module=module, weights=weights, x_groups=x_groups,
-                                    dy_groups=dy_groups)
+            module.matmul = partial(matmul, module=module, weights=weights, x_groups=x_groups, dy_groups=dy_groups)
     return chunk
 
 

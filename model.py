@@ -184,6 +184,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    activation = SwiGLU.apply  # silu(gate)·up; --ckpt selective in a compiled block swaps it (parallel/ckpt.py)
+
     def __init__(self, cfg):
         super().__init__()
         self.gate_proj = Linear(cfg.d_model, cfg.ffn_dim)
@@ -191,7 +193,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.ffn_dim, cfg.d_model)
 
     def forward(self, x):
-        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -77,9 +77,10 @@ def build(cfg, mesh, run):
         ckpt.apply(chunk, run.ckpt)
         if mesh.pp > 1 and run.pp_schedule in ("zb1", "zbv"):  # weight gradients wait for the schedule's W
             pp_bw_split.apply(chunk)
-        if run.compile:  # the block's own forward, before FSDP wraps it: its bookkeeping stays eager
-            for block in chunk.layers.values():
-                block.forward = torch.compile(block.forward)
+        if run.compile:  # before FSDP wraps the chunk's parts: its gather/free bookkeeping stays eager
+            if run.ckpt == "selective":  # what a compiled block saves is the compiler's choice: steer it
+                ckpt.selective_in_graph(chunk)
+            compile_parts(chunk, final_norm=run.ckpt != "selective")
 
     def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value, no more
         return M.local_init(name, meta, cfg, run.seed, flat, out)
@@ -90,6 +91,27 @@ def build(cfg, mesh, run):
     wrapper = DATA_PARALLEL[run.dp_mode](nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
                                          overlap=run.overlap, **dp_options)
     return chunks, fp8.gather_in_fp8(wrapper, mesh.tp_group) if run.fp8_all_gather else wrapper
+
+
+def compile_parts(chunk, final_norm=True):
+    """torch.compile each part of the chunk that holds its math: every block's forward, the embedding, the final norm
+    and the loss (the chunked cross-entropy, forward and backward). What joins the parts stays eager: RoPE's cache,
+    the head's one matmul, the pipeline's hand-offs, and every collective, around which a compiled part breaks its
+    graph (parallel/comm.py). No compiled part reads the device back to the host: a step keeps its one host read.
+    final_norm=False (--ckpt selective) leaves the final norm eager: its output goes to the head's eager matmul, and
+    only from eager autograd can selective's rule take it (parallel/ckpt.py)."""
+    for block in chunk.layers.values():
+        block.forward = torch.compile(block.forward)
+    # The embedding's and the loss's frames of their own (lambdas): torch.compile cannot start in torch.nn's forward
+    # or in a partial, and would run both in one shared wrapper frame whose recompiles would turn shapes dynamic
+    if chunk.embed_tokens is not None:  # the first pipeline stage
+        embed = chunk.embed_tokens.forward
+        chunk.embed_tokens.forward = torch.compile(lambda ids: embed(ids))
+    if chunk.lm_head is not None:  # the last
+        if final_norm:
+            chunk.norm.forward = torch.compile(chunk.norm.forward)
+        loss = chunk.loss_fn
+        chunk.loss_fn = torch.compile(lambda logits, targets: loss(logits, targets))
 
 
 def prepare(run, cfg, mesh):
@@ -295,7 +317,9 @@ class StepLog:
         self.flops_model = M.flops_per_token(cfg) * self.tokens  # MFU: PaLM's 6N + 12·L·d·T per token
         self.flops_hw = M.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens  # HFU adds recompute
         self.metrics, self.local_losses, self.rows, self.t0 = None, [], [], time.perf_counter()
-        self.cpu_memory = CPUMemory(trainer) if self.device.type == "cpu" else None
+        # On CPU no allocator counts: an eager step counts its own tensors (a dispatch mode, under which a compiled
+        # step would run eagerly, so a compiled CPU run reports no memory)
+        self.cpu_memory = CPUMemory(trainer, count=not run.compile) if self.device.type == "cpu" else None
         if self.rank == 0:
             Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(run.metrics, "a")
@@ -346,8 +370,9 @@ class StepLog:
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_s']:.0f}", mfu=mfu)
         if self.rank == 0 and self.run.log_every and row["step"] % self.run.log_every == 0:
             extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+            mem = "n/a" if row["mem_gb"] is None else f"{row['mem_gb']:.2f} GB"
             self.bar.write(f"step {row['step']}: loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} norm "
-                           f"{row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {mfu} mem {row['mem_gb']:.2f} GB")
+                           f"{row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {mfu} mem {mem}")
 
     def close(self, out):
         """The summary (rank 0: printed, and the last metrics line), then every step's global loss, read in one
@@ -376,26 +401,32 @@ def run_summary(rows, wall_s, out, flags):
     median = lambda key: statistics.median(r[key] for r in timed) if timed[0][key] is not None else None  # noqa
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     return {"run": str(out), "steps": rows[-1]["step"], "loss": rows[-1]["loss"], "val_loss": val[-1] if val else None,
-            "tok_s": median("tok_s"), "mfu": median("mfu"), "mem_gb": max(r["mem_gb"] for r in rows),
+            "tok_s": median("tok_s"), "mfu": median("mfu"),
+            "mem_gb": max((r["mem_gb"] for r in rows if r["mem_gb"] is not None), default=None),
             "wall_s": wall_s, "flags": flags}
 
 
 def summary_line(s):
     val = f", val {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
     mfu = f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""
-    return (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}, peak memory "
-            f"{s['mem_gb']:.2f} GB, {s['wall_s']:.0f} s, in {s['run']}")
+    mem = f", peak memory {s['mem_gb']:.2f} GB" if s["mem_gb"] is not None else ""
+    return f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}{mem}, " \
+           f"{s['wall_s']:.0f} s, in {s['run']}"
 
 
 class CPUMemory:
     """mem_gb on CPU, where no allocator counts: the tensors the run keeps (weights, gradients, Adam's state) plus the
-    peak of the bytes a step allocates, counted once, in the first step (LiveBytes), as every step is the same."""
+    peak of the bytes a step allocates, counted once, in the first step (LiveBytes), as every step is the same.
+    count=False (a compiled run): nothing counted, mem_gb None."""
 
-    def __init__(self, trainer):
-        self.trainer, self.peak, self.counting = trainer, None, LiveBytes()
-        self.counting.__enter__()
+    def __init__(self, trainer, count=True):
+        self.trainer, self.peak, self.counting = trainer, None, LiveBytes() if count else None
+        if count:
+            self.counting.__enter__()
 
     def gb(self):
+        if self.counting is None:
+            return {"mem_gb": None, "mem_reserved_gb": None}
         if self.peak is None:
             self.counting.__exit__(None, None, None)
             t = self.trainer

@@ -10,7 +10,9 @@ Policies: full      every block alone: L boundaries stored, L blocks recomputed;
                     are not kept by those matmuls: backward makes them again from what the norm (its input and
                     1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer 2·d·r/sh + f·e/tp fewer bytes
                     (sh = tp under sp; r the residual's bytes, e the compute dtype's), for three elementwise
-                    passes and no matmul: Megatron's selective recomputation, in spirit.
+                    passes and no matmul: Megatron's selective recomputation, in spirit. Compiled (--compile),
+                    a graph saves what the compiler's partitioner picks: selective_in_graph makes the norms and
+                    SwiGLU regions it recomputes, or runs them eagerly where tp's or cp's collectives break the graph.
 Costs:    one more forward of each recomputed block: counted in HFU, not in MFU (L20, L23); under tp it repeats
           the block's collectives. Nothing is communicated by this file; nothing overlaps.
 RNG:      torch.utils.checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
@@ -71,10 +73,13 @@ def keep_saved(chunk, pack, unpack):
     """Adds a rule for the tensors the chunk's forward saves for backward: pack(t) returns t itself when t is not
     its kind, else what to keep instead, and unpack(kept) gives the tensor back in backward. The first rule wraps the
     chunk's forward in one saved_tensors_hooks context that tries the rules in order: such contexts do not nest (the
-    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one."""
+    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one. The rules
+    run eagerly: called from the eager stretch of a compiled part, a hook would otherwise be compiled itself, once
+    per kind of tensor it is handed."""
     if "saved_rules" not in vars(chunk):
         chunk.saved_rules, forward = [], chunk.forward
 
+        @torch.compiler.disable
         def pack_saved(t):
             for i, (rule_pack, _) in enumerate(chunk.saved_rules):
                 kept = rule_pack(t)
@@ -82,6 +87,7 @@ def keep_saved(chunk, pack, unpack):
                     return i, kept
             return t
 
+        @torch.compiler.disable
         def unpack_saved(saved):
             return chunk.saved_rules[saved[0]][1](saved[1]) if isinstance(saved, tuple) else saved
 
@@ -137,9 +143,81 @@ class CheckpointedLayers:
         return x
 
 
+# ---------------------------------------------------------------- selective in compiled blocks
+
+def norm_in_compute_dtype(norm, x):
+    """A norm's output as the matmuls reading it take it, autocast's cast included."""
+    y = M.RMSNorm.forward(norm, x)
+    return y.to(M.compute_dtype(y))
+
+
+class RecomputedNorm(M.RMSNorm):
+    """A norm compiled into one graph with its readers: a checkpointed region, which the compiler's partitioner
+    recomputes in backward from the region's input (kept anyway) instead of saving its output."""
+
+    def forward(self, x):
+        return checkpoint(norm_in_compute_dtype, self, x, use_reentrant=False)
+
+
+def run_eagerly(cls):
+    """cls with its forward outside any graph: a compiled block breaks its graph around it."""
+    return type(cls.__name__, (cls,), {"forward": torch.compiler.disable(cls.forward)})
+
+
+def recomputed_swiglu(gate, up):
+    """MLP.activation compiled into one graph with down_proj: a region, as RecomputedNorm."""
+    return checkpoint(M.SwiGLU.apply, gate, up, use_reentrant=False)
+
+
+eager_swiglu = torch.compiler.disable(M.SwiGLU.apply)  # MLP.activation where its reader runs eagerly
+
+
+def how_compiled(module):
+    """How a block's attention or MLP compiles: "apart" (tp's or cp's collectives, or the zero-bubble split's deferred
+    weight gradients, break the graph inside it), "fp8" (fp8's matmul hook, traced whole when no group reduces its
+    amaxes; left to the partitioner) or "whole" (model.py's linears and attention: one graph with the norm in front)."""
+    linears = [m for m in module.modules() if isinstance(m, M.Linear)]
+    if any(type(linear) is not M.Linear or linear.weight_grads is not None for linear in linears) or getattr(
+            module, "attend", M.causal_attention) is not M.causal_attention:
+        return "apart"
+    return "fp8" if any(linear.matmul is not None for linear in linears) else "whole"
+
+
+def selective_in_graph(chunk):
+    """--ckpt selective for blocks about to be compiled (after every layer is applied). Inside a graph the compiler's
+    partitioner, not autograd, decides what is saved, and the rule above never sees a norm's or SwiGLU's output: the
+    partitioner keeps one a matmul's backward reads, and a graph keeps its inputs as they came. Where a norm's readers
+    compile into one graph with it, the norm (autocast's cast included) and SwiGLU become checkpointed regions, which
+    the partitioner recomputes. Where tp's or cp's collectives break that graph, the norm or SwiGLU and the linears
+    reading it run eagerly, and the rule takes their outputs as in an eager run. fp8's matmuls are left to the
+    partitioner."""
+    eager = {}  # one eager class per class in this chunk: its blocks keep sharing their compiled graphs
+
+    def run_apart(*modules):
+        for module in modules:
+            if type(module) not in eager:
+                eager[type(module)] = run_eagerly(type(module))
+            module.__class__ = eager[type(module)]
+    for block in chunk.layers.values():
+        attn, mlp = block.self_attn, block.mlp
+        for norm, module, readers in ((block.input_layernorm, attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                      (block.post_attention_layernorm, mlp, (mlp.gate_proj, mlp.up_proj))):
+            how = how_compiled(module)
+            if how == "whole":
+                norm.__class__ = RecomputedNorm
+            elif how == "apart":
+                run_apart(norm, *readers)
+        how = how_compiled(mlp)
+        if how == "whole":
+            mlp.activation = recomputed_swiglu
+        elif how == "apart":
+            mlp.activation = eager_swiglu
+            run_apart(mlp.down_proj)
+
+
 def apply(chunk, policy):
     """Swaps the chunk's run_layers for the checkpointed one, or (selective) adds the rule that recomputes the norms'
-    and SwiGLU's outputs; modules and parameter names are untouched."""
+    and SwiGLU's outputs (selective_in_graph adds what compiled blocks need); parameter names are untouched."""
     kind = parse(policy)[0]
     if kind == "selective":
         keep_saved(chunk, pack_recomputable, unpack_recomputable)

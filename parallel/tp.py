@@ -164,7 +164,8 @@ class RowParallelLinear(Linear):
         shard(self.weight, 1, group)
 
     def forward(self, x):  # x: (B, T, in/t) -> (B, T, d), or its sequence block (B, T/t, d) under --sp
-        return LeaveTP.apply(super().forward(x), self.group, self.sequence_parallel)
+        partial_sum = super().forward(x)  # a statement of its own: where a graph breaks in it (fp8), dynamo resumes
+        return LeaveTP.apply(partial_sum, self.group, self.sequence_parallel)  # without LeaveTP.apply (new each call)
 
 
 class NormThenEnter(RMSNorm):
