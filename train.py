@@ -438,9 +438,10 @@ class CPUMemory:
 
 
 def storage_bytes(tensors):
-    """Bytes of the distinct storages behind the tensors (views of one buffer count once; None is skipped)."""
+    """Bytes of the distinct storages behind the tensors (views of one buffer count once; None and meta tensors, which
+    hold no memory and all share data_ptr 0, are skipped)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if isinstance(t, torch.Tensor)}.values())
+                if isinstance(t, torch.Tensor) and not t.is_meta}.values())
 
 
 class LiveBytes(TorchDispatchMode):

@@ -1,7 +1,6 @@
 """Multi-node launch on one machine: train.sbatch under a stand-in SLURM (scontrol and srun on PATH) starts
 two `torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT` launchers,
 one per "node", over loopback; their dp 2 x cp 2 run logs the same losses as one process."""
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+import train
 from bench import exits
 from tests.layouts import BASE
 from tests.ranks import free_port
@@ -36,7 +36,7 @@ exit $status
 
 
 def read_losses(path):
-    return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines()]
+    return [row["loss"] for row in train.read_metrics(path)[0]]  # the step rows; the run's summary row is not one
 
 
 def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
