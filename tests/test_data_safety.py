@@ -4,7 +4,8 @@ data set of the same kind is refused untouched; an --out inside the corpus is no
 corpus and a worker that dies are one line on stderr, never a traceback or a hang.
 
 Run as `python -m tests.test_data_safety MARKER ARGS...`, this file runs `prepare.py ARGS` with every unit of work
-after the corpus's first one touching MARKER and then taking 3 s, so that a test can signal it halfway through."""
+after the corpus's first one touching MARKER and then taking 3 s, so that a test can signal it halfway through; with
+`MARKER --slow-start ARGS...`, each worker process touches MARKER and takes 3 s before it sets its signals up."""
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def blocking_main(argv):
     marker, *args = argv
-    tokenize = Tokenizing.__call__
+    tokenize, start_worker = Tokenizing.__call__, data_text._start_worker
 
     def slow(self, unit):
         if unit[0][:2] != (0, 0):  # not the corpus's first unit
@@ -35,7 +36,15 @@ def blocking_main(argv):
             time.sleep(3)
         return tokenize(self, unit)
 
-    Tokenizing.__call__ = slow
+    def slow_start(*job_args):  # a worker still starting up, as on a loaded machine
+        Path(marker).touch()
+        time.sleep(3)
+        return start_worker(*job_args)
+
+    if args[0] == "--slow-start":
+        args, data_text._start_worker = args[1:], slow_start
+    else:
+        Tokenizing.__call__ = slow
     return data_prepare.main(args)
 
 
@@ -142,14 +151,16 @@ def start_blocked(tmp_path, argv, **popen):
     return proc
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "Ctrl-C while a worker starts"])
 def test_an_interrupted_re_prepare_is_one_line_and_keeps_the_previous_set(tmp_path, previous, how):
     """Was: SIGTERM left a .tmp shard in --out, which had lost its meta.json; Ctrl-C printed tracebacks (one per
-    worker). SIGTERM goes to the main process; Ctrl-C, as a terminal sends it, to the process group."""
+    worker), and later one from a worker that had not yet set SIGINT aside when it came (a loaded machine).
+    SIGTERM goes to the main process; Ctrl-C, as a terminal sends it, to the process group."""
     out, files = previous
     corpus = big_corpus(tmp_path / "corpus")
     workers = 1 if how == "SIGTERM" else 2
-    proc = start_blocked(tmp_path, ["text", corpus, "--out", out, "--workers", workers], start_new_session=True)
+    slow = ["--slow-start"] if how.endswith("starts") else []
+    proc = start_blocked(tmp_path, [*slow, "text", corpus, "--out", out, "--workers", workers], start_new_session=True)
     if how == "SIGTERM":
         proc.send_signal(signal.SIGTERM)
     else:
