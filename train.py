@@ -11,8 +11,10 @@ same model as one process.
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -231,23 +233,26 @@ def train(run):
     log = StepLog(run, cfg, mesh, start, trainer)
     profiler = start_profiler(run.profile, Path(run.out), run.rank)
     try:
-        for step in log.bar:
-            t0 = log.start_step()
-            x, y = loader.get(step)
-            local_loss, health = train_step(trainer, x, y, scheduled_lr(run, step), run.grad_clip)
-            row = log.end_step(step, local_loss, health, trainer, t0)  # the step's one host read
-            if row["bad_losses"] or (not trainer.scaler.enabled and not math.isfinite(row["grad_norm"])):
-                raise folder.non_finite(step + 1, replica_mean(local_loss, mesh).item(), row["grad_norm"])
-            if run.eval_every and (step + 1) % run.eval_every == 0:
-                with startup_timeout(mesh, run, first=step + 1 == run.eval_every):
-                    row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
-            if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
-                row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
-            folder.progress(step + 1)
-            log.write(row)
-            profiler.step()
-            if step + 1 - start == STARTUP_STEPS:
-                mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is a real one
+        with CtrlC() as ctrl_c:
+            for step in log.bar:
+                t0 = log.start_step()
+                x, y = loader.get(step)
+                local_loss, health = train_step(trainer, x, y, scheduled_lr(run, step), run.grad_clip)
+                row = log.end_step(step, local_loss, health, trainer, t0)  # the step's one host read
+                if row["bad_losses"] or (not trainer.scaler.enabled and not math.isfinite(row["grad_norm"])):
+                    raise folder.non_finite(step + 1, replica_mean(local_loss, mesh).item(), row["grad_norm"])
+                if run.eval_every and (step + 1) % run.eval_every == 0:
+                    with startup_timeout(mesh, run, first=step + 1 == run.eval_every):
+                        row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
+                if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
+                    row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
+                folder.progress(step + 1)
+                log.write(row)
+                profiler.step()
+                if step + 1 - start == STARTUP_STEPS:
+                    mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is a real one
+                if ctrl_c.pressed:
+                    raise KeyboardInterrupt
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
         raise Interrupted(folder.interrupted()) from None
@@ -268,6 +273,30 @@ STARTUP_STEPS = 2  # steps that run under --startup-timeout (compiling, stage af
 
 class Interrupted(Exception):
     """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
+
+
+class CtrlC:
+    """While the loop runs, Ctrl-C ends the step in progress, then stops the run; a second one stops it at once.
+    Raised at once, the first could land in a finalizer (LiveBytes marks frees with them), where Python prints and
+    drops it, and the run would go on. Off the main thread (a caller's) Python gives no signal handler: nothing
+    changes."""
+
+    def __init__(self):
+        self.pressed, self.previous = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def start_distributed(run):
