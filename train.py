@@ -278,14 +278,15 @@ class Interrupted(Exception):
 class CtrlC:
     """While the loop runs, Ctrl-C ends the step in progress, then stops the run; a second one stops it at once.
     Raised at once, the first could land in a finalizer (LiveBytes marks frees with them), where Python prints and
-    drops it, and the run would go on. Off the main thread (a caller's) Python gives no signal handler: nothing
-    changes."""
+    drops it, and the run would go on. Nothing changes off the main thread (Python gives it no signal handler) or
+    where SIGINT was ignored from the start (a job a shell started in the background)."""
 
     def __init__(self):
         self.pressed, self.previous = False, None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self.previous = signal.signal(signal.SIGINT, self._press)
         return self
 
