@@ -184,15 +184,15 @@ def _start_worker(*job_args):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back since the fork (_submit_first)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back since the fork (_submit)
     _job = Tokenizing(*job_args)
 
 
-def _submit_first(pool, unit):
-    """pool.submit(_run_unit, unit) with SIGINT blocked in this thread. A forking pool starts its workers at the first
-    submit and each inherits the mask, so a Ctrl-C that arrives while a worker is still starting up (before
-    _start_worker ignores it) waits instead of raising KeyboardInterrupt there, a traceback on the console. This
-    process gets it as soon as the mask is restored."""
+def _submit(pool, unit):
+    """pool.submit(_run_unit, unit) with SIGINT blocked in this thread. The pool forks its workers inside a submit
+    (a forking pool: the first) and each inherits the mask, so a Ctrl-C that arrives while a worker is still starting
+    up (before _start_worker ignores it) waits instead of raising KeyboardInterrupt there, a traceback on the console.
+    This process gets it as soon as the mask is restored."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return pool.submit(_run_unit, unit)
@@ -224,7 +224,7 @@ def tokenized_units(units, job_args, workers):
     try:
         pending = deque()
         for unit in units:
-            pending.append(pool.submit(_run_unit, unit) if pending else _submit_first(pool, unit))
+            pending.append(_submit(pool, unit))
             if len(pending) >= 4 * workers:  # bounded: a slow unit never lets the others pile up in memory
                 yield pending.popleft().result()
         while pending:

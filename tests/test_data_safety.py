@@ -154,7 +154,7 @@ def start_blocked(tmp_path, argv, **popen):
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "Ctrl-C while a worker starts"])
 def test_an_interrupted_re_prepare_is_one_line_and_keeps_the_previous_set(tmp_path, previous, how):
     """Was: SIGTERM left a .tmp shard in --out, which had lost its meta.json; Ctrl-C printed tracebacks (one per
-    worker), and later one from a worker that had not yet set SIGINT aside when it came (a loaded machine).
+    worker), and still one from a worker that had not yet set SIGINT aside when it came (its start-up slowed here).
     SIGTERM goes to the main process; Ctrl-C, as a terminal sends it, to the process group."""
     out, files = previous
     corpus = big_corpus(tmp_path / "corpus")

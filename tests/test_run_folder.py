@@ -99,7 +99,7 @@ def test_ctrl_c_is_one_line_naming_where_it_stopped(tmp_path):
 
 def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_run(tmp_path, monkeypatch):
     """Was: a KeyboardInterrupt raised inside a finalizer (LiveBytes counts frees with them) is printed and dropped by
-    Python, and the run trained on; on a loaded machine the subprocess test above waited 120 s for it."""
+    Python, and the run trained on to its last step."""
     step = train.train_step
     calls = []
 
