@@ -21,14 +21,14 @@ RNG:      torch.utils.checkpoint(preserve_rng_state=True) restores the CPU and C
 import math
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-import model as M
+import model
+from parallel import keep_saved
 from parallel.mesh import LayoutError
 
 POLICIES = "none, full, every:K, segment:C, sqrt or selective"
-RECOMPUTABLE = (M.ScaledRMSNorm, M.SwiGLU)  # autograd Functions with an output(*saved_tensors) that remakes theirs
+RECOMPUTABLE = (model.ScaledRMSNorm, model.SwiGLU)  # Functions whose output(*saved) remakes their output
 
 
 def parse(policy):
@@ -59,43 +59,14 @@ def segments(keys, policy):
 
 def recomputed_layers(cfg, policy):
     """How many layers' forwards run a second time per step, over the whole model (the HFU term of
-    M.flops_per_token). torch's checkpoint stops recomputing once the last tensor backward needs is back, so
+    model.flops_per_token). torch's checkpoint stops recomputing once the last tensor backward needs is back, so
     each segment's final down_proj matmul (and what follows it) is not repeated: that share is subtracted.
     Exact without pp; under pp, sqrt/segment:C count segments per stage, a little more than assumed here."""
     kind, k = parse(policy)
     n = cfg.n_layer
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0, "every": -(-n // (k or 1))}[kind]
     n_segments = {"sqrt": -(-n // math.ceil(math.sqrt(n))), "segment": -(-n // (k or 1))}.get(kind, layers)
-    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / M.layer_flops_per_token(cfg)
-
-
-def keep_saved(chunk, pack, unpack):
-    """Adds a rule for the tensors the chunk's forward saves for backward: pack(t) returns t itself when t is not
-    its kind, else what to keep instead, and unpack(kept) gives the tensor back in backward. The first rule wraps the
-    chunk's forward in one saved_tensors_hooks context that tries the rules in order: such contexts do not nest (the
-    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one. The rules
-    run eagerly: called from the eager stretch of a compiled part, a hook would otherwise be compiled itself, once
-    per kind of tensor it is handed."""
-    if "saved_rules" not in vars(chunk):
-        chunk.saved_rules, forward = [], chunk.forward
-
-        @torch.compiler.disable
-        def pack_saved(t):
-            for i, (rule_pack, _) in enumerate(chunk.saved_rules):
-                kept = rule_pack(t)
-                if kept is not t:
-                    return i, kept
-            return t
-
-        @torch.compiler.disable
-        def unpack_saved(saved):
-            return chunk.saved_rules[saved[0]][1](saved[1]) if isinstance(saved, tuple) else saved
-
-        def run_chunk(*args, **kwargs):
-            with saved_tensors_hooks(pack_saved, unpack_saved):
-                return forward(*args, **kwargs)
-        chunk.forward = run_chunk
-    chunk.saved_rules.append((pack, unpack))
+    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / model.layer_flops_per_token(cfg)
 
 
 def pack_recomputable(t):
@@ -147,15 +118,18 @@ class CheckpointedLayers:
 
 def norm_in_compute_dtype(norm, x):
     """A norm's output as the matmuls reading it take it, autocast's cast included."""
-    y = M.RMSNorm.forward(norm, x)
-    return y.to(M.compute_dtype(y))
+    y = model.RMSNorm.forward(norm, x)
+    return y.to(model.compute_dtype(y))
 
 
-class RecomputedNorm(M.RMSNorm):
-    """A norm compiled into one graph with its readers: a checkpointed region, which the compiler's partitioner
-    recomputes in backward from the region's input (kept anyway) instead of saving its output."""
+class RecomputedNorm(model.RMSNorm):
+    """A norm compiled into one graph with its readers: a checkpointed region, which the partitioner
+    recomputes in backward from its input instead of saving its output. Run eagerly (dynamo declined
+    the frame), it is a plain norm, and selective's rule takes its output."""
 
     def forward(self, x):
+        if not torch.compiler.is_compiling():
+            return super().forward(x)
         return checkpoint(norm_in_compute_dtype, self, x, use_reentrant=False)
 
 
@@ -166,19 +140,21 @@ def run_eagerly(cls):
 
 def recomputed_swiglu(gate, up):
     """MLP.activation compiled into one graph with down_proj: a region, as RecomputedNorm."""
-    return checkpoint(M.SwiGLU.apply, gate, up, use_reentrant=False)
+    if not torch.compiler.is_compiling():
+        return model.SwiGLU.apply(gate, up)
+    return checkpoint(model.SwiGLU.apply, gate, up, use_reentrant=False)
 
 
-eager_swiglu = torch.compiler.disable(M.SwiGLU.apply)  # MLP.activation where its reader runs eagerly
+eager_swiglu = torch.compiler.disable(model.SwiGLU.apply)  # MLP.activation where its reader runs eagerly
 
 
 def how_compiled(module):
     """How a block's attention or MLP compiles: "apart" (tp's or cp's collectives, or the zero-bubble split's deferred
     weight gradients, break the graph inside it), "fp8" (fp8's matmul hook, traced whole when no group reduces its
     amaxes; left to the partitioner) or "whole" (model.py's linears and attention: one graph with the norm in front)."""
-    linears = [m for m in module.modules() if isinstance(m, M.Linear)]
-    if any(type(linear) is not M.Linear or linear.weight_grads is not None for linear in linears) or getattr(
-            module, "attend", M.causal_attention) is not M.causal_attention:
+    linears = [m for m in module.modules() if isinstance(m, model.Linear)]
+    if any(type(linear) is not model.Linear or linear.weight_grads is not None for linear in linears) or getattr(
+            module, "attend", model.causal_attention) is not model.causal_attention:
         return "apart"
     return "fp8" if any(linear.matmul is not None for linear in linears) else "whole"
 

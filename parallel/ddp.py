@@ -17,8 +17,8 @@ gradient of the mean over the global batch, and the learning rate does not depen
 """
 import torch
 
-import model as M
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
+from parallel.materialize import materialize
 
 
 def grad_replicas(p, mesh):
@@ -136,7 +136,7 @@ class DDP:
 
 def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
     """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
-    M.materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
+    materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
     return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
 
 

@@ -24,10 +24,10 @@ class HSDP(FSDP):
         self.replica = {}  # unit -> the all-reduce of its gradient shard over the replicas, launched this step
         self.in_flight = None  # the unit whose all-reduce was launched last: waited for at the next launch
 
-    def reduce_grads(self, unit, grads):
+    def after_backward(self, unit, grads):
         if unit in self.replica:
             raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
-        super().reduce_grads(unit, grads)
+        super().after_backward(unit, grads)
 
     def step_grad_ready(self, unit):
         self.wait_in_flight()

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import torch
 
-import model as M
+import model
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
 
@@ -40,7 +40,7 @@ class Stage:
 def cost_model(cfg):
     """(forward FLOPs per token, parameters) of one layer, of the head, of the embedding."""
     d, vocab = cfg.d_model, cfg.padded_vocab
-    return {"layer": (M.layer_flops_per_token(cfg), M.layer_param_count(cfg)),
+    return {"layer": (model.layer_flops_per_token(cfg), model.layer_param_count(cfg)),
             "head": (2 * d * vocab, d * vocab + d), "embed": (0, d * vocab)}
 
 

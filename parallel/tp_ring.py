@@ -20,7 +20,8 @@ from torch.autograd import Function
 
 from model import RMSNorm
 from parallel.comm import Group, Pending
-from parallel.tp import ColumnInput, NormThenEnter, RowParallelLinear
+from parallel.tp import RowParallelLinear
+from parallel.tp_fused import ColumnInput, FusedNormThenEnter
 
 
 class Uncounted:
@@ -218,8 +219,8 @@ class RowParallelRing(Function):
         return *gather_then_grads(ctx.ring, grad, x, weight), None, None
 
 
-class RingNormThenEnter(NormThenEnter):
-    """tp.NormThenEnter whose column matmuls ride RingColumnParallel."""
+class RingNormThenEnter(FusedNormThenEnter):
+    """tp_fused.FusedNormThenEnter whose column matmuls ride RingColumnParallel."""
 
     def forward(self, x):
         h = RMSNorm.forward(self, x)  # this rank's block (B, T/t, d)
@@ -241,7 +242,7 @@ def apply(chunk):
     """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place. Like torch's parametrize, it
     swaps each module's class: the parameters, their names and tags stay. Returns the chunk."""
     for module in list(chunk.modules()):
-        kind = {NormThenEnter: RingNormThenEnter, RowParallelLinear: RingRowParallelLinear}.get(type(module))
+        kind = {FusedNormThenEnter: RingNormThenEnter, RowParallelLinear: RingRowParallelLinear}.get(type(module))
         if kind is not None and module.sequence_parallel:
             module.__class__, module.ring = kind, Ring(module.group)
     return chunk

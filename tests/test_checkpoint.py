@@ -23,6 +23,7 @@ import saves.write
 import train
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.ranks import run_ranks
 
@@ -249,7 +250,7 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
     assert seen == [True, True] and most[0] == 1, (seen, most)
-    rows = train.read_metrics(metrics)[0]
+    rows = read_metrics(metrics)[0]
     assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
     monkeypatch.setattr(saves.write, "write_rank", write_rank)
     shutil.rmtree(tmp_path / "step_0000004")
@@ -272,7 +273,7 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "step_0000003")
     metrics = tmp_path / "m.jsonl"
     assert run1(fp16 + ["--resume", "--metrics", str(metrics)]) == straight[2:]
-    assert train.read_metrics(metrics)[0][0]["loss_scale"] == 2.0 ** 15
+    assert read_metrics(metrics)[0][0]["loss_scale"] == 2.0 ** 15
 
 
 def snapshot(folder):

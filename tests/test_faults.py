@@ -21,6 +21,7 @@ import saves.load
 import saves.restarts
 import saves.write
 import train
+from metrics import read_metrics
 from tests.layouts import BASE, train_losses
 from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet
@@ -49,7 +50,7 @@ def workers(agent_pid):
 
 
 def steps_logged(metrics):
-    return [row["step"] for row in train.read_metrics(metrics)[0]] if metrics.exists() else []
+    return [row["step"] for row in read_metrics(metrics)[0]] if metrics.exists() else []
 
 
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
@@ -72,7 +73,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     # the record is written at saves (every 2 steps here), not every step: the killed attempt reached its last save
     assert attempts[0]["reached"] >= 2 and attempts[1]["resumed_from"] >= 2, attempts  # resumed, not restarted
     losses = {}
-    for row in train.read_metrics(metrics)[0]:
+    for row in read_metrics(metrics)[0]:
         losses.setdefault(row["step"], []).append(row["loss"])
     assert sorted(losses) == list(range(1, 9))
     assert all(len(set(again)) == 1 for again in losses.values()), losses  # recomputed steps: bitwise the same

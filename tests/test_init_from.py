@@ -13,6 +13,7 @@ import torch.distributed as dist
 import transformers
 
 import config
+import launch
 import train
 from saves import export
 from saves.hf import init_from, start_from
@@ -63,7 +64,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
     cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
-    mesh = train.start_distributed(run)
+    mesh = launch.start_distributed(run)
     chunks, wrapper = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
     with torch.no_grad():

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import config
+import launch
 import train
 from bench import plan as P
 from parallel.mesh import infer_dp
@@ -97,7 +98,7 @@ def parse(world, flags, micro, accum, rank=0):
 def measure(rank, world, flags, micro, accum):
     """{axis: bytes this rank sent in one step}, and its peak memory in bytes."""
     args, cfg, lay, batch = parse(world, flags, micro, accum, rank)
-    mesh = train.start_distributed(args)
+    mesh = launch.start_distributed(args)
     run = train.prepare(args, cfg, mesh)
     wrapper, opt = run.wrapper, run.opt
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))

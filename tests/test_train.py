@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as M
+import model
 import optim
 import saves.load
 import saves.write
 import train
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.ranks import free_port
 
@@ -45,7 +46,7 @@ def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatc
     metrics = tmp_path / "m.jsonl"
     run(["--steps", "4", "--dtype", "fp16", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4",
          "--metrics", str(metrics), "--out", str(tmp_path)])
-    rows = train.read_metrics(metrics)[0]
+    rows = read_metrics(metrics)[0]
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert [r["loss_scale"] for r in rows] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
     assert rows[1]["grad_norm"] == float("inf")
@@ -158,7 +159,7 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     proc = subprocess.run([sys.executable, "train.py", "--model", "nope"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --model: unknown preset 'nope'; choose from " + ", ".join(
-        M.PRESETS)
+        model.PRESETS)
 
 
 def test_a_layout_error_is_found_before_the_process_group_forms(tmp_path):
