@@ -64,7 +64,8 @@ def one_of(choices, what):
     """A type that accepts one of `choices` and otherwise says which exist."""
     def check(text):
         if text not in choices:
-            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; "
+                                             f"choose from {', '.join(choices)}")
         return text
     return check
 
@@ -82,7 +83,8 @@ def layer_split(text):
     try:
         counts = tuple(int(s) for s in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
+        message = f"expected comma-separated layer counts, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     if min(counts) < 1:
         raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text}")
     return counts
@@ -102,43 +104,54 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("data and batch").add_argument
     g("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
-    g("--global-batch", type=positive_int, default=32, help="sequences per optimizer step, all ranks")
+    g("--global-batch", type=positive_int, default=32,
+      help="sequences per optimizer step, all ranks")
     g("--micro-batch", type=positive_int, default=8,
       help="sequences per forward per dp rank; accumulation steps M = B / (b*dp)")
 
     g = p.add_argument_group("optimization").add_argument
     g("--steps", type=positive_int, default=100, help="optimizer steps")
-    g("--lr", type=nonnegative_float, default=3e-3, help="peak learning rate (0: measure, or check an import)")
-    g("--min-lr", type=nonnegative_float, default=3e-4, help="learning rate at the end of the cosine")
+    g("--lr", type=nonnegative_float, default=3e-3,
+      help="peak learning rate (0: measure, or check an import)")
+    g("--min-lr", type=nonnegative_float, default=3e-4,
+      help="learning rate at the end of the cosine")
     g("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
     g("--weight-decay", type=nonnegative_float, default=0.1)
-    g("--grad-clip", type=nonnegative_float, default=1.0, help="clip the global gradient norm (0: off)")
+    g("--grad-clip", type=nonnegative_float, default=1.0,
+      help="clip the global gradient norm (0: off)")
     g("--seed", type=seed_int, default=1337, help="seeds the weights and the batches")
 
     g = p.add_argument_group("precision").add_argument
     g("--dtype", type=one_of(DTYPES, "dtype"),
-      help="compute precision: fp32 | bf16 | fp16 (loss scaling) | fp8 (bf16, block matmuls in fp8); "
+      help="compute precision: fp32 | bf16 | fp16 (loss scaling) | fp8 (bf16, block matmuls "
+           "in fp8); "
            "default bf16 on CUDA, fp32 on CPU")
     g("--tf32", action=argparse.BooleanOptionalAction,
-      help="TF32 for matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for fp32)")
+      help="TF32 for matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for "
+           "fp32)")
     g("--reduce-dtype", type=one_of(("fp32", "bf16"), "dtype"),
       help="FSDP gradient reduce-scatter dtype: fp32 | bf16 (default fp32)")
-    g("--fp8-all-gather", action="store_true", help="FSDP/HSDP gather block weights in fp8 (--dtype fp8)")
+    g("--fp8-all-gather", action="store_true",
+      help="FSDP/HSDP gather block weights in fp8 (--dtype fp8)")
 
     g = p.add_argument_group("layout").add_argument
     g("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
     g("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
     g("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
     g("--accumulate", type=one_of(("sharded", "unsharded"), "mode"),
-      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch; the default) | "
+      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch; the "
+           "default) | "
            "unsharded (summed locally, one reduce-scatter per step, 4P bytes more)")
     g("--tp", type=positive_int, default=1, help="tensor parallel degree")
     g("--sp", action="store_true", help="sequence parallel (with --tp)")
     g("--sp-ring", action="store_true",
-      help="--sp's collectives as ring hops under the matmuls (tp_ring.py; not yet measured on GPUs)")
+      help="--sp's collectives as ring hops under the matmuls (tp_ring.py; not yet measured on "
+           "GPUs)")
     g("--pp", type=positive_int, default=1, help="pipeline parallel degree")
-    g("--pp-schedule", type=one_of(SCHEDULES, "schedule"), help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
-    g("--pp-virtual", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g("--pp-schedule", type=one_of(SCHEDULES, "schedule"),
+      help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
+    g("--pp-virtual", type=positive_int, default=1,
+      help="model chunks per pipeline rank (interleaved)")
     g("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
     g("--cp", type=positive_int, default=1, help="context parallel degree")
     g("--cp-mode", type=one_of(CP_MODES, "mode"), help=f"{' | '.join(CP_MODES)} (default ring)")
@@ -146,35 +159,47 @@ def parse_args(argv=None):
       help=f"activation checkpointing: recompute activations in backward: {ckpt.POLICIES}")
     g("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
     g("--no-overlap", action="store_true",
-      help="no communication overlap (ablation): dp gradient sync after backward, tp collectives blocking")
+      help="no communication overlap (ablation): dp gradient sync after backward, tp collectives "
+           "blocking")
 
     g = p.add_argument_group("device").add_argument
-    g("--device", type=one_of(("cpu", "cuda"), "device"), help="cpu | cuda (default: cuda if available)")
+    g("--device", type=one_of(("cpu", "cuda"), "device"),
+      help="cpu | cuda (default: cuda if available)")
     g("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")
     g("--peak-tflops", type=positive_float, help="device peak for MFU (default: the device table)")
     g("--timeout", type=positive_float, default=600.0,
-      help="seconds a collective may wait once the first steps are done (a hung rank stops the job)")
+      help="seconds a collective may wait once the first steps are done (a hung rank stops the "
+           "job)")
     g("--startup-timeout", type=positive_float, default=3600.0,
-      help="seconds a collective may wait during set-up, the first two steps and the first evaluation")
+      help="seconds a collective may wait during set-up, the first two steps and the first "
+           "evaluation")
 
     g = p.add_argument_group("outputs").add_argument
-    g("--out", help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that "
-      "differ from their defaults; a new one for a fresh run, the newest of that name for --resume)")
-    g("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
+    g("--out",
+      help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that "
+      "differ from their defaults; a new one for a fresh run, the newest of that name for "
+      "--resume)")
+    g("--save-every", type=nonnegative_int, default=0,
+      help="save every N steps (0: only at the end)")
     g("--resume", nargs="?", const="latest", choices=["latest", "auto"],
       help="continue from the newest complete save in --out, in any layout (error if none); "
            "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
-    g("--init-from", metavar="DIR", help="start from a Hugging Face Llama folder (config.json + safetensors) "
+    g("--init-from", metavar="DIR",
+      help="start from a Hugging Face Llama folder (config.json + safetensors) "
       "at step 0 with a fresh optimizer; the shape flags must match config.json")
     g("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
-    g("--async-save", action="store_true", help="snapshot to CPU memory, write from a background thread")
+    g("--async-save", action="store_true",
+      help="snapshot to CPU memory, write from a background thread")
     g("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
     g("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
-    g("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
-    g("--metrics", help="append a JSON line per step, and the run's summary at the end, to this file "
+    g("--log-every", type=nonnegative_int, default=10,
+      help="print a console line every N steps (0: off)")
+    g("--metrics",
+      help="append a JSON line per step, and the run's summary at the end, to this file "
       "(rank 0; default OUT/metrics.jsonl)")
-    g("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 3-5 to --out")
+    g("--profile", action="store_true",
+      help="write a torch.profiler Chrome trace of steps 3-5 to --out")
     args = p.parse_args(argv)
     check_args(args)
     return args
@@ -183,14 +208,17 @@ def parse_args(argv=None):
 def check_args(args):
     """The checks that involve more than one flag, or the machine; each names the flag at fault."""
     for problem, flag, needs in (
-            (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
+            (args.sp and args.tp == 1, "--sp",
+             "--tp > 1: it shards the tensor-parallel region along the sequence"),
             (args.sp_ring and not args.sp, "--sp-ring", "--sp"),
-            (args.sp_ring and args.no_overlap, "--sp-ring", "communication overlap (drop --no-overlap)"),
+            (args.sp_ring and args.no_overlap, "--sp-ring",
+             "communication overlap (drop --no-overlap)"),
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
-            (args.reduce_dtype and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
+            (args.reduce_dtype and args.dp_mode == "ddp", "--reduce-dtype",
+             "--dp-mode fsdp or hsdp"),
             (args.accumulate and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
-            (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"), "--fp8-all-gather",
-             "--dtype fp8 and --dp-mode fsdp or hsdp"),
+            (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"),
+             "--fp8-all-gather", "--dtype fp8 and --dp-mode fsdp or hsdp"),
             ((args.pp_split or args.pp_virtual != 1 or args.pp_schedule) and args.pp == 1,
              "--pp-split/--pp-virtual/--pp-schedule", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
@@ -206,10 +234,11 @@ def check_args(args):
         raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; "
                          "not with --dtype fp8")
     if args.sp_ring and (args.dtype == "fp8" or args.pp_schedule in SPLIT_BACKWARD):
-        raise UsageError("--sp-ring: not with --dtype fp8 or the zero-bubble schedules, which run tp's "
-                         "plain path")
+        raise UsageError("--sp-ring: not with --dtype fp8 or the zero-bubble schedules, which run "
+                         "tp's plain path")
     if args.dtype == "fp8" and fp8.missing():
-        raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
+        raise UsageError("--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; "
+                         f"{fp8.missing()}")
 
 
 # ---------------------------------------------------------------- the run
@@ -300,7 +329,8 @@ def resolve(argv=None, environ=None):
     local_rank = int(environ.get("LOCAL_RANK", 0))
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     if cuda and dtype == "fp8" and torch.cuda.get_device_capability(local_rank) < (8, 9):
-        raise UsageError(f"--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+        raise UsageError("--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
+                         "Hopper); "
                          f"{torch.cuda.get_device_name(local_rank)} is "
                          f"{torch.cuda.get_device_capability(local_rank)}")
     dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
@@ -311,23 +341,25 @@ def resolve(argv=None, environ=None):
     out = args.out or str(default_out(args.model, flags, args.resume))
     metrics = args.metrics or str(Path(out) / "metrics.jsonl")
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in fields(Run)}}
-    run = Run(**{**given, "accum_steps": accumulation_steps(args.global_batch, args.micro_batch, dp),
-                 "dtype": dtype, "tf32": (cuda and dtype != "fp32") if args.tf32 is None else args.tf32,
-                 "reduce_dtype": args.reduce_dtype or "fp32", "dp": dp, "dp_shard": dp_shard,
-                 "accumulate": args.accumulate or "sharded", "pp_schedule": args.pp_schedule or "1f1b",
-                 "cp_mode": args.cp_mode or "ring", "overlap": not args.no_overlap,
-                 "device": f"cuda:{local_rank}" if cuda else "cpu", "backend": "nccl" if cuda else "gloo",
-                 "compile": cuda if args.compile is None else args.compile, "out": out, "metrics": metrics,
-                 "rank": rank, "world": world, "local_rank": local_rank,
-                 "ranks_here": int(environ.get("LOCAL_WORLD_SIZE", 1)), "flags": flags})
+    derived = dict(
+        accum_steps=accumulation_steps(args.global_batch, args.micro_batch, dp),
+        dtype=dtype, tf32=(cuda and dtype != "fp32") if args.tf32 is None else args.tf32,
+        reduce_dtype=args.reduce_dtype or "fp32", dp=dp, dp_shard=dp_shard,
+        accumulate=args.accumulate or "sharded", pp_schedule=args.pp_schedule or "1f1b",
+        cp_mode=args.cp_mode or "ring", overlap=not args.no_overlap,
+        device=f"cuda:{local_rank}" if cuda else "cpu", backend="nccl" if cuda else "gloo",
+        compile=cuda if args.compile is None else args.compile, out=out, metrics=metrics,
+        rank=rank, world=world, local_rank=local_rank,
+        ranks_here=int(environ.get("LOCAL_WORLD_SIZE", 1)), flags=flags)
+    run = Run(**{**given, **derived})
     check_writable(run.out, "--out", folder=True)
     check_writable(run.metrics, "--metrics", folder=False)
     return run
 
 
-NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep", "async_save",
-               "eval_every", "eval_batches", "timeout", "startup_timeout", "peak_tflops",
-               "device"}  # they change no number trained
+NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep",
+               "async_save", "eval_every", "eval_batches", "timeout", "startup_timeout",
+               "peak_tflops", "device"}  # they change no number trained
 
 
 def given_flags(args):
@@ -361,8 +393,8 @@ def holds_a_run(path):
 
 
 def check_writable(path, flag, folder):
-    """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its way
-    is a file, and the nearest existing folder takes a new file (probed, then removed)."""
+    """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
+    way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
     path = Path(path)
     if path.exists() and path.is_dir() != folder:
         raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
@@ -406,14 +438,17 @@ def model_for(run, data_folder):
     cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
     check_layout(cfg, run)
     check_fits(cfg, run)
-    train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype", "steps")
+    train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
+             "steps")
     config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),
               "train": {k: getattr(run, k) for k in train},
-              "tokenizer": meta["tokenizer"], **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
+              "tokenizer": meta["tokenizer"],
+              **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
     layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp,
               "dp_mode": run.dp_mode, "dp_shard": run.dp_shard or run.dp, "sp": run.sp,
               "pp_schedule": run.pp_schedule, "pp_virtual": run.pp_virtual,
-              "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None, "cp_mode": run.cp_mode}
+              "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
+              "cp_mode": run.cp_mode}
     return Model(cfg, weights, config, layout)
 
 
@@ -426,7 +461,8 @@ def model_config(run, vocab_size):
     if not values["vocab_size"]:
         values["vocab_size"] = vocab_size
     if values["vocab_size"] < vocab_size:
-        raise UsageError(f"--vocab-size: {values['vocab_size']} is below the data's vocabulary of {vocab_size}")
+        raise UsageError(f"--vocab-size: {values['vocab_size']} is below the data's vocabulary of "
+                         f"{vocab_size}")
     cfg = model.ModelConfig(**values)
     tokens = run.micro_batch * cfg.seq_len // run.cp
     problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, tokens))
@@ -457,9 +493,10 @@ def check_fits(cfg, run):
         flag = {"activations": "--micro-batch", "logits": "--micro-batch",
                 "token ids": "--global-batch"}.get(largest, "--model")
         shown = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts.items())
-        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more than "
-                         f"{1 - memory.MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; shard the model "
-                         f"(--dp-mode fsdp, --tp, --pp), checkpoint (--ckpt), or shrink --micro-batch")
+        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more "
+                         f"than {1 - memory.MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; "
+                         "shard the model (--dp-mode fsdp, --tp, --pp), checkpoint (--ckpt), or "
+                         "shrink --micro-batch")
 
 
 def data_identity(meta_path):

@@ -37,10 +37,11 @@ def start_distributed(run):
     matmul_precision(run)
     if run.world > 1 and not dist.is_initialized():
         device = {"device_id": torch.device(run.device)} if run.backend == "nccl" else {}
-        dist.init_process_group(run.backend, timeout=timedelta(seconds=run.startup_timeout), **device,
-                                **restart_store(run.rank, run.world))
-    return Mesh(run.rank, run.world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp, dp_shard=run.dp_shard,
-                timeout_s=run.startup_timeout)
+        timeout = timedelta(seconds=run.startup_timeout)
+        store = restart_store(run.rank, run.world)
+        dist.init_process_group(run.backend, timeout=timeout, **device, **store)
+    return Mesh(run.rank, run.world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp,
+                dp_shard=run.dp_shard, timeout_s=run.startup_timeout)
 
 
 def matmul_precision(run):
@@ -50,7 +51,7 @@ def matmul_precision(run):
 
 @contextmanager
 def startup_timeout(mesh, run, first):
-    """Runs a block (the first evaluation, which compiles again) under --startup-timeout if `first`."""
+    """Runs a block under --startup-timeout if `first` (the first evaluation compiles again)."""
     if first:
         mesh.set_timeout(run.startup_timeout)
     try:
@@ -89,7 +90,8 @@ def report_to_launcher(error):
     ends with it as the root cause."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        Path(path).write_text(json.dumps({"message": f"error: {error}", "timestamp": str(int(time.time()))}))
+        report = {"message": f"error: {error}", "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps(report))
 
 
 def run_or_exit(job):

@@ -6,7 +6,7 @@ refused, naming the flag that moves the largest part.
 import model
 from parallel import ckpt
 
-MARGIN = 0.10  # of the device's memory, kept free: allocator fragmentation, NCCL's buffers, the CUDA context
+MARGIN = 0.10  # of the device's memory kept free: fragmentation, NCCL's buffers, the CUDA context
 
 
 def step_bytes(cfg, run):
@@ -28,7 +28,8 @@ def step_bytes(cfg, run):
     stage = params / (run.tp * run.pp)
     block = model.layer_param_count(cfg) / run.tp
     tokens = run.micro_batch * cfg.seq_len / run.cp
-    per_token = e * (4 * d / sh + (4 * d + 2 * d * cfg.n_kv_head / cfg.n_head + 3 * f) / run.tp) + 8 / sh
+    kv = 2 * d * cfg.n_kv_head / cfg.n_head  # k and v per token
+    per_token = e * (4 * d / sh + (4 * d + kv + 3 * f) / run.tp) + 8 / sh
     layers = -(-cfg.n_layer // run.pp)
     kind = ckpt.parse(run.ckpt)[0]
     if kind in ("none", "selective"):
@@ -42,7 +43,7 @@ def step_bytes(cfg, run):
         sets = run.accum_steps if run.pp_schedule == "gpipe" else min(run.pp, run.accum_steps)
     vocab = cfg.padded_vocab / run.tp
     return {"model state": 16 * stage / shard,
-            "weights in use": 2 * e * block if run.dp_mode != "ddp" else (e * stage if e < 4 else 0),
+            "weights in use": 2 * e * block if run.dp_mode != "ddp" else e * stage * (e < 4),
             "activations": sets * tokens * kept,
             "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}

@@ -24,29 +24,32 @@ class StepLog:
     """The per-step rows, the tqdm bar, the console lines, and the summary at the end."""
 
     def __init__(self, run, cfg, mesh, start, trainer):
-        self.run, self.mesh, self.device, self.rank = run, mesh, torch.device(run.device), mesh.global_rank
+        self.run, self.mesh, self.rank = run, mesh, mesh.global_rank
+        self.device = torch.device(run.device)
         self.peak, peak_source = machine.peak_flops(run)
         self.tokens = run.global_batch * cfg.seq_len
         recomputed = ckpt.recomputed_layers(cfg, run.ckpt)
-        self.flops_model = model.flops_per_token(cfg) * self.tokens  # MFU: 6N + 12·L·d·T a token
-        self.flops_hw = model.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens  # HFU
+        self.flops_model = model.flops_per_token(cfg) * self.tokens  # MFU's: 6N + 12·L·d·T a token
+        self.flops_hw = model.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens
         self.metrics, self.rows, self.t0 = None, [], time.perf_counter()
         # CPU: no allocator counts, so an eager step counts its own tensors (a dispatch mode, under
         # which a compiled step would run eagerly: a compiled CPU run reports no memory)
-        self.cpu_memory = CPUMemory(trainer, count=not run.compile) if self.device.type == "cpu" else None
+        cpu = self.device.type == "cpu"
+        self.cpu_memory = CPUMemory(trainer, count=not run.compile) if cpu else None
         if self.rank == 0:
             Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(run.metrics, "a")
             n_total, n_non_emb = model.param_counts(cfg)
-            print(f"model {run.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M non-embedding), "
-                  f"{self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak {self.peak / 1e12:.3f} TFLOP/s "
-                  f"from {peak_source}; {run.global_batch} x {cfg.seq_len} tokens per step", flush=True)
+            print(f"model {run.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M "
+                  f"non-embedding), {self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak "
+                  f"{self.peak / 1e12:.3f} TFLOP/s from {peak_source}; {run.global_batch} x "
+                  f"{cfg.seq_len} tokens per step", flush=True)
             if run.warmup >= run.steps:
                 last = optim.lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps)
-                print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate never reaches "
-                      f"--lr {run.lr:g} (it ends at {last:.3g})", flush=True)
-        self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps, disable=self.rank != 0,
-                        dynamic_ncols=True)
+                print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate "
+                      f"never reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
+        self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps,
+                        disable=self.rank != 0, dynamic_ncols=True)
 
     def start_step(self):
         self.mesh.stats.reset()  # comm_gb counts this step's traffic only
@@ -69,7 +72,7 @@ class StepLog:
                **(self.cpu_memory.gb() if self.cpu_memory else cuda_memory_gb(self.device)),
                "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
         if trainer.scaler.enabled:
-            row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step's update
+            row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step
         return row
 
     def write(self, row):
@@ -83,8 +86,9 @@ class StepLog:
         if self.rank == 0 and self.run.log_every and row["step"] % self.run.log_every == 0:
             extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
             mem = "n/a" if row["mem_gb"] is None else f"{row['mem_gb']:.2f} GB"
-            self.bar.write(f"step {row['step']}: loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} norm "
-                           f"{row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {mfu} mem {mem}")
+            self.bar.write(f"step {row['step']}: loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} "
+                           f"norm {row['grad_norm']:.3f} {row['tok_s']:.0f} tok/s mfu {mfu} "
+                           f"mem {mem}")
 
     def close(self, out):
         """The summary (rank 0: printed, and the last metrics line). Returns every step's loss."""
@@ -122,8 +126,8 @@ def summary_line(s):
     val = f", val {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
     mfu = f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""
     mem = f", peak memory {s['mem_gb']:.2f} GB" if s["mem_gb"] is not None else ""
-    return (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}{mem}, "
-            f"{s['wall_s']:.0f} s, in {s['run']}")
+    return (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}"
+            f"{mem}, {s['wall_s']:.0f} s, in {s['run']}")
 
 
 # ---------------------------------------------------------------- memory
@@ -152,7 +156,8 @@ class CPUMemory:
             t = self.trainer
             params = list(t.wrapper.optim_params())
             kept = params + [p.grad for p in params if p.grad is not None]
-            kept += [v for s in t.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            kept += [v for s in t.opt.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor)]
             self.peak = (storage_bytes(kept) + self.counting.peak) / 1e9
         return {"mem_gb": self.peak, "mem_reserved_gb": None}
 
@@ -181,13 +186,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
             key, n = id(storage), storage.nbytes()
-            if n and key not in inputs and key not in self.live:  # views and in-place results are not new
+            if n and key not in inputs and key not in self.live:  # not a view, not in place
                 self.live[key] = n
                 self.now += n
                 weakref.finalize(storage, self._free, key)

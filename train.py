@@ -25,7 +25,20 @@ import optim
 from config import DTYPES
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
-from parallel import ckpt, compiled, cp, ddp, fsdp, fsdp_accumulate, hsdp, pp, pp_bw_split, tp, tp_fused, tp_ring
+from parallel import (
+    ckpt,
+    compiled,
+    cp,
+    ddp,
+    fsdp,
+    fsdp_accumulate,
+    hsdp,
+    pp,
+    pp_bw_split,
+    tp,
+    tp_fused,
+    tp_ring,
+)
 from parallel.comm import ALL_GATHER
 from parallel.materialize import local_init
 from parallel.mesh import Mesh
@@ -37,7 +50,7 @@ DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
 @dataclass
 class Trainer:
-    """What a training step touches: this rank's chunks, their data-parallel wrapper, the optimizer."""
+    """What a step touches: this rank's chunks, their data-parallel wrapper, the optimizer."""
     chunks: list
     wrapper: object  # the protocol in parallel/__init__.py
     mesh: Mesh
@@ -58,7 +71,8 @@ def build(cfg, mesh, run):
         full = model.GPT(cfg)  # shapes only: no rank ever holds the whole model
     chunks = [full]
     if mesh.pp > 1:
-        chunks = pp.split(full, mesh, run.accum_steps, run.pp_schedule, run.pp_virtual, run.pp_split)
+        chunks = pp.split(full, mesh, run.accum_steps, run.pp_schedule, run.pp_virtual,
+                          run.pp_split)
     zero_bubble = mesh.pp > 1 and run.pp_schedule in SPLIT_BACKWARD
     for chunk in chunks:
         if mesh.tp > 1:
@@ -84,9 +98,11 @@ def build(cfg, mesh, run):
     else:
         options = dict(compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype])
     if run.accumulate == "unsharded":  # a step's gradients summed unsharded, reduce-scattered once
-        options["cls"] = fsdp_accumulate.unsharded(hsdp.HSDP if run.dp_mode == "hsdp" else fsdp.FSDP)
-    wrapper = DATA_PARALLEL[run.dp_mode](nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
-                                         overlap=run.overlap, **options)
+        sharded = hsdp.HSDP if run.dp_mode == "hsdp" else fsdp.FSDP
+        options["cls"] = fsdp_accumulate.unsharded(sharded)
+    wrap = DATA_PARALLEL[run.dp_mode]
+    wrapper = wrap(nn.ModuleList(chunks), mesh, torch.device(run.device), init_param,
+                   overlap=run.overlap, **options)
     if run.fp8_all_gather:
         wrapper = fp8.gather_in_fp8(wrapper, mesh.tp_group)
     return chunks, wrapper
@@ -98,29 +114,30 @@ def prepare(run, cfg, mesh):
     torch.manual_seed(run.seed)
     chunks, wrapper = build(cfg, mesh, run)
     device = torch.device(run.device)
-    autocast = torch.autocast(device.type, dtype=DTYPES[run.dtype]) if run.dtype != "fp32" else nullcontext()
+    dtype = DTYPES[run.dtype]
+    autocast = torch.autocast(device.type, dtype=dtype) if run.dtype != "fp32" else nullcontext()
     opt = optim.make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
-    return Trainer(chunks, wrapper, mesh, opt, optim.LossScaler(run.dtype == "fp16", device), autocast,
-                   run.micro_batch, DTYPES[run.dtype])
+    scaler = optim.LossScaler(run.dtype == "fp16", device)
+    return Trainer(chunks, wrapper, mesh, opt, scaler, autocast, run.micro_batch, dtype)
 
 
 def split_batch(x, y, micro_batch, mesh):
-    """This rank's rows -> [(x, y)] micro-batches (under cp, this rank's tokens) and their positions."""
+    """This rank's rows -> [(x, y)] micro-batches (cp: this rank's tokens), their positions."""
     batches = list(zip(x.split(micro_batch), y.split(micro_batch)))
     return cp.shard_batches(batches, mesh) if mesh.cp > 1 else (batches, None)
 
 
 def forward_backward(trainer, x, y):
-    """Every micro-batch's forward and backward; returns their summed loss. A micro-batch's loss is
-    its local mean over M, and gradients are averaged over dp x cp: the mean over the global batch."""
+    """Every micro-batch's forward and backward; returns their summed loss. A micro-batch's loss
+    is its local mean over M, and dp x cp average the gradients: the global batch's mean."""
     t = trainer
     batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
     if t.mesh.pp > 1:  # the pipeline schedule runs them all
-        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.scaler.scale,
-                             t.dtype)
+        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast,
+                             t.scaler.scale, t.dtype)
     total = torch.zeros((), device=x.device)
     for i, (xb, yb) in enumerate(batches):
-        t.wrapper.sync_grads = i == len(batches) - 1  # the gradient reduction runs in the last backward
+        t.wrapper.sync_grads = i == len(batches) - 1  # the reduction runs in the last backward
         with t.autocast:
             loss = t.chunks[0](xb, yb, positions) / len(batches)
         (loss * t.scaler.scale).backward()
@@ -142,8 +159,9 @@ def optimizer_step(trainer, loss, grad_clip):
     loss scale's update, the gradients zeroed. Returns the step's health on the device."""
     t = trainer
     t.wrapper.finish_grad_sync()  # waits for the reductions in flight, averages over dp x cp
+    bad_loss = (~torch.isfinite(loss)).float()
     grad_norm, bad_losses = optim.unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group,
-                                                   t.scaler.scale, grad_clip, (~torch.isfinite(loss)).float())
+                                                   t.scaler.scale, grad_clip, bad_loss)
     overflow = (~torch.isfinite(grad_norm)).float()
     optim.optimizer_step(t.opt, overflow if t.scaler.enabled else None)
     t.scaler.update(overflow)
@@ -159,7 +177,8 @@ def evaluate(trainer, loader, n_batches):
         x, y = loader.get(step)
         batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
         if t.mesh.pp > 1:
-            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast, t.dtype)
+            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast,
+                                  t.dtype)
             continue
         for xb, yb in batches:
             with t.autocast:
@@ -191,7 +210,8 @@ def train(run):
     data = prepared_folder(run.data, run.rank, run.world)
     spec = config.model_for(run, data)  # the model, checked against every constraint and the device
     cfg = spec.cfg
-    folder = RunFolder(run.out, mesh, run.device, spec.config, spec.layout, run.resume, run.keep, run.async_save)
+    folder = RunFolder(run.out, mesh, run.device, spec.config, spec.layout, run.resume, run.keep,
+                       run.async_save)
     try:
         batches = (cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp, run.device)
         loader = TokenLoader(data, "train", *batches)
@@ -214,14 +234,17 @@ def train(run):
                 x, y = loader.get(step)
                 lr = optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps)
                 local_loss, health = train_step(trainer, x, y, lr, run.grad_clip)
-                row = log.end_step(step, replica_mean(local_loss, mesh), health, trainer, t0)  # one host read
-                if row["bad_losses"] or (not trainer.scaler.enabled and not math.isfinite(row["grad_norm"])):
+                loss = replica_mean(local_loss, mesh)
+                row = log.end_step(step, loss, health, trainer, t0)  # the step's one host read
+                overflow = not math.isfinite(row["grad_norm"])  # fp16's scaler skips such a step
+                if row["bad_losses"] or (overflow and not trainer.scaler.enabled):
                     raise folder.non_finite(step + 1, row["loss"], row["grad_norm"])
                 if run.eval_every and (step + 1) % run.eval_every == 0:
                     with launch.startup_timeout(mesh, run, first=step + 1 == run.eval_every):
                         row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
                 if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
-                    row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
+                    row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt,
+                                                      trainer.scaler)
                 folder.progress(step + 1)
                 log.write(row)
                 profiler.step()
@@ -238,12 +261,12 @@ def train(run):
         folder.close()
     losses = log.close(run.out)
     if run.world > 1:
-        mesh.world_group.barrier()  # every rank is past every collective before the group is destroyed
+        mesh.world_group.barrier()  # every rank is past every collective: the group may go
     return losses
 
 
 def main(argv=None):
-    """Trains; a failure is one line and an exit status (2 bad input, 3 a failed run, 130 Ctrl-C)."""
+    """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C."""
     return launch.run_or_exit(lambda: train(config.resolve(argv)))
 
 

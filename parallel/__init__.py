@@ -11,7 +11,8 @@
      owned_pieces()      [Piece]: where each element this rank holds sits in the global tensors.
      zero_grad()         zeroes the buffers the .grads are views of.
 
-2. Parameter tags, set by tp.py on meta parameters. materialize.py, the wrappers and the planner read them.
+2. Parameter tags, set by tp.py on meta parameters. materialize.py, the wrappers and the planner
+   read them.
      p.tp_shard = (dim, rank, world)   p is block `rank` of `world` equal blocks along `dim`.
      p.tp_partial_grad = True          p's gradient is a partial sum over tp (sp's norms).
    An untagged parameter is replicated over tp: its gradient is the same on every tp rank.
@@ -66,7 +67,7 @@ def has_tp_partial_grad(param):
 
 
 def global_name(name):
-    """Wrappers hold an nn.ModuleList of pipeline chunks: '0.layers.3.mlp...' -> 'layers.3.mlp...'."""
+    """Wrappers hold a ModuleList of pipeline chunks: '0.layers.3.mlp...' -> 'layers.3.mlp...'."""
     return name.split(".", 1)[1]
 
 

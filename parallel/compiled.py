@@ -1,10 +1,10 @@
-"""A layer on every layout (--compile, the default on CUDA): torch.compile of each part that holds math.
+"""A layer on every layout (--compile, on by default on CUDA): each part that holds math, compiled.
 
 Compiled: every block's forward, the embedding, the final norm and the loss (forward and backward).
-Eager: what joins the parts (RoPE's cache, the head's matmul, the pipeline's hand-offs) and every
-collective: a compiled part breaks its graph around one (parallel/comm.py). Applied before the
-data-parallel wrapper, so FSDP's gathers and frees stay eager. No compiled part reads the device
-back to the host: a step keeps its one host read.
+Eager: what joins the parts, as RoPE's cache, the head's matmul and the pipeline's hand-offs. Every
+collective stays eager too: a compiled part breaks its graph around one (parallel/comm.py). This
+runs before the data-parallel wrapper, so FSDP's gathers and frees stay eager. No compiled part
+reads the device back to the host: a step keeps its one host read.
 """
 import torch
 
@@ -12,15 +12,17 @@ from parallel import ckpt
 
 
 def apply(chunk, selective=False):
-    """Compiles the chunk's parts in place. selective (--ckpt selective) steers what compiled blocks
-    save (ckpt.selective_in_graph) and leaves the final norm eager: only eager autograd lets the
-    rule take its output, which feeds the head's eager matmul."""
+    """Compiles the chunk's parts in place.
+
+    selective (--ckpt selective): ckpt.selective_in_graph steers what compiled blocks save. The
+    final norm stays eager: the rule takes its output only from eager autograd.
+    """
     if selective:
         ckpt.selective_in_graph(chunk)
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward)
-    # Lambdas give the embedding and the loss frames of their own: compile cannot start in torch.nn's
-    # forward or in a partial, and one shared frame would recompile and turn shapes dynamic
+    # Lambdas give the embedding and the loss frames of their own: compile cannot start in
+    # torch.nn's forward or a partial, and a shared frame would recompile with dynamic shapes
     if chunk.embed_tokens is not None:  # the first pipeline stage
         embed = chunk.embed_tokens.forward
         chunk.embed_tokens.forward = torch.compile(lambda ids: embed(ids))

@@ -3,8 +3,8 @@
 Split:    the batch, as DDP, and the model state in units (the embedding, each block, norm + head).
           A unit is flattened, padded to a multiple of g and cut into g shards, kept in fp32.
 Sends:    per micro-batch, every unit all-gathered for forward and each block again for backward
-          (compute dtype, c bytes), and each unit's gradient reduce-scattered (r bytes). Per rank and
-          step: (g-1)/g · M·((2N-E)·c + N·r), E the embedding's, norm's and head's parameters.
+          (compute dtype, c bytes), and each unit's gradient reduce-scattered (r bytes). Per rank
+          and step: (g-1)/g · M·((2N-E)·c + N·r), E the embedding's, norm's and head's parameters.
           Under pp units stay gathered through the step: (g-1)/g · N·(c + M·r).
 Overlap:  forward prefetches the next unit's gather, backward the previous one's. A reduce-scatter
           is waited for after the next unit's backward (--no-overlap: at once).
@@ -17,7 +17,7 @@ from torch import nn
 
 from parallel import Piece, global_name, has_tp_partial_grad, keep_saved, tp_shard_of
 
-SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a gathered unit
+SavedWeight = namedtuple("SavedWeight", "unit size stride offset")  # a saved view of a unit
 
 
 def in_backward():
@@ -45,9 +45,11 @@ class Unit:
         self.local = torch.zeros(self.shard_numel, device=device)  # the fp32 master shard
         k = min(max(self.matrix_numel() - self.start, 0), self.shard_numel)
         self.ranges = [r for r in ((0, k), (k, self.shard_numel)) if r[1] > r[0]]
-        self.params = [nn.Parameter(self.local[a:b].view(1, -1) if a == 0 and k > 0 else self.local[a:b])
-                       for a, b in self.ranges]
-        self.full, self.pending = None, None  # the gathered buffer; (buffer, handle, send) in flight
+        shards = [self.local[a:b] for a, b in self.ranges]
+        self.params = [nn.Parameter(s.view(1, -1) if a == 0 and k > 0 else s)
+                       for s, (a, _) in zip(shards, self.ranges)]
+        self.full = None  # the gathered buffer
+        self.pending = None  # (buffer, handle, what is sent) of the all-gather in flight
         self.gather = None  # hook (parallel/__init__.py): (unit) -> `pending`; None: compute dtype
         self.grad = None  # (shard_numel,) fp32: this step's gradient shard, summed over the group
         self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter
@@ -57,14 +59,16 @@ class Unit:
 
     def views(self, flat):
         """The unit's parameters as views of a flat buffer."""
-        return [flat[a:a + n].view(s[3].shape) for s, a, n in zip(self.slots, self.offsets, self.sizes)]
+        return [flat[a:a + n].view(s[3].shape)
+                for s, a, n in zip(self.slots, self.offsets, self.sizes)]
 
     def matrix_ranges(self):
         """The flat [start, end) of each matrix, in layout order."""
-        return [(a, a + n) for s, a, n in zip(self.slots, self.offsets, self.sizes) if s[3].dim() >= 2]
+        return [(a, a + n) for s, a, n in zip(self.slots, self.offsets, self.sizes)
+                if s[3].dim() >= 2]
 
     def segments(self):
-        """(optimizer param index, start, end, slot): the pieces of this shard, each inside one slot."""
+        """(optimizer param index, start, end, slot): the pieces of this shard, one slot each."""
         out = []
         for slot, a, n in zip(self.slots, self.offsets, self.sizes):
             lo, hi = a - self.start, a + n - self.start  # the slot in shard coordinates
@@ -127,7 +131,7 @@ class FSDP:
         self.module, self.mesh, self.group, self.overlap = module, mesh, group, overlap
         self.keep_gathered = keep_gathered  # gathered once per step, not per micro-batch and pass
         self.reduce_dtype = reduce_dtype
-        self.sync_grads = True  # the step's last backward (of a chunk)? HSDP then sums over replicas
+        self.sync_grads = True  # the step's last backward of a chunk? HSDP then sums over replicas
         self.all_gathers = Counter()  # {"forward": n, "backward": n}, by the pass that uses them
         self.reducing = None  # the unit whose reduce-scatter is in flight
         self.flat = None  # the flat gradient being reduced, sized for the largest unit
@@ -138,11 +142,11 @@ class FSDP:
             parts = [("embed_tokens", [chunk.embed_tokens])] * (chunk.embed_tokens is not None)
             parts += [(f"layers.{i}", [block]) for i, block in chunk.layers.items()]
             parts += [("norm_head", [chunk.norm, chunk.lm_head])] * (chunk.lm_head is not None)
-            units = [self.make_unit(name, tops, tops[0] if len(tops) == 1 else chunk, names, init_param,
-                                    device, compute_dtype) for name, tops in parts]
-            for (_, tops), unit in zip(parts, units):
-                tops[0].register_forward_pre_hook(lambda module, args, unit=unit: self.before_forward(unit))
-                tops[-1].register_forward_hook(lambda module, args, out, unit=unit: self.after_forward(unit))
+            units = [self.make_unit(name, tops, tops[0] if len(tops) == 1 else chunk, names,
+                                    init_param, device, compute_dtype) for name, tops in parts]
+            for (_, tops), unit in zip(parts, units):  # gather before the first, free after last
+                tops[0].register_forward_pre_hook(lambda m, args, u=unit: self.before_forward(u))
+                tops[-1].register_forward_hook(lambda m, args, out, u=unit: self.after_forward(u))
             for a, b in zip(units, units[1:]):  # forward order; backward runs it in reverse
                 self.next_unit[a], self.prev_unit[b] = b, a
             self.units += units
@@ -158,9 +162,10 @@ class FSDP:
             for (_, _, name_, meta), a, n in zip(unit.slots, unit.offsets, unit.sizes):
                 lo, hi = max(a, unit.start) - a, min(a + n, unit.start + unit.shard_numel) - a
                 if hi > lo:  # in place: the shard and one tile of the grid are all this allocates
-                    init_param(name_, meta, range(lo, hi), unit.local[a + lo - unit.start:a + hi - unit.start])
+                    out = unit.local[a + lo - unit.start:a + hi - unit.start]
+                    init_param(name_, meta, range(lo, hi), out)
         for module, attr, _, _ in unit.slots:
-            del module._parameters[attr]  # a plain attribute from now on: a view while in use, else None
+            del module._parameters[attr]  # a plain attribute now: a view while in use, else None
             setattr(module, attr, None)
         for i, p in enumerate(unit.params):
             owner.register_parameter(f"fsdp_shard_{name.replace('.', '_')}_{i}", p)
@@ -183,7 +188,7 @@ class FSDP:
         unit.attach(views)
 
     def after_forward(self, unit):
-        """Detach the unit and free its buffer. The chunk's last unit stays: its backward is next."""
+        """Detach the unit and free its buffer. A chunk's last unit stays: its backward is next."""
         unit.detach()
         backward_next = unit not in self.next_unit and torch.is_grad_enabled() and not in_backward()
         if not (self.keep_gathered or backward_next):
@@ -196,7 +201,7 @@ class FSDP:
         return t if unit is None else SavedWeight(unit, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved):
-        """Backward needs a weight: gather its unit again, and prefetch the one backward needs next."""
+        """Backward needs a weight: gather its unit again, and prefetch the one needed next."""
         if not isinstance(saved, SavedWeight):
             return saved
         self.all_gathers["backward"] += saved.unit.start_gather()
@@ -208,8 +213,9 @@ class FSDP:
         """Start gathering the unit before this one, under this unit's backward. The embedding's
         backward needs no weights: it is gathered only for a next micro-batch's forward."""
         prev = self.prev_unit.get(unit)
-        if self.overlap and prev is not None and (prev.name != "embed_tokens" or not self.sync_grads):
-            self.all_gathers["forward" if prev.name == "embed_tokens" else "backward"] += prev.start_gather()
+        embedding = prev is not None and prev.name == "embed_tokens"
+        if self.overlap and prev is not None and not (embedding and self.sync_grads):
+            self.all_gathers["forward" if embedding else "backward"] += prev.start_gather()
 
     # ---------------------------------------------------------------- reduce-scatter
     def after_backward(self, unit, grads):
@@ -221,7 +227,7 @@ class FSDP:
         flat = self.flat_gradient(unit, grads)
         if flat is None:  # (unsharded accumulation: more backwards of the unit come this step)
             return
-        out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block of the sum
+        out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block
         unit.reduction = (out, self.group.reduce_scatter(out, flat, async_op=True), self.sync_grads)
         self.reducing = unit
         if not self.overlap:
@@ -231,7 +237,8 @@ class FSDP:
         """This backward's gradients as one flat (padded,) buffer in the reduce dtype. One buffer
         serves every unit, one at a time: the reduce-scatter that read it is done."""
         if self.flat is None:  # freed by finish_grad_sync
-            self.flat = unit.local.new_empty(max(u.padded for u in self.units), dtype=self.reduce_dtype)
+            largest = max(u.padded for u in self.units)
+            self.flat = unit.local.new_empty(largest, dtype=self.reduce_dtype)
         flat, views = self.flat[:unit.padded], unit.views(self.flat)
         flat[unit.numel:].zero_()  # the padding
         # a param this backward did not reach (grad None): its view zeroed, copied onto itself
@@ -312,7 +319,7 @@ class FSDP:
             slot_start = {id(slot[3]): a for slot, a in zip(unit.slots, unit.offsets)}
             for i, s, e, (_, _, name, meta) in unit.segments():
                 tp = tp_shard_of(meta)
-                offset = unit.start + unit.ranges[i][0] + s - slot_start[id(meta)]  # in the tp block
+                offset = unit.start + unit.ranges[i][0] + s - slot_start[id(meta)]  # in the block
                 pieces.append(Piece(name, unit.params[i], s, e, tuple(meta.shape), tp, offset,
                                     first and (tp is not None or self.mesh.coord["tp"] == 0)))
         return pieces
@@ -323,11 +330,11 @@ def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_d
     """module: nn.ModuleList of GPT chunks on the meta device, materialized one unit at a time by
     init_param(global name, meta param, flat range, out). Shards over dp x cp; under pp units stay
     gathered. cls: FSDP, HSDP, or either with fsdp_accumulate's unsharded accumulation."""
-    return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype, reduce_dtype,
-               overlap=overlap, keep_gathered=mesh.pp > 1)
+    return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype,
+               reduce_dtype, overlap=overlap, keep_gathered=mesh.pp > 1)
 
 
-# ---------------------------------------------------------------- traffic formulas (the planner's --code ours)
+# -------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def gathers_per_step(micro_batches, keep_gathered, backward=True):
     """All-gathers of a unit per step: 1 when kept gathered (pp), else one per micro-batch for
@@ -338,4 +345,5 @@ def gathers_per_step(micro_batches, keep_gathered, backward=True):
 def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes, reduces=1):
     """Bytes one rank sends per step for n_params: (gathers·c + reduces·r)·(S-1)/S·n_params.
     reduces: the backwards per step (micro-batches), each reduce-scatters its unit."""
-    return (gathers * compute_bytes + reduces * reduce_bytes) * (shard_size - 1) / shard_size * n_params
+    per_param = gathers * compute_bytes + reduces * reduce_bytes
+    return per_param * (shard_size - 1) / shard_size * n_params

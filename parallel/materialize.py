@@ -1,11 +1,11 @@
 """Initial weights that do not depend on the layout, made one rank's part at a time.
 
-A weight's initial value is drawn tile by tile over a fixed grid of (1024, 1024) tiles. Each tile is a
-function of (seed, name, tile index) only. So any rank can make any part of any weight, and every layout
-starts from the same model as one process.
+A weight's initial value is drawn tile by tile over a fixed grid of (1024, 1024) tiles. Each tile
+is a function of (seed, name, tile index) only. So any rank can make any part of any weight, and
+every layout starts from the same model as one process.
 
-A part is a tp block (the parameter's `tp_shard` tag, parallel/__init__.py), and of that block, for an
-FSDP shard, a range of its flattened elements. A rank allocates its part and one tile, never a whole weight.
+A part is a tp block (the `tp_shard` tag, parallel/__init__.py), and of that block, for an FSDP
+shard, a range of its flattened elements. A rank allocates its part and one tile, never a weight.
 """
 import hashlib
 import math
@@ -18,8 +18,9 @@ TILE = 1024
 
 
 def init_tile(name, rows, cols, cfg, seed):
-    """One tile of a weight's initial value (rows, cols: ranges of the global matrix), fp32 on CPU."""
-    key = hashlib.blake2b(f"{seed}/{name}/{rows.start}/{cols.start}".encode(), digest_size=8).digest()
+    """One tile of a weight's initial value (rows, cols: ranges of the global matrix), fp32, CPU."""
+    where = f"{seed}/{name}/{rows.start}/{cols.start}".encode()
+    key = hashlib.blake2b(where, digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
     return torch.randn((len(rows), len(cols)), generator=gen).mul_(init_std(name, cfg))
 
@@ -27,9 +28,9 @@ def init_tile(name, rows, cols, cfg, seed):
 def local_init(name, param, cfg, seed, flat=None, out=None):
     """This rank's part of one parameter's initial value.
 
-    param: the meta parameter, maybe tagged tp_shard = (dim, rank, world). flat: a range of the block's
-    flattened elements (an FSDP shard; the result is then 1-D), or None for the whole block. Written into
-    `out` when given.
+    param: the meta parameter, maybe tagged tp_shard = (dim, rank, world). flat: a range of the
+    block's flattened elements (an FSDP shard; the result is then 1-D), or None for the whole
+    block. Written into `out` when given.
     """
     dim, rank, world = getattr(param, "tp_shard", (0, 0, 1))
     rows = param.shape[0] if param.dim() else 1
@@ -70,7 +71,7 @@ def full_init(name, shape, cfg, seed):
 
 @torch.no_grad()
 def materialize(module, device, init_param):
-    """Meta parameters -> real ones on `device`, each filled by init_param(name, param, out=flat view).
+    """Meta parameters -> real ones on `device`, each filled by init_param(name, param, out=view).
 
     Tags on the meta parameters (tp_shard, tp_partial_grad) carry over. A Parameter held in two
     places (a tied head) is still one Parameter after.

@@ -1,11 +1,11 @@
 """Tensor parallel (Megatron-LM) over the tp group of t ranks, with sequence parallel (--sp).
 
 Split:    q, k, v, gate, up by output features (whole heads); o, down by input features; the
-          embedding and lm_head by vocabulary rows. Column then row needs one sum per sublayer (L27):
+          embedding and lm_head by vocabulary rows. Column then row needs one sum per sublayer:
           φ(X·[A_1 .. A_t])·[B_1; ..; B_t] = Σ_i φ(X·A_i)·B_i for a columnwise φ.
-Sends:    f enters a sublayer (identity forward, all-reduce backward); g leaves it (all-reduce forward).
-          Per layer and micro-batch: 4 all-reduces of (b, T, d), 4·2(t-1)/t·b·T·d·e bytes. --sp turns
-          each into an all-gather and a reduce-scatter along the sequence: the same bytes.
+Sends:    f enters a sublayer (identity forward, all-reduce backward); g leaves it (all-reduce
+          forward). Per layer and micro-batch: 4 all-reduces of (b, T, d), 4·2(t-1)/t·b·T·d·e bytes.
+          --sp turns each into an all-gather and a reduce-scatter along the sequence: same bytes.
 Overlap:  none here: every collective blocks, so tp stays on one server. tp_fused.py runs f's
           reduction under the weight-gradient matmuls; tp_ring.py cuts --sp's into ring hops.
 Memory:   weights, gradients, Adam state, attention and MLP activations / t. --sp: the residual
@@ -106,7 +106,7 @@ class RowParallelLinear(Linear):
         shard(self.weight, 1, group)
 
     def forward(self, x):  # (B, T, in/t) -> (B, T, d), or (B, T/t, d) under --sp
-        partial_sum = super().forward(x)  # a statement of its own: dynamo resumes after a break in it
+        partial_sum = super().forward(x)  # its own statement: dynamo resumes after a break in it
         return LeaveTP.apply(partial_sum, self.group, self.sequence_parallel)
 
 
@@ -139,7 +139,8 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.vocab_start  # (B, T)
         mine = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine.unsqueeze(-1)
-        return LeaveTP.apply(x.to(compute_dtype(x)), self.group, self.sequence_parallel)  # (B, T, d)
+        x = x.to(compute_dtype(x))  # (B, T, d): summed in the compute dtype
+        return LeaveTP.apply(x, self.group, self.sequence_parallel)
 
 
 # ---------------------------------------------------------------- vocab-parallel cross-entropy
@@ -147,7 +148,7 @@ class VocabParallelEmbedding(nn.Embedding):
 class VocabParallelCrossEntropy(Function):
     """Mean cross-entropy from this rank's vocabulary shard of the logits, (N, V/t) at vocab_start.
 
-    Each rank takes its shard's log-sum-exp and target logit (zero where the target is elsewhere);
+    Each rank takes its shard's log-sum-exp and target logit (zero if the target is elsewhere).
     combine(lse, target_logit) returns the global ones. Backward is local: softmax - onehot on the
     shard. Columns at or past vocab_size are padding.
     """
@@ -169,7 +170,8 @@ class VocabParallelCrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad):
         logits, lse, local, mine = ctx.saved_tensors
-        grad_logits = softmax_minus_onehot(logits, lse, local, mine, ctx.real, grad / logits.shape[0])
+        scale = grad / logits.shape[0]
+        grad_logits = softmax_minus_onehot(logits, lse, local, mine, ctx.real, scale)
         return grad_logits, None, None, None, None
 
 
@@ -185,29 +187,31 @@ def combine_over_vocab_shards(group):
 
 
 class VocabParallelLoss:
-    """GPT.loss_fn under tp: logits (B, T, V/t), targets (B, T) -> the mean over the local tokens."""
+    """GPT.loss_fn under tp: logits (B, T, V/t), targets (B, T) -> the local tokens' mean."""
 
     def __init__(self, group, vocab_per_rank, vocab_size=None):
-        self.vocab_start, self.combine = group.rank * vocab_per_rank, combine_over_vocab_shards(group)
-        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_size = group.rank * vocab_per_rank, vocab_size
+        self.combine = combine_over_vocab_shards(group)
 
     def __call__(self, logits, targets):
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
-                                               self.combine, self.vocab_size)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
+                                               self.vocab_start, self.combine, self.vocab_size)
 
 
 # ---------------------------------------------------------------- applying it to a GPT chunk
 
 def validate(cfg, tp, cp=1, sequence_parallel=False):
-    for field, flag in (("n_head", "--n-head"), ("n_kv_head", "--n-kv-head"), ("ffn_dim", "--ffn-dim")):
+    for field in ("n_head", "n_kv_head", "ffn_dim"):
         if getattr(cfg, field) % tp:
-            raise LayoutError("--tp", f"{field} {getattr(cfg, field)} is not divisible by tp {tp} ({flag})")
+            flag = "--" + field.replace("_", "-")
+            n = getattr(cfg, field)
+            raise LayoutError("--tp", f"{field} {n} is not divisible by tp {tp} ({flag})")
     if cfg.padded_vocab % tp:
         raise LayoutError("--tp", f"the vocab {cfg.vocab_size}, padded to {cfg.padded_vocab}, "
                                   f"is not divisible by tp {tp}")
     if sequence_parallel and cfg.seq_len % (cp * tp):
-        raise LayoutError("--sp", f"seq_len {cfg.seq_len} is not divisible by cp x tp = {cp} x {tp}: "
-                                  "sequence parallel shards each rank's tokens over tp")
+        raise LayoutError("--sp", f"seq_len {cfg.seq_len} is not divisible by cp x tp = "
+                          f"{cp} x {tp}: sequence parallel shards each rank's tokens over tp")
 
 
 def parallelize_attention(attn, cfg, group, sequence_parallel):
@@ -221,7 +225,7 @@ def parallelize_attention(attn, cfg, group, sequence_parallel):
 
 
 def parallelize_mlp(mlp, cfg, group, sequence_parallel):
-    """SwiGLU: gate and up column-parallel, silu(gate)·up on the local columns, down row-parallel."""
+    """SwiGLU: gate and up column-parallel, silu(gate)·up on local columns, down row-parallel."""
     mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
     mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
     mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
@@ -248,7 +252,7 @@ def parallelize(chunk, mesh, sequence_parallel=False):
     return chunk
 
 
-# ---------------------------------------------------------------- traffic formulas (the planner's --code ours)
+# -------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
     """Bytes one rank sends in an all_gather_seq or reduce_scatter_seq of (tokens, d)."""
@@ -256,9 +260,11 @@ def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
 
 
 def activation_collectives(layers, embedding, head, sequence_parallel, recompute):
-    """(tokens, d) collectives per micro-batch as build() runs them (tp_fused.py), an all-reduce
-    counting 2: 8 a block (sp 10: the column inputs gathered again), +2 recomputed (sp 3),
-    2 the embedding, 2 the head (sp 3)."""
+    """(tokens, d) collectives per micro-batch as build() runs them (with tp_fused.py).
+
+    An all-reduce counts 2. A block: 8 (sp 10, the column inputs gathered again), +2 recomputed
+    (sp 3). The embedding 2, the head 2 (sp 3).
+    """
     sp = sequence_parallel
     return layers * (8 + 2 * sp + recompute * (3 if sp else 2)) + 2 * embedding + (2 + sp) * head
 

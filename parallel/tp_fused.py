@@ -1,12 +1,12 @@
-"""A layer on tensor parallel (tp.py): the column linears that read one input, as one autograd Function.
+"""A layer on tensor parallel (tp.py): the column linears that read one input, as one Function.
 
-Switched in by train.build after tp.parallelize (not under fp8's matmul hook or the zero-bubble
-split, which run tp.py's plain path). Same parameters, same names, same bytes per collective.
-What changes: f and the column matmuls of one input (q, k, v; gate, up; lm_head) are one Function.
-Overlap:  backward sums the readers' input gradients once and all-reduces that sum while the weight
-          gradients are computed (--no-overlap: it blocks).
-Memory:   under --sp only this rank's block of the input is saved, not the gathered sequence: it is
-          gathered again in backward, 2L+1 more all-gathers of (b, T, d) a step (+1/4 of the bytes).
+train.build switches it in after tp.parallelize. fp8 and the zero-bubble split keep tp's plain path.
+Parameters, names and collectives stay. f and the column matmuls of one input become one Function:
+q, k, v; gate, up; lm_head.
+Overlap:  backward sums the readers' input gradients once. That sum's all-reduce runs under the
+          weight-gradient matmuls (--no-overlap: it blocks).
+Memory:   under --sp only this rank's block of the input is saved, not the gathered sequence.
+          Backward gathers it again: 2L+1 more all-gathers of (b, T, d) a step, 1/4 more bytes.
 """
 from collections import namedtuple
 
@@ -16,7 +16,7 @@ from torch.autograd import Function
 from model import RMSNorm
 from parallel.tp import ColumnParallelLinear, NormThenEnterTP, all_gather_seq, reduce_scatter_seq
 
-# What a fused norm hands its readers: their outputs (B, T, out/t) in slot order, and the input's shape.
+# What a fused norm hands its readers: their outputs (B, T, out/t) in slot order; the input's shape.
 ColumnInput = namedtuple("ColumnInput", "shape outputs")
 
 
@@ -29,8 +29,9 @@ def input_grad(grads, weights, dtype):
 class ColumnParallel(Function):
     """f fused with the column matmuls that read x: y_j = x · W_jᵀ, each (B, T, out_j/t).
 
-    x is the replicated (B, T, d), or under --sp this rank's block (B, T/t, d), gathered forward and
-    again backward. Backward reduces the summed input gradient under the weight-gradient matmuls.
+    x is the replicated (B, T, d), or under --sp this rank's block (B, T/t, d). The block is
+    gathered in forward and again in backward. Backward reduces the summed input gradient under
+    the weight-gradient matmuls.
     """
 
     @staticmethod
@@ -50,7 +51,8 @@ class ColumnParallel(Function):
             grad_x = reduce_scatter_seq(ctx.group, grad_x)  # (B, T/t, d)
         else:  # in place: grad_x is new, and nothing else refers to it
             pending = ctx.group.all_reduce(grad_x, async_op=ctx.overlap)
-        grads_w = [g.flatten(0, 1).t() @ full.flatten(0, 1).to(g.dtype) for g in grads]  # (out_j/t, d)
+        rows = full.flatten(0, 1)
+        grads_w = [g.flatten(0, 1).t() @ rows.to(g.dtype) for g in grads]  # (out_j/t, d)
         if pending is not None:
             pending.wait()  # the all-reduce travelled under the weight-gradient matmuls
         return grad_x, None, None, None, *grads_w
@@ -64,8 +66,9 @@ class FusedNormThenEnter(NormThenEnterTP):
         B, T, d = h.shape
         shape = (B, T * self.group.size if self.sequence_parallel else T, d)
         weights = [r.weight for r in self.readers]
-        return ColumnInput(shape, ColumnParallel.apply(h, self.group, self.sequence_parallel, self.overlap,
-                                                       *weights))
+        sp = self.sequence_parallel
+        outputs = ColumnParallel.apply(h, self.group, sp, self.overlap, *weights)
+        return ColumnInput(shape, outputs)
 
 
 class ColumnReader(ColumnParallelLinear):
