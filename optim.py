@@ -25,7 +25,7 @@ def make_adamw(params, lr, weight_decay, device):
 
 
 def lr_at(step, lr, min_lr, warmup, total):
-    """Linear warmup from lr/warmup to lr in `warmup` steps. Then cosine decay to min_lr at total."""
+    """Linear warmup from lr/warmup to lr in `warmup` steps; cosine decay to min_lr at `total`."""
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
