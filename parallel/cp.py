@@ -173,7 +173,8 @@ def _chunk_blocks(rank, cp, c):
 class _ChunkAttentionFn(torch.autograd.Function):
     """q (B, H, s, hd) of this rank's chunks against kv (2, B, Hkv, T, hd) -> (B, H, s, hd).
 
-    ring_attention's block kernels, merged by log-sum-exp. Backward needs only the final out, lse."""
+    It runs ring_attention's block kernels, merged by log-sum-exp.
+    Backward needs only the final (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, kv, blocks):

@@ -49,7 +49,7 @@ def cost_model(cfg):
 
 
 def min_max_partition(n, parts, cost):
-    """Counts (each >= 1, summing to n) minimizing max_k cost(k, count_k), by dynamic programming."""
+    """Counts (each >= 1, summing to n) minimizing max_k cost(k, count_k). Dynamic programming."""
     best = {(0, 0): (0, [])}  # (parts used, layers used) -> (max cost so far, counts)
     for k in range(parts):
         for used in range(k + 1, n - (parts - k - 1) + 1):
