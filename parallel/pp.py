@@ -1,22 +1,12 @@
 """Pipeline parallel: the layers are split into stages, and micro-batches flow through them.
 
-Split:    the blocks into P·V contiguous chunks, balanced by cost, or --pp-split. A layer costs
-          2·N_layer + 4·d·T forward FLOPs per token. The last chunk adds the head's 2·d·vocab,
-          the first the embedding's memory. Rank r holds virtual stages r, r+P, ...
-          (V = --pp-virtual); under zbv, stages r and 2P-1-r (a V).
-Sends:    point to point, per micro-batch and boundary: an activation, then its gradient.
-          Each is b·T·d elements (b·T/tp·d under sp); shapes come from the config. Per step,
-          the pipeline sends 2·M·(P·V-1)·b·T·d elements. zbv: 2·M·(2P-2)·..., as rank P-1's
-          boundary stays in memory.
-Overlap:  batch_isend_irecv is async. A send leaves while the next micro-batch computes. A receive
-          is posted as soon as the peer would have produced it (the schedules: pp_schedule.py).
-Memory:   1/P of the weights, gradients and Adam state. Under 1F1B stage 0 holds at most P
-          micro-batches' activations (interleaved P + (P-1)/V, GPipe all M). Each set is freed
-          after its backward (zb1, zbv: its W). A chunk's output is freed once sent: backward
-          needs it as its graph's root, not its bytes.
-Bubble:   utilization M/(M+P-1) (GPipe, 1F1B), VM/(VM+P-1) interleaved, 3M/(3M+P-1) zb1,
-          6M/(6M+P-1) zbv.
-Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
+Split:    the blocks into P·V chunks by cost (cost_model) or --pp-split. Rank r holds virtual stages
+          r, r+P, ... (V = --pp-virtual); under zbv, r and 2P-1-r (a V).
+Sends:    p2p per micro-batch and boundary: an activation, then its gradient, b·T·d elements each
+          (b·T/tp·d under sp). Per step: 2·M·(P·V-1)·b·T·d (zbv: 2·M·(2P-2)·..., P-1 keeps its own).
+Overlap:  batch_isend_irecv is async: a send leaves while the next micro-batch computes.
+Memory:   1/P of the weights, grads and Adam state; at most P activation sets (1F1B, stage 0).
+Bubble:   utilization M/(M+P-1) (GPipe, 1F1B), VM/(VM+P-1) interleaved; zb1, zbv: pp_schedule.py.
 """
 import copy
 import math
@@ -42,7 +32,7 @@ class Stage:
 # ---------------------------------------------------------------- the split
 
 def cost_model(cfg):
-    """(forward FLOPs per token, parameters) of one layer, of the head, of the embedding."""
+    """(FLOPs per token, params) of a layer (2·N_layer + 4·d·T), the head (2·d·vocab), embedding."""
     d, vocab = cfg.d_model, cfg.padded_vocab
     return {"layer": (model.layer_flops_per_token(cfg), model.layer_param_count(cfg)),
             "head": (2 * d * vocab, d * vocab + d), "embed": (0, d * vocab)}
@@ -78,9 +68,7 @@ def balanced_counts(cfg, parts):
 
 
 def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
-    """Layers per virtual stage: balanced by cost, or the given split.
-
-    Checked against the model and the batch."""
+    """Layers per virtual stage, by cost or the given split; checked against model and batch."""
     n, parts = cfg.n_layer, P * V
     if n < parts:
         raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; "
@@ -110,9 +98,7 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
 
 
 def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
-    """The chunks (GPTs on the meta device) this rank runs, in virtual-stage order.
-
-    The first virtual stage keeps embed_tokens. The last keeps norm, lm_head and the loss."""
+    """This rank's chunks (meta GPTs) by stage; only the first embeds, the last has the head."""
     P, V, rank = mesh.pp, S.chunks_per_rank(schedule, n_virtual), mesh.coord["pp"]
     counts = layer_counts(full.cfg, P, V, n_micro, layer_split, schedule)
     starts = [sum(counts[:v]) for v in range(P * V)]
@@ -158,8 +144,7 @@ class Pipeline:
         T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
         self.inputs, self.outputs, self.input_grads, self.alive = {}, {}, {}, set()
-        # receives: (op, chunk, mb) -> (buffer, its Posted batch); sends: the Posted sends in flight
-        self.receives, self.sends = {}, []
+        self.receives, self.sends = {}, []  # (op, chunk, mb) -> (buffer, Posted); Posted in flight
         chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the compute dtype
         self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model),
                            activation_dtype)
@@ -168,14 +153,12 @@ class Pipeline:
 
     def run(self, actions):
         """Runs the actions. Returns the summed local loss (nonzero on the last stage)."""
-        # a chunk's last B and last W sync its gradients
-        self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}
+        self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}  # last ones sync grads
         self.split = any(a.op == "W" for a in actions)  # zb1, zbv: each backward is B, later W
         for step in S.batches(actions):
             try:
                 if step[0].op in S.COMPUTE:
-                    # idle until the neighbour's input arrives
-                    self.compute(step[0], self.wait_for_input(step[0]))
+                    self.compute(step[0], self.wait_for_input(step[0]))  # idle until it arrives
                 else:
                     self.post(step)
             except Exception as e:
@@ -192,9 +175,7 @@ class Pipeline:
         return S.stage_of(self.rank, chunk, self.P, self.vshape)
 
     def wait_for_input(self, a):
-        """The activation (F) or output gradient (B) a neighbour sent, once it has arrived.
-
-        At the V's turn the neighbour is this rank's other chunk."""
+        """The activation (F) or output gradient (B) a neighbour sent; at the V, this rank's own."""
         v = self.stage(a.chunk)
         if a.op == "W" or (a.op == "F" and v == 0) or (a.op == "B" and v == self.last):
             return None
@@ -226,13 +207,10 @@ class Pipeline:
             del self.outputs[(a.chunk, a.mb)]
 
     def backward(self, a, received):
-        """The full backward, or B under zb1/zbv. B leaves the weight gradients to W.
-
-        They wait in the chunk's WeightGrads."""
+        """The full backward, or B under zb1/zbv: weight gradients wait in WeightGrads for W."""
         key, v = (a.chunk, a.mb), self.stage(a.chunk)
-        # DDP and FSDP reduce once per chunk and step
-        self.wrapper.sync_grads = self.final[("B", a.chunk)] == a
-        out, x = self.outputs.pop(key), self.inputs.pop(key)
+        self.wrapper.sync_grads = self.final[("B", a.chunk)] == a  # DDP/FSDP: once per chunk
+        out, x = self.outputs.pop(key), self.inputs.pop(key)  # their last references: freed after
         if self.split:
             self.chunks[a.chunk].weight_grads.mb = a.mb
         else:
@@ -243,7 +221,6 @@ class Pipeline:
             torch.autograd.backward(out, received)  # received: d loss / d out, the shape of out
         if v > 0:
             self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
-        # out, x and the graph between them are no longer referenced: freed here
 
     def weight(self, a, received):
         """W: the weight gradients B deferred. A chunk's last W syncs its gradients."""
@@ -280,16 +257,13 @@ class Pipeline:
 
 
 class Posted:
-    """One batch_isend_irecv: its works (NCCL: one for the batch) and the tensors it sends.
-
-    It keeps the tensors alive until it completes. Then it frees the bytes of the forward outputs
-    it sent. It waits once: gloo blocks on a second wait."""
+    """One batch_isend_irecv: its works and sent tensors. Done, it frees the sent outputs' bytes."""
 
     def __init__(self, works, tensors, spent=()):
         self.works, self.tensors, self.spent, self.done = works, tensors, spent, False
 
     def wait(self):
-        if not self.done:
+        if not self.done:  # waits once: gloo blocks on a second wait
             for w in self.works:
                 w.wait()
             self._finish()
@@ -307,10 +281,7 @@ class Posted:
 
 def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0,
             wrapper=None, train=True, runner=Pipeline):
-    """Runs this rank's part of the schedule named on the chunks.
-
-    Returns (summed local loss, the runner). The runner is a Pipeline; tests read its max_in_flight.
-    activation_dtype: the dtype sent between stages, the compute dtype (the residual stream's)."""
+    """Runs this rank's part of the chunks' schedule: (summed local loss, the Pipeline)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
     pipeline = runner(chunks, mesh, batches, positions, autocast, loss_scale, wrapper,
@@ -319,10 +290,7 @@ def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_s
 
 
 def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale, dtype):
-    """Forward and backward of every micro-batch. Returns the summed local loss.
-
-    The loss is nonzero on the last stage only. dtype: the compute dtype. The residual stream
-    carries it, and so does every activation sent between stages."""
+    """Forward and backward of each micro-batch: the summed local loss (last stage; 0 elsewhere)."""
     return execute(chunks, mesh, batches, positions, autocast, dtype, loss_scale, wrapper)[0]
 
 
