@@ -116,6 +116,10 @@ def parse_args(argv=None):
     g("--min-lr", type=nonnegative_float, default=3e-4,
       help="learning rate at the end of the cosine")
     g("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
+    g("--schedule", default="cosine", type=one_of(("cosine", "wsd"), "schedule"),
+      help="after the warmup: cosine to --min-lr | wsd (warmup-stable-decay: --lr until the last "
+           "--warmdown steps, then linear to --min-lr)")
+    g("--warmdown", type=positive_int, help="steps of wsd's linear decay at the end of the run")
     g("--weight-decay", type=nonnegative_float, default=0.1)
     g("--grad-clip", type=nonnegative_float, default=1.0,
       help="clip the global gradient norm (0: off)")
@@ -193,6 +197,8 @@ def parse_args(argv=None):
       help="snapshot to CPU memory, write from a background thread")
     g("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
     g("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
+    g("--target-loss", type=positive_float,
+      help="the summary names the step, tokens and time at which the val loss first reached it")
     g("--log-every", type=nonnegative_int, default=10,
       help="print a console line every N steps (0: off)")
     g("--metrics",
@@ -223,11 +229,17 @@ def check_args(args):
              "--pp-split/--pp-virtual/--pp-schedule", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
              "--pp-schedule interleaved"),
-            (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1")):
+            (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1"),
+            (args.warmdown and args.schedule != "wsd", "--warmdown", "--schedule wsd"),
+            (args.target_loss and not args.eval_every, "--target-loss", "--eval-every")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
     if args.dp_mode == "hsdp" and not args.dp_shard:
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
+    if args.schedule == "wsd" and not args.warmdown:
+        raise UsageError("--warmdown: --schedule wsd needs the length of its decay, in steps")
+    if args.warmdown and args.warmdown > args.steps:
+        raise UsageError(f"--warmdown: {args.warmdown} is more than --steps {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
     if args.dtype == "fp8" and args.pp_schedule in SPLIT_BACKWARD:
@@ -267,6 +279,8 @@ class Run:
     lr: float
     min_lr: float
     warmup: int
+    schedule: str  # cosine | wsd
+    warmdown: Optional[int]  # wsd: the steps of the final linear decay
     weight_decay: float
     grad_clip: float
     seed: int
@@ -308,6 +322,7 @@ class Run:
     async_save: bool
     eval_every: int
     eval_batches: int
+    target_loss: Optional[float]
     log_every: int
     metrics: str
     profile: bool
@@ -358,8 +373,8 @@ def resolve(argv=None, environ=None):
 
 
 NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep",
-               "async_save", "eval_every", "eval_batches", "timeout", "startup_timeout",
-               "peak_tflops", "device"}  # they change no number trained
+               "async_save", "eval_every", "eval_batches", "target_loss", "timeout",
+               "startup_timeout", "peak_tflops", "device"}  # they change no number trained
 
 
 def given_flags(args):
@@ -441,7 +456,8 @@ def model_for(run, data_folder):
     train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
              "steps")
     config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),
-              "train": {k: getattr(run, k) for k in train},
+              "train": {**{k: getattr(run, k) for k in train},  # cosine: as before wsd existed
+                        **({"warmdown": run.warmdown} if run.schedule == "wsd" else {})},
               "tokenizer": meta["tokenizer"],
               **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
     layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp,

@@ -45,7 +45,8 @@ class StepLog:
                   f"{self.peak / 1e12:.3f} TFLOP/s from {peak_source}; {run.global_batch} x "
                   f"{cfg.seq_len} tokens per step", flush=True)
             if run.warmup >= run.steps:
-                last = optim.lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps)
+                last = optim.lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps,
+                                   run.warmdown)
                 print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate "
                       f"never reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
         self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps,
@@ -77,6 +78,7 @@ class StepLog:
 
     def write(self, row):
         del row["bad_losses"]
+        row["elapsed_s"] = time.perf_counter() - self.t0  # since the loop began, evaluations too
         self.rows.append(row)
         if self.metrics:
             self.metrics.write(json.dumps(row) + "\n")
@@ -94,7 +96,8 @@ class StepLog:
         """The summary (rank 0: printed, and the last metrics line). Returns every step's loss."""
         self.bar.close()
         if self.rank == 0 and self.rows:
-            summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags)
+            summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags,
+                                  self.run.target_loss)
             self.bar.write(summary_line(summary))
             self.metrics.write(json.dumps({"summary": summary}) + "\n")
         if self.metrics:
@@ -108,26 +111,54 @@ def read_metrics(path):
     return [r for r in lines if "summary" not in r], [r["summary"] for r in lines if "summary" in r]
 
 
-def run_summary(rows, wall_s, out, flags):
+def run_summary(rows, wall_s, out, flags, target_loss=None):
     """The last train and val loss, the median tok/s and MFU (without the first step, which
-    compiles, when there are others), the peak memory, the wall time, the flags."""
+    compiles, when there are others), the peak memory, the wall time, the flags. With a target
+    loss: where the val loss first reached it, or the best it reached."""
     timed = rows[1:] or rows
 
     def median(key):
         return statistics.median(r[key] for r in timed) if timed[0][key] is not None else None
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    return {"run": str(out), "steps": rows[-1]["step"], "loss": rows[-1]["loss"],
-            "val_loss": val[-1] if val else None, "tok_s": median("tok_s"), "mfu": median("mfu"),
-            "mem_gb": max((r["mem_gb"] for r in rows if r["mem_gb"] is not None), default=None),
-            "wall_s": wall_s, "flags": flags}
+    summary = {"run": str(out), "steps": rows[-1]["step"], "loss": rows[-1]["loss"],
+               "val_loss": val[-1] if val else None, "tok_s": median("tok_s"), "mfu": median("mfu"),
+               "mem_gb": max((r["mem_gb"] for r in rows if r["mem_gb"] is not None), default=None),
+               "wall_s": wall_s, "flags": flags}
+    if target_loss is not None:
+        summary["target"] = time_to_target([r for r in rows if "val_loss" in r], target_loss)
+    return summary
+
+
+def time_to_target(evals, target):
+    """{loss, reached, step, tokens, elapsed_s}: the first evaluation at or below target, or the
+    best one (reached False)."""
+    hit = next((r for r in evals if r["val_loss"] <= target), None)
+    best = hit or min(evals, key=lambda r: r["val_loss"], default=None)
+    if best is None:
+        return {"loss": target, "reached": False, "step": None, "tokens": None, "elapsed_s": None,
+                "val_loss": None}
+    return {"loss": target, "reached": hit is not None, "step": best["step"],
+            "tokens": best["step"] * best["tokens"], "elapsed_s": best["elapsed_s"],
+            "val_loss": best["val_loss"]}
 
 
 def summary_line(s):
     val = f", val {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
     mfu = f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""
     mem = f", peak memory {s['mem_gb']:.2f} GB" if s["mem_gb"] is not None else ""
-    return (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}"
+    line = (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}"
             f"{mem}, {s['wall_s']:.0f} s, in {s['run']}")
+    return line + ("\n" + target_line(s["target"]) if "target" in s else "")
+
+
+def target_line(t):
+    if t["reached"]:
+        return (f"target: val {t['val_loss']:.4f} <= {t['loss']:g} first at step {t['step']}, "
+                f"{t['tokens']:,} tokens, {t['elapsed_s']:.0f} s")
+    if t["step"] is None:
+        return f"target: val {t['loss']:g} not reached: no evaluation ran"
+    return (f"target: val {t['loss']:g} not reached; best {t['val_loss']:.4f} at step {t['step']}, "
+            f"{t['tokens']:,} tokens, {t['elapsed_s']:.0f} s")
 
 
 # ---------------------------------------------------------------- memory

@@ -24,10 +24,17 @@ def make_adamw(params, lr, weight_decay, device):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def lr_at(step, lr, min_lr, warmup, total):
-    """Linear warmup from lr/warmup to lr in `warmup` steps; cosine decay to min_lr at `total`."""
+def lr_at(step, lr, min_lr, warmup, total, warmdown=None):
+    """Linear warmup from lr/warmup to lr in `warmup` steps, then a decay to min_lr at `total`.
+
+    warmdown None: cosine from the end of the warmup. warmdown K (warmup-stable-decay): lr until
+    the last K steps, then linear to min_lr. A longer `total` lengthens the stable part.
+    """
     if step < warmup:
         return lr * (step + 1) / warmup
+    if warmdown is not None:
+        left = min(1.0, max(0, total - step) / warmdown) if warmdown else 1.0  # 1 while stable
+        return min_lr + left * (lr - min_lr)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)
 

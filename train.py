@@ -232,7 +232,7 @@ def train(run):
             for step in log.bar:
                 t0 = log.start_step()
                 x, y = loader.get(step)
-                lr = optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps)
+                lr = optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
                 local_loss, health = train_step(trainer, x, y, lr, run.grad_clip)
                 loss = replica_mean(local_loss, mesh)
                 row = log.end_step(step, loss, health, trainer, t0)  # the step's one host read

@@ -89,7 +89,7 @@ def parse(world, flags, micro, accum, rank=0):
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
                    V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,
-                   overlap=not args.no_overlap, accumulate=args.accumulate)
+                   overlap=args.overlap, accumulate=args.accumulate)
     return args, cfg, lay, args.global_batch
 
 
