@@ -255,6 +255,10 @@ def train(run):
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
         raise launch.Interrupted(folder.interrupted()) from None
+    except RuntimeError as e:
+        if not launch.timed_out(e):
+            raise
+        raise launch.Hung(folder.hung(launch.name_the_hang(mesh, step, e))) from None
     finally:
         profiler.stop()
         loader.close()  # joins its thread

@@ -150,6 +150,15 @@ class RunFolder:
         self.close()
         return f"interrupted after step {self.step}; the newest save is {good or 'none'}"
 
+    def hung(self, what):
+        """A collective timed out (`what` names it): the attempt recorded as failed, with no
+        collective (a peer does not answer). Returns the line to stop with."""
+        if self.saver is not None:
+            self.attempts.end(f"failed: {what}")
+        good = last_good_save(self.path)
+        self.close()
+        return f"{what}; stopped, the newest save is {good or 'none'}"
+
     def finish(self):
         """Waits for the last async save, records the attempt as done, releases the folder."""
         try:
