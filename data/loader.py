@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.files import atomic_write, read_bytes
+from data.files import atomic_write, open_regular, read_bytes
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -135,7 +135,7 @@ def fingerprint(path):
     """The CRC-32 (8 hex digits) of FINGERPRINT_BLOCKS blocks of the file spread from its first byte to its last."""
     size = Path(path).stat().st_size
     crc = zlib.crc32(size.to_bytes(8, "little"))
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         last = max(size - FINGERPRINT_BYTES, 0)
         for k in range(FINGERPRINT_BLOCKS):
             f.seek(last * k // (FINGERPRINT_BLOCKS - 1))

@@ -286,3 +286,43 @@ def test_a_metrics_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     assert out.returncode == 2, out.stderr
     line = one_error_line(out.stderr)
     assert "--metrics" in line and "FIFO" in line, line
+
+
+def test_links_in_a_run_folder_are_never_deleted_through(tmp_path):
+    """A leftover .tmp_step_* link and a linked save: resume's cleanup and pruning leave them, and what they lead
+    to, alone (prune used to rename a linked save to .del_*, and then fail to delete it)."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    for name in ("killed", "saved"):
+        (outside / name).mkdir(parents=True)
+        (outside / name / "complete").write_text("1\n")
+    run.mkdir()
+    (run / ".tmp_step_0000009_abcdef").symlink_to(outside / "killed")
+    (run / "step_0000001").symlink_to(outside / "saved")
+    for step in (2, 3):
+        (run / f"step_000000{step}").mkdir()
+        (run / f"step_000000{step}" / "complete").write_text(f"{step}\n")
+    saves.write.remove_incomplete(run)
+    saves.write.prune(run, keep=1)
+    assert sorted(p.name for p in run.iterdir()) == [".tmp_step_0000009_abcdef", "step_0000001", "step_0000003"]
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
+        "killed", "killed/complete", "saved", "saved/complete"]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--data", "--metrics"])
+def test_an_empty_path_flag_is_one_line(tmp_path, monkeypatch, flag):
+    """Was: --out '' trained into the current folder, --data '' on the default corpus, --metrics '' into the default
+    file, each silently. (--data's refusal is data/'s; --out's and --metrics' are config.py's to make.)"""
+    monkeypatch.chdir(tmp_path)
+    argv = RUN + ["--steps", "1"] + (["--out", str(tmp_path / "run")] if flag != "--out" else []) + [flag, ""]
+    code, err = exit_of(train.main, argv)
+    assert code == 2 and one_error_line(err).startswith(f"error: {flag}: "), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_whose_name_is_too_long_is_one_line(tmp_path):
+    """Was: OSError: [Errno 36] File name too long, a traceback (config.check_writable's exists(), then the run
+    folder's mkdir: saves.run names the flag)."""
+    out = tmp_path / ("x" * 300) / "run"
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out)])
+    assert code == 2 and one_error_line(err).startswith("error: --out: ") and "File name too long" in err, err
+    assert list(tmp_path.iterdir()) == []
