@@ -77,16 +77,21 @@ def test_a_folder_lock_survives_the_deletion_of_every_file_in_it(tmp_path):
     files.unlock_folder(second)
 
 
-def test_a_folder_renamed_away_under_a_lock_leaves_the_lock_to_the_new_one(tmp_path):
-    """A writer that swaps a new folder in (prepare, export) leaves its lock on the old one: the one now at the path
-    is locked afresh, not refused for the old one's sake."""
+def test_a_folder_swapped_between_the_open_and_the_lock_is_locked_where_it_is_now(tmp_path, monkeypatch):
+    """A writer that swaps a new folder in (prepare, export) can do so between another's open() and its flock(): that
+    one must end up holding the folder now at the path, not the one renamed away."""
     folder = tmp_path / "out"
-    held = files.lock_folder(folder)
-    os.rename(folder, tmp_path / "old")
     folder.mkdir()
-    other = files.lock_folder(folder)
-    assert other is not None and os.fstat(other).st_ino == folder.stat().st_ino
-    files.unlock_folder(other)
+    flock, swapped = files.fcntl.flock, []
+
+    def swap_first(fd, how):
+        if not swapped:
+            swapped.append(os.rename(folder, tmp_path / "old"))
+            folder.mkdir()
+        return flock(fd, how)
+    monkeypatch.setattr(files.fcntl, "flock", swap_first)
+    held = files.lock_folder(folder)
+    assert held is not None and os.fstat(held).st_ino == folder.stat().st_ino
     files.unlock_folder(held)
 
 
