@@ -68,9 +68,8 @@ def open_regular(path):
 
 
 def check_own_file(path, folder):
-    """SaveError-free check for a file the owner of `folder` writes: returns None if path is missing or a regular
-    file whose real path lies in folder, else what is wrong ("a link to /x, outside ...", "a FIFO, not a regular
-    file") for one line."""
+    """For a file the owner of `folder` writes: None if path is missing, or a regular file whose real path lies in
+    folder; else what is wrong, for one line ("a link to /x, outside FOLDER", "a FIFO, not a regular file")."""
     path = Path(path)
     try:
         st = os.lstat(path)
