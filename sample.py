@@ -4,9 +4,12 @@
 
 Uses the tokenizer the run was trained with (a .tiktoken file is read again from the path its data recorded, and must
 still have the same SHA-256). Temperature 0 is greedy decoding, and any positive temperature, however small, samples
-without overflow (a tiny one is greedy in effect); an empty prompt starts from the end-of-text token. Bad input (a
-negative number, a missing GPU, a prompt that is not UTF-8, a save that is not train.py's or whose model config is
-incomplete or does not fit its tensors, a changed tokenizer file) is one line on stderr and exit status 2.
+without overflow (a tiny one is greedy in effect); an empty prompt starts from the end-of-text token. Only ids the
+tokenizer can decode are ever sampled: a model with more ids than its tokenizer (one started --init-from a checkpoint
+of a larger vocabulary) has the others masked, as the loss masks the padded rows, and a note on stderr says so. Bad
+input (a negative number, a seed torch cannot take, a missing GPU, a prompt that is not UTF-8 or holds an id past the
+model's vocabulary, a save that is not train.py's or whose model config is incomplete or does not fit its tensors, a
+changed tokenizer file) is one line on stderr and exit status 2.
 """
 import argparse
 import math
@@ -21,28 +24,55 @@ from config import OneLineParser, UsageError, nonnegative_int
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
 from saves import SaveError
-from saves.load import model_tensors
+from saves.load import check_layers, model_tensors
 from saves.write import complete_saves
 
 
 @torch.no_grad()
-def generate(gpt, ids, max_new_tokens, temperature, top_k, vocab_size, eot=None):
-    """ids: (1, T) prompt. Appends up to max_new_tokens sampled tokens; stops early at eot."""
+def generate(gpt, ids, max_new_tokens, temperature, top_k, vocab_size, eot=None, decodable=None):
+    """ids: (1, T) prompt. Appends up to max_new_tokens sampled tokens; stops early at eot. decodable: a (vocab_size,)
+    bool tensor, False for the ids the tokenizer cannot decode, which are never sampled (None: all can be)."""
+    allowed = vocab_size if decodable is None else int(decodable.sum())
     for _ in range(max_new_tokens):
         context = ids[:, -gpt.cfg.seq_len:]
         logits = gpt(context)[:, -1, :vocab_size].float()  # the padded vocab entries are never sampled
+        if decodable is not None:
+            logits = logits.masked_fill(~decodable.to(logits.device), float("-inf"))
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:  # shifted so the largest is 0, in fp64: a tiny temperature gives -inf and 0, never inf or nan
             logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature
             if top_k:
-                kth = torch.topk(logits, min(top_k, vocab_size)).values[:, -1:]
+                kth = torch.topk(logits, min(top_k, allowed)).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         ids = torch.cat([ids, nxt], dim=1)
         if eot is not None and nxt.item() == eot:
             break
     return ids
+
+
+def decodable_ids(enc, vocab_size):
+    """(vocab_size,) bool: which of the model's ids the tokenizer can decode (its ranks and special tokens)."""
+    ok = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in range(min(vocab_size, enc.n_vocab)):
+        try:
+            enc.decode_single_token_bytes(i)
+            ok[i] = True
+        except KeyError:  # a gap between a tokenizer's ranks and its special tokens
+            pass
+    return ok
+
+
+def seed(text):
+    """--seed: an integer torch.manual_seed takes, in [-2^63, 2^64)."""
+    value = int(text)
+    if not -2 ** 63 <= value < 2 ** 64:
+        raise ValueError
+    return value
+
+
+seed.__name__ = "integer in [-2^63, 2^64)"  # argparse: "invalid integer in [-2^63, 2^64) value: '...'"
 
 
 def temperature(text):
@@ -83,14 +113,21 @@ def utf8_text(text):
     return text
 
 
+def run_folder(text):
+    if text == "":
+        raise argparse.ArgumentTypeError("an empty path: name a run folder written by train.py --out")
+    return text
+
+
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="run folder written by train.py --out (or one save in it)")
+    p.add_argument("--run", required=True, type=run_folder, help="run folder written by train.py --out (or one save "
+                   "in it)")
     p.add_argument("--prompt", default="\n", type=utf8_text, help="empty: start from the end-of-text token")
     p.add_argument("--max-new-tokens", type=nonnegative_int, default=200)
     p.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=nonnegative_int, default=40, help="0: no top-k filter")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -114,7 +151,8 @@ def read_save(run):
 
 def build(cfg, tensors, save, device):
     """The model of `cfg` on `device` with the saved weights, read one full tensor at a time. The save must hold
-    exactly that model's tensors (a tied one's head is its embedding: one tensor)."""
+    exactly that model's tensors (a tied one's head is its embedding: one tensor), its layer count checked first."""
+    check_layers(cfg, tensors, save / "meta.json")
     with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
         warnings.simplefilter("ignore")
         shapes = {name: p.shape for name, p in M.GPT(cfg).named_parameters()}
@@ -134,19 +172,32 @@ def build(cfg, tensors, save, device):
     return gpt.eval()
 
 
+def encode_prompt(enc, text, vocab_size):
+    """The prompt's ids (end-of-text for an empty one); UsageError if one lies past the model's vocabulary."""
+    ids = enc.encode(text, allowed_special="all") or [enc.eot_token]
+    if max(ids) >= vocab_size:
+        raise UsageError(f"--prompt: it encodes to id {max(ids)}, past the {vocab_size} ids of the model (its "
+                         f"tokenizer has {enc.n_vocab}){'; the empty prompt is end-of-text' * (text == '')}")
+    return ids
+
+
 def main(argv=None):
     try:
         args = parse_args(argv)
         cfg, enc, tensors, save = read_save(args.run)
+        ids = encode_prompt(enc, args.prompt, cfg.vocab_size)
         gpt = build(cfg, tensors, save, args.device)
     except (UsageError, SaveError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    decodable = decodable_ids(enc, cfg.vocab_size)
+    if not decodable.all():
+        print(f"note: the model has {cfg.vocab_size} ids, its tokenizer decodes {int(decodable.sum())} of them: the "
+              "others are never sampled", file=sys.stderr)
     torch.manual_seed(args.seed)
-    prompt = enc.encode(args.prompt, allowed_special="all")
-    start = 0 if prompt else 1  # an empty prompt: start from end-of-text (the model needs one token), not shown
-    ids = torch.tensor([prompt or [enc.eot_token]], device=args.device)
-    out = generate(gpt, ids, args.max_new_tokens, args.temperature, args.top_k, cfg.vocab_size, enc.eot_token)
+    start = 0 if args.prompt else 1  # an empty prompt: start from end-of-text (the model needs one token), not shown
+    out = generate(gpt, torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature, args.top_k,
+                   cfg.vocab_size, enc.eot_token, decodable)
     print(enc.decode(out[0, start:].tolist()))
     return 0
 

@@ -52,6 +52,8 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
             found.append((path, name))
 
     for arg in paths:
+        if str(arg) == "":
+            raise DataError("an empty PATH: name a file or a folder")
         root = Path(arg)
         if root.is_dir() and out is not None and is_preparation_folder(root, out):
             skipped["in the output folder"] += count_files(root)

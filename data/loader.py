@@ -11,26 +11,37 @@ ranks' rows is the one-process batch for any layout, and resuming at step s need
 A background thread prepares step s+1 while step s trains.
 
 meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`; prepare.py also records each
-shard's size and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard holding an
-id at or above vocab_size. It checks what it will read, not the record: it takes each shard's maximum when it opens
-it, one vectorized pass over the memory-mapped tokens (about 10 ms per 100M tokens in the page cache), so a shard
-edited in place is refused too, with the recorded maximum named when they differ.
+shard's size, fingerprint and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard
+holding an id at or above vocab_size. It checks what it will read, not the record: it takes each shard's maximum when
+it opens it, one vectorized pass over the memory-mapped tokens (about 10 ms per 100M tokens in the page cache), so a
+shard edited in place is refused too, with the recorded maximum named when they differ.
+
+The shards are the ones meta.json records (check_shards): where it records them, a shard on disk that it does not
+(a foreign one dropped in), one it records that is missing, and one whose size or fingerprint differs (swapped for
+another, of another tokenizer) are refused. A fingerprint is the CRC-32 of 16 blocks of 4 KiB spread over the file,
+the header first and the end last: 64 KiB read per shard, whatever its size, so it catches a file swapped or
+rewritten, not one token edited in place (the maximum above catches an id past the vocabulary). data_identity, what
+a resume compares, is the hash of meta.json, which covers the shards it records; a folder whose meta.json records
+none has each shard's name, size and fingerprint folded in.
 """
+import hashlib
 import json
 import queue
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from saves.files import atomic_write
+from data.files import atomic_write, open_regular, read_bytes
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 VERSION = 1
 MAGIC_DTYPE = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
+FINGERPRINT_BLOCKS, FINGERPRINT_BYTES = 16, 4096
 
 
 class DataError(Exception):
@@ -78,21 +89,21 @@ def read_meta(folder):
     `max_token_id` (when recorded) an integer below it. Anything else raises DataError naming the file."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DataError(f"data folder {folder} not found; run python data/prepare.py {folder.name}")
+        raise DataError(f"data folder {folder} not found; run python -m data.prepare {folder.name}")
     path = folder / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} missing (preparation unfinished?); run python data/prepare.py {folder.name}")
+        raise DataError(f"{path} missing (preparation unfinished?); run python -m data.prepare {folder.name}")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: unreadable: {e}".replace("\n", " ")) from None
     except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e}); rerun python data/prepare.py {folder.name}") from None
+        raise DataError(f"{path}: not valid JSON ({e}); rerun python -m data.prepare {folder.name}") from None
     if not isinstance(meta, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     for key in ("tokenizer", "vocab_size"):
         if key not in meta:
-            raise DataError(f"{path}: {key} missing; rerun python data/prepare.py {folder.name}")
+            raise DataError(f"{path}: {key} missing; rerun python -m data.prepare {folder.name}")
     if not isinstance(meta["tokenizer"], str) or not meta["tokenizer"]:
         raise DataError(f"{path}: tokenizer must be a tokenizer's name, got {meta['tokenizer']!r}")
     vocab = meta["vocab_size"]
@@ -120,6 +131,60 @@ def recorded_max(meta, path):
     return record.get("max_token_id") if isinstance(record, dict) else None
 
 
+def fingerprint(path):
+    """The CRC-32 (8 hex digits) of FINGERPRINT_BLOCKS blocks of the file spread from its first byte to its last."""
+    size = Path(path).stat().st_size
+    crc = zlib.crc32(size.to_bytes(8, "little"))
+    with open_regular(path) as f:
+        last = max(size - FINGERPRINT_BYTES, 0)
+        for k in range(FINGERPRINT_BLOCKS):
+            f.seek(last * k // (FINGERPRINT_BLOCKS - 1))
+            crc = zlib.crc32(f.read(FINGERPRINT_BYTES), crc)
+    return f"{crc:08x}"
+
+
+def shard_paths(folder, split="*"):
+    return sorted(Path(folder).glob(f"*_{split}_*.bin"))
+
+
+def check_shards(folder, meta, paths, split="*"):
+    """DataError unless the shards `paths` (of `split`) are those meta.json records, with their recorded size and
+    fingerprint (where it records them: a meta.json without `shards` records nothing to hold them to)."""
+    shards, where = meta.get("shards"), Path(folder) / "meta.json"
+    if not isinstance(shards, dict):
+        return
+    for path in paths:
+        record = shards.get(path.name)
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: not a shard {where} records (a file put there after it was prepared?); "
+                            f"remove it, or prepare the folder again")
+        size = path.stat().st_size
+        if record.get("bytes", size) != size:
+            raise DataError(f"{path}: {size} bytes, {where} records {record['bytes']}: the shard changed after it "
+                            "was prepared; prepare the folder again")
+        if "fingerprint" in record and record["fingerprint"] != fingerprint(path):
+            raise DataError(f"{path}: its bytes are not the ones {where} records (fingerprint {fingerprint(path)}, "
+                            f"recorded {record['fingerprint']}): the shard was replaced; prepare the folder again")
+    names = {p.name for p in paths}
+    missing = sorted(n for n in shards if n not in names and Path(n).match(f"*_{split}_*.bin"))
+    if missing:
+        raise DataError(f"{Path(folder) / missing[0]}: recorded in {where}, but missing")
+
+
+def data_identity(folder):
+    """What a resume compares to know it reads the same data (16 hex digits): the hash of meta.json, once every shard
+    is checked against it (check_shards: DataError if one is not the one it records); where meta.json records no
+    shards, each shard's name, size and fingerprint are hashed with it."""
+    folder = Path(folder)
+    meta, paths = read_meta(folder), shard_paths(folder)
+    check_shards(folder, meta, paths)
+    digest = hashlib.sha256(read_bytes(folder / "meta.json"))
+    if not isinstance(meta.get("shards"), dict):
+        for path in paths:
+            digest.update(f"\0{path.name}\0{path.stat().st_size}\0{fingerprint(path)}".encode())
+    return digest.hexdigest()[:16]
+
+
 def check_vocab(path, top, vocab_size, where, recorded=None):
     """DataError naming the shard if its largest id `top` is outside the vocabulary; `recorded`: what meta.json
     says it was, named when it differs (the shard changed after it was prepared)."""
@@ -139,7 +204,7 @@ class TokenLoader:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         data_dir = Path(data_dir)
         self.meta = read_meta(data_dir)
-        paths = sorted(data_dir.glob(f"*_{split}_*.bin"))
+        paths = shard_paths(data_dir, split)
         if not paths:
             raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.shards = [read_shard(p) for p in paths]
@@ -148,6 +213,7 @@ class TokenLoader:
             top = max_token_id(tokens)
             check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json", recorded_max(self.meta, path))
             self.max_token_id = max(self.max_token_id, top)
+        check_shards(data_dir, self.meta, paths, split)
         # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
         self.starts = np.array([max(len(s) - seq_len, 0) for s in self.shards], dtype=np.int64)
         self.cum_starts = np.cumsum(self.starts)

@@ -1,25 +1,28 @@
-"""Build token shards: python data/prepare.py NAME [--out DIR] [--shards N]
+"""Build token shards: python -m data.prepare NAME [--out DIR] [--shards N]
 
 pystdlib     the running Python's standard library, byte tokens, offline (~13M tokens, seconds)
 shakespeare  tiny-shakespeare (1.1 MB download), GPT-2 tokens, 90/10 train/val
 fineweb10b   FineWeb10B already tokenized with GPT-2: the val shard + N train shards
              (~98.5M tokens, ~200 MB each; at most 103)
 text         your own files, folders and .jsonl, with any tokenizer (text.py):
-             python data/prepare.py text PATH... --tokenizer NAME [--out DIR] [--val-fraction F] [--workers N]
+             python -m data.prepare text PATH... --tokenizer NAME [--out DIR] [--val-fraction F] [--workers N]
                                     [--glob G] [--text-key K] [--seed S] [--shard-tokens N]
 
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
 the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
-and records the tokenizer, vocab_size, each shard's size and largest token id, and max_token_id.
-The set is built in a hidden folder beside it and swapped in whole (staging.py): a failed or
-interrupted run leaves the previous set as it was, and a folder holding anything but a set of
-the same kind is refused untouched. Downloads stream to a temporary file and are renamed only
+and records the tokenizer, vocab_size, each shard's size, fingerprint and largest token id, and
+max_token_id. The set is built in a hidden folder beside it and swapped in whole (staging.py): a
+failed or interrupted run leaves the previous set as it was, a folder holding anything but a set
+of the same kind is refused untouched, and so is a second preparation of a folder while the
+first one runs. Downloads stream to a temporary file and are renamed only
 when complete (and valid); a re-prepare reuses the files already downloaded.
-Bad flags (an --out that cannot be written, --shards out of range) are refused before anything is
-created: one line on stderr, exit status 2. So is bad input found later (exit 2), a tokenizing
-worker that dies (exit 3), and Ctrl-C, SIGTERM or SIGHUP (exit 128 + the signal's number).
+Bad flags (an --out that cannot be written or whose name is too long, --shards out of range) are
+refused before anything is created: one line on stderr, exit status 2. So is bad input found later
+(exit 2), a tokenizing worker that dies or a write that fails (a full disk: exit 3), and Ctrl-C,
+SIGTERM or SIGHUP (exit 128 + the signal's number). Run it as a module, from the repository.
 """
 import argparse
+import errno
 import http.client
 import json
 import os
@@ -28,27 +31,25 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
-if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data.corpus import DEFAULT_GLOBS
-from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
-from data.staging import carry, owned_by, staged
+from data.files import Interrupted, atomic_write, interruptible, write_json
+from data.loader import DataError, check_vocab, fingerprint, max_token_id, read_shard, write_shard
+from data.staging import HIDDEN_EXTRA, carry, owned_by, staged
 from data.text import WorkerLost, prepare_text
 from data.tokenizer import get_tokenizer
-from saves.files import atomic_write, write_json
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
 PREFIX = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "fineweb10b": "fineweb"}  # of the shards' names
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
 FINEWEB_TRAIN_SHARDS = 103
+NAME_MAX = 255  # bytes in one name: every common file system's limit (ext4, xfs, btrfs, zfs, apfs)
 
 
 def download(url, dest, check=None):
@@ -71,11 +72,13 @@ def download(url, dest, check=None):
 def prepared_folder(data, rank=0, world=1):
     """The folder a run reads: `data` (--data), which must be prepared, or the offline pystdlib corpus, which rank
     0 prepares on first use while the others wait."""
-    if data:
+    if data == "":
+        raise DataError("--data: an empty path; name a prepared data folder, or leave --data out for pystdlib")
+    if data is not None:
         folder = Path(data)
         if not (folder / "meta.json").exists():
             raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
-                            "run python data/prepare.py NAME")
+                            "run python -m data.prepare NAME")
         return folder
     folder = default_folder("pystdlib")
     if not (folder / "meta.json").exists():
@@ -105,8 +108,8 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard), refuse
-    ids outside the vocabulary, then write meta.json atomically (last)."""
+    """Count the tokens the loader will see and record each shard's size, fingerprint and largest id (one pass over
+    each shard), refuse ids outside the vocabulary, then write meta.json atomically (last)."""
     counts, shards = {}, {}
     for split in ("train", "val"):
         counts[split] = 0
@@ -115,7 +118,7 @@ def write_meta(out_dir, enc_name, vocab_size, eot):
             top = max_token_id(tokens)
             check_vocab(path, top, vocab_size, f"the {enc_name} tokenizer")
             counts[split] += len(tokens)
-            shards[path.name] = {"bytes": path.stat().st_size, "max_token_id": top}
+            shards[path.name] = {"bytes": path.stat().st_size, "fingerprint": fingerprint(path), "max_token_id": top}
     meta = {"tokenizer": enc_name, "vocab_size": vocab_size, "eot": eot,
             "train_tokens": counts["train"], "val_tokens": counts["val"],
             "max_token_id": max((s["max_token_id"] for s in shards.values()), default=-1), "shards": shards}
@@ -164,8 +167,16 @@ def prepare_fineweb(out_dir, shards, base_url=None):
 
 
 def writable_folder(path):
-    """path, if it is a folder this process can write into or one it can create; else DataError naming it."""
+    """path, if it is a folder this process can write into or one it can create, with a name that leaves room for
+    the hidden folder it is built in beside it (staging.py); else DataError naming it."""
+    if str(path) == "":
+        raise DataError("an empty path: name a folder")
     path = Path(path)
+    too_long = [part for part in path.parts if len(part.encode()) > NAME_MAX]
+    if too_long or len(path.name.encode()) + HIDDEN_EXTRA > NAME_MAX:
+        part = (too_long or [path.name])[0]
+        raise DataError(f"{path}: the name {part[:16]}... is too long for the file system ({len(part.encode())} "
+                        f"bytes; {NAME_MAX} at most, less {HIDDEN_EXTRA} for the hidden folder it is built in)")
     if path.exists() and not path.is_dir():
         raise DataError(f"{path} is a file, not a folder")
     parent = path
@@ -249,29 +260,11 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
     return out_dir
 
 
-class Interrupted(Exception):
-    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt, so that a
-    preparation removes its unfinished folder on the way out."""
-
-
-@contextmanager
-def interruptible():
-    """Within the block SIGTERM and SIGHUP raise Interrupted; the previous handlers are back after it."""
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum))
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def run(work, out, quiet=False):
     """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input (DataError,
-    ValueError), 3 for a worker process that died, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. On any
-    of them the preparation's unfinished folder is gone and out is as it was. quiet: a DataError is only kept, in
-    run.last_error (a fallback follows)."""
+    ValueError, a name too long for the file system), 3 for a worker process that died or a write that failed (a
+    full disk), 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. On any of them the preparation's unfinished
+    folder is gone and out is as it was. quiet: a DataError is only kept, in run.last_error (a fallback follows)."""
     try:
         with interruptible():
             return work(), 0
@@ -282,6 +275,9 @@ def run(work, out, quiet=False):
             return None, code
     except WorkerLost as e:
         code, message = 3, e
+    except OSError as e:  # a full disk, a file too large for it, a name too long: out is as it was
+        code = 2 if e.errno == errno.ENAMETOOLONG else 3
+        message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
     except (KeyboardInterrupt, Interrupted) as e:
         sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
         code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
@@ -290,7 +286,7 @@ def run(work, out, quiet=False):
 
 
 def text_main(argv):
-    """python data/prepare.py text PATH... : returns the exit status."""
+    """python -m data.prepare text PATH... : returns the exit status."""
     parser = OneLineParser(prog="prepare.py text", description="Tokenize text files, folders and .jsonl into shards")
     a = parser.add_argument
     a("paths", nargs="+", metavar="PATH", help="text files (one document each), .jsonl files (one per line), folders")

@@ -4,7 +4,9 @@ swapped in only when complete.
 `staged(out, kind, owns)` first checks `out`: it must be missing, empty, or hold only the files of a data set of the
 same kind (`owns(name)` is true for each, as for meta.json and text_train_000000.bin). Anything else there (another
 data set's shards, a file of yours, a folder) means it is not the folder being written: DataError names it before
-anything is created or changed. It then yields an empty folder `.NAME.PID.tmp` beside out (NAME out's name, PID
+anything is created or changed. One preparation of out at a time: it locks out (data.files.lock_folder, the lock
+training takes on a run folder), and a second one started meanwhile stops with DataError, changing nothing. It then
+yields an empty folder `.NAME.PID.tmp` beside out (NAME out's name, PID
 this process's id). When the block succeeds, that folder takes out's place: one rename when out is missing or
 empty; otherwise out is renamed to `.NAME.PID.old`, the new folder to NAME, and the old one is removed. When the
 block fails in any way (an error, Ctrl-C, a SIGTERM that prepare.py turns into an exception), the new folder is
@@ -22,9 +24,10 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from data.files import fsync_dir, lock_folder, make_folders, remove_created, unlock_folder
 from data.loader import DataError
-from saves.files import fsync_dir
 
+HIDDEN_EXTRA = len("..4194304.tmp")  # what the hidden folders' names add to out's (a pid has at most 7 digits)
 TEMPORARY = re.compile(r"\.(.+?)(?:\.\d+)?\.tmp")  # .NAME.tmp, .NAME.PID.tmp: a file being written
 
 
@@ -80,19 +83,6 @@ def remove_stale(place):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def make_folders(folder):
-    """Creates folder and its missing parents; returns those created, the outermost first."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
-    for p in missing:
-        try:
-            p.mkdir()
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise DataError(f"cannot create {p}: {e.strerror or e}") from None
-    return missing
-
-
 def swap(tmp, place):
     """Puts the complete folder tmp at place, where a previous data set may be."""
     try:
@@ -114,26 +104,38 @@ def swap(tmp, place):
 @contextmanager
 def staged(out, kind, owns):
     """Yields an empty hidden folder beside out to prepare a `kind` data set in, swapped in when the block
-    succeeds and removed when it fails."""
+    succeeds and removed when it fails. One preparation of out at a time: out is locked (DataError if another
+    process holds it) from its second check to the swap."""
     check_replaceable(out, kind, owns)
     place = Path(os.path.realpath(out))
-    remove_stale(place)
-    created = make_folders(place.parent)
-    tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier call that could not remove it
     try:
+        created = make_folders(place)  # out too: the lock is taken on the folder itself
+    except OSError as e:
+        raise DataError(f"cannot create {e.filename or place}: {e.strerror or e}") from None
+    try:
+        lock = lock_folder(place)
+    except OSError as e:
+        remove_created(created)
+        raise DataError(f"cannot lock {place}: {e.strerror or e}") from None
+    if lock is None:
+        remove_created(created)
+        raise DataError(f"{out} is being written by another process (a preparation of it): wait for it to end, "
+                        "or choose another --out (nothing was changed)")
+    tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
+    try:
+        check_replaceable(out, kind, owns)  # again, now that no other preparation can change it
+        remove_stale(place)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier call that could not remove it
         tmp.mkdir()
         yield tmp
         check_replaceable(out, kind, owns)  # again: something may have been put there meanwhile
         swap(tmp, place)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for folder in reversed(created):
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_created(created)
         raise
+    finally:
+        unlock_folder(lock)
 
 
 def carry(out, tmp, names):

@@ -1,4 +1,4 @@
-"""Token shards from your own text: `python data/prepare.py text PATH... --tokenizer NAME` (flags: prepare.py).
+"""Token shards from your own text: `python -m data.prepare text PATH... --tokenizer NAME` (flags: prepare.py).
 
 Documents. The files are those corpus.py finds: regular files named, and those in folders whose name matches a glob
 (default *.txt and *.jsonl), each once, never the output folder; what it skips is counted by kind and reported at
@@ -23,7 +23,8 @@ complete (staging.py): a failure or an interruption leaves a previous data set t
 holding anything but a text data set is refused untouched.
 
 meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
-document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.
+document and token counts of each split, max_token_id, each shard's size, fingerprint (loader.py) and largest id,
+and where the text came from.
 """
 import hashlib
 import json
@@ -41,10 +42,10 @@ import numpy as np
 from tqdm import tqdm
 
 from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
-from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
+from data.files import write_json
+from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError, fingerprint
 from data.staging import owned_by, staged
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
-from saves.files import write_json
 
 UNIT_BYTES = 1 << 20
 CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
@@ -278,7 +279,8 @@ class Shards:
         self.file.close()
         path = self.out_dir / self.tmp.name[1:-len(".tmp")]
         os.replace(self.tmp, path)
-        self.done[path.name] = {"bytes": path.stat().st_size, "tokens": self.count, "max_token_id": self.top}
+        self.done[path.name] = {"bytes": path.stat().st_size, "fingerprint": fingerprint(path), "tokens": self.count,
+                                "max_token_id": self.top}
         self.file = None
 
     def abort(self):

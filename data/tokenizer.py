@@ -17,6 +17,7 @@ from pathlib import Path
 
 import tiktoken
 
+from data.files import read_bytes
 from data.loader import DataError
 
 EOT = "<|endoftext|>"
@@ -47,7 +48,7 @@ def file_tokenizer(path, expected=None):
     """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>"; `expected`: the name it must have."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_bytes(path)
     except OSError as e:
         raise DataError(f"tokenizer file {path}: cannot read: {e.strerror or e}") from None
     name = "sha256:" + hashlib.sha256(data).hexdigest()

@@ -15,27 +15,41 @@ OUT_DIR gets
 
 The parameter names are the Hugging Face ones already (model.py), so the tensors are a rename plus the file format.
 Every file is written into a temporary folder beside OUT_DIR that becomes OUT_DIR only when complete: an interrupted
-or failed export leaves nothing behind, and no file of an older checkpoint (a stale model.safetensors.index.json and
-its shards) is ever left beside the new one, since OUT_DIR must be new or empty, or --replace replaces it whole.
+(Ctrl-C, SIGTERM, SIGHUP: exit 128 + the signal's number) or failed export leaves nothing behind, and no file of an
+older checkpoint (a stale model.safetensors.index.json and its shards) is ever left beside the new one, since OUT_DIR
+must be new or empty, or --replace replaces it whole. One export into OUT_DIR at a time: it is locked (data.files,
+the lock training takes on a run folder) from the second check to the rename, and a second export started meanwhile
+stops with one line, exit 2, changing nothing: of two started together, exactly one wins whole.
 Each tensor's pieces are checked against their CRC-32 as they are read (load.py). A corrupt save, a save whose model
-config is incomplete or inconsistent (model.config_from_dict) or whose tensors are not that model's, a tokenizer that
-cannot be loaded, or a non-empty OUT_DIR without --replace: one line naming it, exit status 2.
+config is incomplete or inconsistent (model.config_from_dict) or whose tensors are not that model's (its layer count
+checked before any model is built), a tokenizer that cannot be loaded, a file that is not a regular one (a FIFO), or
+a non-empty OUT_DIR without --replace: one line naming it, exit status 2.
 """
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
+from data.files import (
+    Interrupted,
+    atomic_write,
+    fsync_dir,
+    interruptible,
+    lock_folder,
+    make_folders,
+    remove_created,
+    unlock_folder,
+)
 from data.loader import DataError
 from data.tokenizer import EOT, get_tokenizer
 from model import GPT, config_from_dict
 from saves import SaveError
-from saves.files import atomic_write, fsync_dir
-from saves.load import model_tensors
+from saves.load import check_layers, model_tensors
 from saves.write import complete_saves
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -192,8 +206,28 @@ def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the sta
     for name, t in check_tensors(cfg, state_dict, source).items():
         rows = name in ("embed_tokens.weight", "lm_head.weight")  # the true vocabulary, not the padding
         tensors[name if name == "lm_head.weight" else "model." + name] = FirstRows(t, cfg.vocab_size) if rows else t
-    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        created = make_folders(out)  # out too: the lock is on the folder itself
+    except OSError as e:
+        raise SaveError(f"cannot create {e.filename or out}: {e.strerror or e}") from None
+    lock = None
+    try:
+        lock = lock_folder(out)
+        if lock is None:
+            raise SaveError(f"{out} is being written by another process (an export into it): wait for it to end, or "
+                            "export into another folder (nothing was changed)")
+        check_target(out, replace)  # again, now that no other export can change it
+        write_folder(cfg, tensors, out, enc, replace)
+    except BaseException:
+        remove_created(created)  # only folders this export made, and only while empty
+        raise
+    finally:
+        unlock_folder(lock)
+
+
+def write_folder(cfg, tensors, out, enc, replace):
+    """The files, into a hidden folder beside out that takes its place when complete. An empty out is replaced by
+    one rename; one to be replaced whole is moved aside first, and removed once the new one is in."""
     stage, old = out.parent / f".{out.name}.export-{os.getpid()}", out.parent / f".{out.name}.replaced-{os.getpid()}"
     try:
         stage.mkdir()
@@ -204,16 +238,14 @@ def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the sta
             with atomic_write(stage / name, "w") as f:
                 f.write(json.dumps(content, indent=2))
         fsync_dir(stage)
-        if out.exists():  # empty, or replaced whole: moved aside, then removed once the new folder is in place
+        if any(out.iterdir()):  # replaced whole: moved aside, then removed once the new folder is in place
             os.rename(out, old)
-        os.rename(stage, out)
+        os.rename(stage, out)  # onto an empty folder: one step
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -224,6 +256,23 @@ def newest_save(run_dir):
     return run_dir if (run_dir / "complete").exists() else complete_saves(run_dir)[-1]
 
 
+def export(run_dir, out, replace):
+    """python -m saves.export RUN_DIR OUT_DIR [--replace], its checks first: SaveError naming what is wrong."""
+    check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
+    run_config, state = model_tensors(run_dir, verify=False)  # any layout, read (and checked) tensor by tensor
+    where = newest_save(run_dir) / "meta.json"
+    try:
+        cfg = config_from_dict(run_config["model"])
+        enc = get_tokenizer(run_config["tokenizer"], run_config.get("tokenizer_file"))
+    except (KeyError, ValueError) as e:
+        what = f"has no key {e}" if isinstance(e, KeyError) else str(e)
+        raise SaveError(f"{where}: {what}".replace("\n", " ")) from None
+    except DataError as e:
+        raise SaveError(f"{where}: the run's tokenizer: {e}") from None
+    check_layers(cfg, state, where)  # before a model of the config is built, even on the meta device
+    export_hf(cfg, state, out, enc, replace, source=where)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     replace = "--replace" in argv
@@ -232,23 +281,20 @@ def main(argv=None):
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, out = paths
+    if "" in paths:
+        print(f"error: {'RUN_DIR' if run_dir == '' else 'OUT_DIR'} is an empty path; {USAGE}", file=sys.stderr)
+        return 2
     try:
-        check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
-        run_config, state = model_tensors(run_dir, verify=False)  # any layout, read (and checked) tensor by tensor
-        where = newest_save(run_dir) / "meta.json"
-        try:
-            cfg = config_from_dict(run_config["model"])
-            enc = get_tokenizer(run_config["tokenizer"], run_config.get("tokenizer_file"))
-        except (KeyError, ValueError) as e:
-            what = f"has no key {e}" if isinstance(e, KeyError) else str(e)
-            raise SaveError(f"{where}: {what}".replace("\n", " ")) from None
-        except DataError as e:
-            raise SaveError(f"{where}: the run's tokenizer: {e}") from None
-        export_hf(cfg, state, out, enc, replace, source=where)
+        with interruptible():  # SIGTERM, SIGHUP: raised here, so that the staging folder is removed
+            export(run_dir, out, replace)
     except (SaveError, OSError) as e:  # OSError: a full or unwritable disk; nothing half-written is left
         print(f"error: {e}" if isinstance(e, SaveError) else f"error: cannot write {out}: {e.strerror or e}",
               file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Interrupted) as e:
+        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"error: interrupted by {sig.name}: nothing was written to {out}", file=sys.stderr)
+        return 128 + sig
     print(f"wrote {out}: config.json, model.safetensors, the tokenizer and generation_config.json")
     return 0
 

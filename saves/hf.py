@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import model as M
+from data.files import open_regular, read_text
 from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
 from saves import SaveError
@@ -56,7 +57,7 @@ ROPE_SOURCES = ("rope_parameters", "rope_scaling")  # transformers 5's field, an
 def read_json(path):
     """The JSON object in `path`; SaveError if it cannot be read, is not JSON, or is not an object."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(read_text(path))
     except OSError as e:
         raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
@@ -71,7 +72,7 @@ def read_header(path):
     against the file's size, and the tensors' byte ranges tiling the data exactly: none overlaps another, no byte
     between them or after the last belongs to none."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
             if length > size - 8:
                 raise SaveError(f"--init-from: {path} is truncated or not a safetensors file")
@@ -220,13 +221,13 @@ def read_index(folder):
     """{tensor name: file} of the folder's checkpoint: model.safetensors.index.json's weight_map, or every tensor of
     model.safetensors; a folder holding both, or neither, is refused."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
-    if index.is_file() and single.is_file():
+    if index.exists() and single.exists():  # exists, not is_file: a FIFO there is named, not taken for no file
         raise SaveError(f"--init-from: {folder} holds both model.safetensors and model.safetensors.index.json: one of "
                         "them is left from another checkpoint (transformers reads model.safetensors); remove it")
-    if single.is_file():
+    if single.exists():
         header, _ = read_header(single)
         return {tensor: "model.safetensors" for tensor in header}
-    if not index.is_file():
+    if not index.exists():
         raise SaveError(f"--init-from: {folder} has neither model.safetensors nor model.safetensors.index.json")
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -287,7 +288,7 @@ class HFWeights:
         if have:
             raw = torch.empty(have, dtype=info["dtype"])
             try:
-                with open(self.path / info["file"], "rb") as f:
+                with open_regular(self.path / info["file"]) as f:
                     f.seek(info["offset"] + first * raw.element_size())
                     got = f.readinto(raw.view(torch.uint8).numpy())
             except OSError as e:

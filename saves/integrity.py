@@ -1,8 +1,12 @@
-"""What a save must be before it is trusted: meta.json's keys and types, plain file names, file sizes, checksums.
+"""What a save must be before it is trusted: meta.json's keys, types and bounds, plain file names, file sizes,
+checksums, and a save that agrees with itself.
 
-Checksums (format 2): for each piece, the param and each Adam moment carry the zlib.crc32 of their bytes in
-meta.json. write.py computes it over each buffer as it writes it (with --async-save in the writer thread, from the
-CPU snapshot: the training thread pays nothing; zlib releases the GIL while it runs). Cost: about 2.3 GB/s on one
+Checksums (format 3): for each piece, the param and each Adam moment carry in meta.json the zlib.crc32 of their bytes,
+started from the CRC-32 of what the bytes are (the tensor's name, the kind, the piece's tp block, start and numel:
+piece_seed). So each piece checks on its own: bytes that are intact but another piece's (two pieces' offsets and
+CRCs swapped in meta.json) are refused too; format 2's CRCs cover the bytes alone. write.py computes each over its
+buffer as it writes it (with --async-save in the writer thread, from the CPU snapshot: the training thread pays
+nothing; zlib releases the GIL while it runs). Cost: about 2.3 GB/s on one
 core (zlib 1.2.13, x86), a second pass over bytes already in memory, no extra I/O: ~0.45 s per GB a rank writes.
 Loading checks every piece it reads: a resume reads each saved byte once on some rank (when resharding reads only
 part of a saved piece, that whole piece is read and checked first, once per rank); export checks the params as it
@@ -11,15 +15,25 @@ complete save that verifies, each rank reading a share of its files (write.last_
 CRC-32 catches any burst of up to 32 flipped bits and misses other damage with odds of 2^-32 per piece: a guard
 against disk and copy corruption, not against someone forging a save.
 Format 1 saves (written before checksums) load with the structure and size checks only.
+A save agrees with itself: its folder's name (step_NNNNNNN) and its `complete` say the step meta.json says, Adam has
+taken no more steps than training, and the loss scale is a finite positive fp32 number (1 without fp16's scaler).
 """
+import json
+import math
+import re
 import zlib
+from pathlib import Path
 
 import torch
 
+from data.files import open_regular, read_text
 from saves import SaveError
 
-FORMAT = 2  # what write.py writes
-FORMATS = (1, 2)  # what load.py reads
+FORMAT = 3  # what write.py writes
+FORMATS = (1, 2, 3)  # what load.py reads
+SAVE = re.compile(r"step_(\d{7})$")  # a save's folder
+MAX_STEP = 2 ** 53  # steps are exact in a float64 (the LR schedule's)
+MAX_SCALE = float(torch.finfo(torch.float32).max)  # the loss scale is an fp32 tensor
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 CHUNK = 64 << 20  # bytes read at a time when verifying whole files
@@ -34,6 +48,16 @@ def crc32(data, value=0):
     if isinstance(data, torch.Tensor):
         data = data.contiguous().view(torch.uint8).numpy()
     return zlib.crc32(data, value)
+
+
+def piece_seed(name, kind, tp, start, numel):
+    """The CRC-32 a piece's checksum starts from (format 3): what its bytes are, so that another piece's do not pass."""
+    return zlib.crc32(json.dumps([name, kind, list(tp) if tp else None, start, numel]).encode())
+
+
+def seed_of(meta, name, kind, p):
+    """piece_seed of saved piece p of tensor `name`, or 0 before format 3."""
+    return piece_seed(name, kind, p["tp"], p["start"], p["numel"]) if meta["format"] >= 3 else 0
 
 
 def corrupt(path, name):
@@ -80,8 +104,9 @@ def check_meta(meta, where):
     if kinds not in (["param"], list(KINDS)):
         _bad(where, f"optimizer.kinds is {kinds}, not ['param'] or {list(KINDS)}")
     if not (_int(meta["step"]) and _int(meta["optimizer"]["step"]) and _int(meta["scaler"]["clean_steps"])
-            and isinstance(meta["scaler"]["scale"], (int, float))):
+            and isinstance(meta["scaler"]["scale"], (int, float)) and not isinstance(meta["scaler"]["scale"], bool)):
         _bad(where, "step, optimizer.step or the scaler's state is not a number >= 0")
+    _check_agrees(meta, where)
     for rank, state in meta["rng"].items():
         _has(state, (), where, f"rng.{rank}.")
     for name, size in meta["files"].items():
@@ -90,6 +115,30 @@ def check_meta(meta, where):
             _bad(where, f"files.{name} is not a size in bytes")
     for name, t in meta["tensors"].items():
         _check_tensor(t, kinds, meta, where, f"tensors.{name}.")
+
+
+def _check_agrees(meta, where):
+    """The save says one thing: the step of its folder, its `complete` and its meta.json; bounds on the numbers."""
+    step, adam, scaler = meta["step"], meta["optimizer"]["step"], meta["scaler"]
+    if step >= MAX_STEP or adam > step or scaler["clean_steps"] > step:
+        _bad(where, f"optimizer.step {adam} or scaler.clean_steps {scaler['clean_steps']} is past step {step} (Adam "
+                    "takes at most one step per training step)" if step < MAX_STEP else f"step {step} is absurd")
+    if meta.get("data_position", step) != step:
+        _bad(where, f"data_position {meta['data_position']!r} is not step {step}")
+    scale, dtype = scaler["scale"], meta["config"].get("train", {}).get("dtype")
+    if not (math.isfinite(scale) and 0 < scale <= MAX_SCALE) or (dtype not in (None, "fp16") and scale != 1):
+        _bad(where, f"scaler.scale is {scale!r}; a loss scale is a finite fp32 number > 0, and 1 without fp16's "
+                    f"loss scaler (this save's dtype is {dtype})")
+    folder = Path(where).parent
+    named = SAVE.match(folder.name)
+    if named and int(named.group(1)) != step:
+        _bad(where, f"step is {step}, but its folder is {folder.name}: the folder holds another step's save")
+    try:
+        done = read_text(folder / "complete").strip() if named else ""
+    except (OSError, UnicodeDecodeError):
+        done = ""
+    if done.isdigit() and int(done) != step:
+        _bad(where, f"step is {step}, but {folder / 'complete'} says {done}: the save contradicts itself")
 
 
 def _check_tensor(t, kinds, meta, where, prefix):
@@ -177,19 +226,19 @@ def verify(path, meta, files=None, kinds=None):
     if meta["format"] < 2:
         return
     spans = {}
-    for t in meta["tensors"].values():
+    for name, t in meta["tensors"].items():
         itemsize = DTYPES[t["dtype"]].itemsize
         for p in t["pieces"]:
             if files is None or p["file"] in files:
                 for kind in kinds or meta["optimizer"]["kinds"]:
                     spans.setdefault(p["file"], []).append((p["offsets"][kind], p["numel"] * itemsize,
-                                                            p["crc32"][kind]))
+                                                            p["crc32"][kind], seed_of(meta, name, kind, p)))
     for name in sorted(spans):
         try:
-            with open(path / name, "rb") as f:
-                for offset, n, expected in sorted(spans[name]):
+            with open_regular(path / name) as f:
+                for offset, n, expected, seed in sorted(spans[name]):
                     f.seek(offset)
-                    crc, left = 0, n
+                    crc, left = seed, n
                     while left:
                         block = f.read(min(left, CHUNK))
                         if not block:

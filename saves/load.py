@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from data.files import open_regular, read_text
 from parallel.comm import all_reduce_max
 from saves import SaveError
-from saves.integrity import DTYPES, check_files, check_meta, corrupt, crc32
+from saves.integrity import DTYPES, check_files, check_meta, corrupt, crc32, seed_of
 from saves.integrity import verify as verify_files
 from saves.write import complete_saves, global_shape, set_rng_state
 
@@ -38,25 +39,27 @@ class Saved:
         self.path = Path(path)
         where = self.path / "meta.json"
         try:
-            self.meta = json.loads(where.read_text())
-        except (OSError, ValueError) as e:
+            self.meta = json.loads(read_text(where))
+        except OSError as e:  # missing, a FIFO, unreadable
+            raise SaveError(f"cannot read {where}: {e.strerror or e}") from None
+        except ValueError as e:
             raise SaveError(f"cannot read {where}: {type(e).__name__}: {e}") from None
         check_meta(self.meta, where)
         self.step, self.tensors = self.meta["step"], self.meta["tensors"]
         self.checked, self.verified = self.meta["format"] >= 2, set()  # pieces whose CRC-32 passed on this rank
 
-    def _fill(self, out, p, kind, first=0):
-        """Reads elements [first, first + out.numel()) of saved piece p into the 1-D tensor out. A whole piece is
-        checked against its CRC-32; a part of one is cut from the whole piece, read and checked once."""
+    def _fill(self, out, name, p, kind, first=0):
+        """Reads elements [first, first + out.numel()) of saved piece p of tensor `name` into the 1-D tensor out. A
+        whole piece is checked against its CRC-32; a part of one is cut from the whole piece, read and checked once."""
         whole = first == 0 and out.numel() == p["numel"]
         key = (p["file"], p["offsets"][kind])
         if self.checked and not whole and key not in self.verified:
             piece = torch.empty(p["numel"], dtype=out.dtype)
-            self._fill(piece, p, kind)
+            self._fill(piece, name, p, kind)
             out.copy_(piece[first:first + out.numel()])
             return
         try:
-            with open(self.path / p["file"], "rb") as f:
+            with open_regular(self.path / p["file"]) as f:
                 f.seek(p["offsets"][kind] + first * out.element_size())
                 n = f.readinto(out.view(torch.uint8).numpy())
         except OSError as e:
@@ -64,7 +67,7 @@ class Saved:
         if n != out.numel() * out.element_size():
             raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
         if self.checked and whole and key not in self.verified:
-            if crc32(out) != p["crc32"][kind]:
+            if crc32(out, seed_of(self.meta, name, kind, p)) != p["crc32"][kind]:
                 raise FileError(corrupt(self.path, p["file"]), p["file"], 0)
             self.verified.add(key)
 
@@ -90,7 +93,7 @@ class Saved:
             block = full.chunk(tp[2], tp[0])[tp[1]] if tp else full
             flat = block.view(-1) if block.is_contiguous() else torch.empty(block.numel(), dtype=dtype)
             for p in pieces:
-                self._fill(flat[p["start"]:p["start"] + p["numel"]], p, kind)
+                self._fill(flat[p["start"]:p["start"] + p["numel"]], name, p, kind)
             if not block.is_contiguous():
                 block.copy_(flat.view(block.shape))
         return full
@@ -110,7 +113,7 @@ class Saved:
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])
             if hi > lo and (p["tp"] is None or p["tp"][1] == piece.tp_shard[1]):
-                self._fill(out[lo - start:hi - start], p, kind, first=lo - p["start"])
+                self._fill(out[lo - start:hi - start], piece.name, p, kind, first=lo - p["start"])
         return out
 
 
@@ -235,6 +238,15 @@ class LazyTensor:
 
     def __call__(self):
         return self.saved.tensor(self.name)
+
+
+def check_layers(cfg, tensors, where):
+    """The config's n_layer is the number of layers the save holds tensors of: SaveError otherwise, before a model
+    of the config is built (building one of 10^6 layers, even on the meta device, would run for hours)."""
+    held = {name.split(".")[1] for name in tensors if name.startswith("layers.") and name.count(".") >= 2}
+    if cfg.n_layer != len(held):
+        raise SaveError(f"{where}: its config's model has n_layer {cfg.n_layer}, the save holds tensors of "
+                        f"{len(held)} layer{'s' * (len(held) != 1)}")
 
 
 def model_tensors(run_dir, verify=True):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from data.files import read_text, write_json
 from saves import SaveError, TrainingFailure
-from saves.files import write_json
 from saves.write import SaveFailed, last_good_save
 
 __all__ = ["Attempts", "NonFiniteLoss", "SaveFailed", "TrainingFailure", "restart_store", "stop_run"]
@@ -38,10 +38,11 @@ class NonFiniteLoss(TrainingFailure):
 
 
 class Attempts:
-    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status"}]; status running|done|failed: ..."""
+    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status", "run"}]; status running|done|failed: ...;
+    run: the identity of the run's config (run.run_identity), by which a run knows its own folder again."""
 
-    def __init__(self, run_dir, rank, resuming):
-        self.path, self.rank = Path(run_dir) / "attempts.json", rank
+    def __init__(self, run_dir, rank, resuming, run=None):
+        self.path, self.rank, self.run = Path(run_dir) / "attempts.json", rank, run
         self.records, self.written_at, self.unwritten = [], 0.0, None
         if resuming and self.path.exists():
             self.records = self._read()
@@ -50,7 +51,7 @@ class Attempts:
         """The records, or SaveError if the file is not a list of them (atomic writes cannot tear it; an edit can):
         refused, not started over, so that neither the history nor a repeated failure is lost."""
         try:
-            records = json.loads(self.path.read_text())
+            records = json.loads(read_text(self.path))
         except (OSError, ValueError) as e:
             raise SaveError(f"cannot read {self.path}: {type(e).__name__}: {e}; fix or delete it") from None
         good = isinstance(records, list) and all(
@@ -78,7 +79,7 @@ class Attempts:
     def begin(self, start):
         """Records a new attempt; False if rank 0 could not write it (a full disk)."""
         self.records.append({"attempt": len(self.records) + 1, "resumed_from": start, "reached": start,
-                             "status": "running"})
+                             "status": "running", **({"run": self.run} if self.run else {})})
         return self.write()
 
     def progress(self, step, now=False):

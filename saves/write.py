@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -27,12 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.files import fsync_dir, read_text, write_json
 from parallel.comm import all_reduce_max
 from saves import SaveError, TrainingFailure
-from saves.files import fsync_dir, write_json
-from saves.integrity import FORMAT, check_files, check_meta, crc32, verify
+from saves.integrity import FORMAT, SAVE, check_files, check_meta, crc32, piece_seed, verify
 
-SAVE = re.compile(r"step_(\d{7})$")
 ADAM = ("exp_avg", "exp_avg_sq")
 
 
@@ -48,13 +46,18 @@ def complete_saves(run_dir):
 def remove_incomplete(run_dir):
     """Saves killed mid-write (.tmp_*), half-deleted ones (.del_*) and folders without `complete` (rank 0)."""
     for p in Path(run_dir).glob("*step_*"):
+        if p.is_symlink():
+            continue  # a link: what it leads to is not this run's to delete
         if p.is_dir() and (p.name.startswith((".tmp_", ".del_")) or (SAVE.match(p.name) and
                                                                       not (p / "complete").exists())):
             shutil.rmtree(p, ignore_errors=True)
 
 
 def _retire(path):
-    """Deletes a save folder: renamed first, so that it is never seen half-deleted under its name."""
+    """Deletes a save folder: renamed first, so that it is never seen half-deleted under its name. A link is left
+    alone: what it leads to is not this run's to delete."""
+    if path.is_symlink():
+        return
     trash = path.with_name(f".del_{path.name}_{os.getpid()}")
     try:
         os.replace(path, trash)
@@ -69,21 +72,6 @@ def prune(run_dir, keep):
             _retire(old)
 
 
-def check_fresh_run_folder(run_dir):
-    """For a run started without --resume: SaveError if run_dir holds another run's work (a complete save, any
-    step_* folder, or an attempts.json), which the fresh run would prune, mix with its own or overwrite; returns
-    otherwise. Reads only. Leftovers of killed saves (.tmp_*, .del_*) hold nothing loadable and do not count."""
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise SaveError(f"{run_dir} is not a folder: choose another --out")
-    found = sorted(p.name for p in run_dir.glob("step_*")) + ["attempts.json"] * (run_dir / "attempts.json").exists()
-    if found:
-        raise SaveError(f"{run_dir} holds saves of another run ({', '.join(found[:3])}{', ...' * (len(found) > 3)}): "
-                        "pass --resume, or choose another --out")
-
-
 def last_good_save(run_dir, group=None, device="cpu"):
     """The newest complete save whose meta.json, sizes and checksums all verify, or None: the save a failed run
     names to go back to. With `group` every rank of it calls this and reads a share of each save's files (the
@@ -92,7 +80,7 @@ def last_good_save(run_dir, group=None, device="cpu"):
     for path in reversed(complete_saves(run_dir)):
         bad = 0.0
         try:
-            meta = json.loads((path / "meta.json").read_text())
+            meta = json.loads(read_text(path / "meta.json"))
             check_meta(meta, path / "meta.json")
             check_files(path, meta)
             verify(path, meta, files=sorted(meta["files"])[rank::size])
@@ -147,19 +135,20 @@ def written_pieces(wrapper, opt, copy):
 
 
 def write_rank(folder, rank, pieces, rank_info):
-    """This rank's bytes (if it writes any), with each buffer's CRC-32, then, atomically and last, its index: the
-    sign that it is done."""
+    """This rank's bytes (if it writes any), with each buffer's CRC-32 (started from what it is: piece_seed), then,
+    atomically and last, its index: the sign that it is done."""
     folder.mkdir(parents=True, exist_ok=True)
     name, index, pos = f"rank{rank:05d}.bin", [], 0
     with open(folder / name, "wb") if pieces else contextlib.nullcontext() as f:
         for piece, tensors in pieces:
-            offsets, crcs = {}, {}
+            offsets, crcs, numel = {}, {}, piece.end - piece.start
             for kind, t in tensors.items():
                 data = t.contiguous().view(torch.uint8).numpy()
                 f.write(data.data)
-                offsets[kind], crcs[kind], pos = pos, crc32(data), pos + data.nbytes
+                seed = piece_seed(piece.name, kind, piece.tp_shard, piece.offset, numel)
+                offsets[kind], crcs[kind], pos = pos, crc32(data, seed), pos + data.nbytes
             index.append({"name": piece.name, "shape": global_shape(piece), "dtype": str(t.dtype).split(".")[1],
-                          "tp": piece.tp_shard, "start": piece.offset, "numel": piece.end - piece.start,
+                          "tp": piece.tp_shard, "start": piece.offset, "numel": numel,
                           "offsets": offsets, "crc32": crcs})
         if pieces:
             f.flush()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import data.files
 import model as M
-import saves.files
 import saves.load
 import saves.restarts
 import saves.write
@@ -140,8 +140,9 @@ def test_the_attempt_record_is_written_when_something_changes_not_every_step(tmp
                                                                                                         **k)))
     quiet(train.main, ARGS + ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "12", "--save-every", "6"])
     assert len(written) == 4, written
-    assert json.loads((tmp_path / "attempts.json").read_text()) == [
-        {"attempt": 1, "resumed_from": 0, "reached": 12, "status": "done"}]
+    (record,) = json.loads((tmp_path / "attempts.json").read_text())
+    assert record == {"attempt": 1, "resumed_from": 0, "reached": 12, "status": "done", "run": record["run"]}
+    assert len(record["run"]) == 16  # the run's identity: how the same run knows its folder again
 
 
 def test_faults_module_marks_a_finished_attempt_done(tmp_path):
@@ -175,7 +176,7 @@ class FullFile:
 
 
 def full_disk_open(step, name):
-    """An open() for saves.write (the rank files) or saves.files (index files, meta.json) that fails writes to files
+    """An open() for saves.write (the rank files) or data.files (index files, meta.json) that fails writes to files
     named `name` in the temp folder of step's save."""
     def full_open(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)
@@ -215,7 +216,7 @@ def test_a_full_disk_during_a_save_is_exit_3_keeping_the_previous_save(tmp_path,
 
 def _full_disk_rank(rank, world, run, flags, failing_rank, module, name):
     if rank == failing_rank:
-        getattr(saves, module).open = full_disk_open(4, name)
+        {"write": saves.write, "files": data.files}[module].open = full_disk_open(4, name)
     return exit_of(train.main, ARGS + ["--dp-mode", "fsdp", "--out", run, "--steps", "4", "--save-every", "2",
                                        "--keep", "1"] + flags)
 
