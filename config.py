@@ -20,12 +20,13 @@ import fp8
 import machine
 import memory
 import model
-from data.loader import read_meta
+from data.loader import data_identity, read_meta
 from parallel import ckpt, cp, pp, tp
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
 from saves.hf import init_from
+from saves.run import holds_a_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
@@ -339,6 +340,10 @@ def resolve(argv=None, environ=None):
     """The frozen Run of this process: the flags (checked), torchrun's environment, the device."""
     environ = os.environ if environ is None else environ
     args = parse_args(argv)
+    for flag, value, what in (("--out", args.out, "a folder"),
+                              ("--metrics", args.metrics, "a file")):
+        if value == "":
+            raise UsageError(f"{flag}: an empty path: name {what}")
     rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     local_rank = int(environ.get("LOCAL_RANK", 0))
@@ -403,19 +408,18 @@ def default_out(preset, flags, resume, root=Path("runs")):
     raise UsageError(f"--out: {root / name} and 9,999 more of that name hold runs; choose --out")
 
 
-def holds_a_run(path):
-    return any(path.glob("step_*")) or (path / "attempts.json").exists()
-
-
 def check_writable(path, flag, folder):
     """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
     way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
     path = Path(path)
-    if path.exists() and path.is_dir() != folder:
-        raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
-    parent = path if folder else path.parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        if path.exists() and path.is_dir() != folder:
+            raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
+        parent = path if folder else path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:  # a name too long for the file system
+        raise UsageError(f"{flag}: {path}: {e.strerror or e}") from None
     if not parent.is_dir():
         raise UsageError(f"{flag}: {parent} is a file, so {path} cannot be created")
     try:
@@ -455,7 +459,7 @@ def model_for(run, data_folder):
     check_fits(cfg, run)
     train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
              "steps")
-    config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),
+    config = {"model": dict(cfg.__dict__), "data": data_identity(data_folder),
               "train": {**{k: getattr(run, k) for k in train},  # cosine: as before wsd existed
                         **({"warmdown": run.warmdown} if run.schedule == "wsd" else {})},
               "tokenizer": meta["tokenizer"],
@@ -514,8 +518,4 @@ def check_fits(cfg, run):
                          "shard the model (--dp-mode fsdp, --tp, --pp), checkpoint (--ckpt), or "
                          "shrink --micro-batch")
 
-
-def data_identity(meta_path):
-    """What a resume compares to know it reads the same data: a hash of the data's meta.json."""
-    return hashlib.sha256(Path(meta_path).read_bytes()).hexdigest()[:16]
 

@@ -4,6 +4,7 @@ Per step (rank 0, --metrics): step, loss, lr, grad_norm, tokens, dt_s, tok_s, tf
 mem_gb, mem_reserved_gb, comm_gb; val_loss after an evaluation. The run's summary is the last line.
 """
 import json
+import os
 import statistics
 import time
 import weakref
@@ -17,13 +18,28 @@ from tqdm import tqdm
 import machine
 import model
 import optim
+from config import UsageError
+from data.files import open_append
 from parallel import ckpt
+from saves import TrainingFailure
+
+
+def open_metrics(run):
+    """Rank 0's --metrics file, opened to append before anything is written: a regular file, never
+    through a link out of the run folder."""
+    if run.rank != 0:
+        return None
+    try:
+        Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
+        return open_append(run.metrics, run.out)
+    except OSError as e:
+        raise UsageError(f"--metrics: {run.metrics}: {e.strerror or e}") from None
 
 
 class StepLog:
     """The per-step rows, the tqdm bar, the console lines, and the summary at the end."""
 
-    def __init__(self, run, cfg, mesh, start, trainer):
+    def __init__(self, run, cfg, mesh, start, trainer, metrics_file):
         self.run, self.mesh, self.rank = run, mesh, mesh.global_rank
         self.device = torch.device(run.device)
         self.peak, peak_source = machine.peak_flops(run)
@@ -31,14 +47,12 @@ class StepLog:
         recomputed = ckpt.recomputed_layers(cfg, run.ckpt)
         self.flops_model = model.flops_per_token(cfg) * self.tokens  # MFU's: 6N + 12·L·d·T a token
         self.flops_hw = model.flops_per_token(cfg, recomputed_layers=recomputed) * self.tokens
-        self.metrics, self.rows, self.t0 = None, [], time.perf_counter()
+        self.metrics, self.rows, self.t0 = metrics_file, [], time.perf_counter()
         # CPU: no allocator counts, so an eager step counts its own tensors (a dispatch mode, under
         # which a compiled step would run eagerly: a compiled CPU run reports no memory)
         cpu = self.device.type == "cpu"
         self.cpu_memory = CPUMemory(trainer, count=not run.compile) if cpu else None
         if self.rank == 0:
-            Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(run.metrics, "a")
             n_total, n_non_emb = model.param_counts(cfg)
             print(f"model {run.model}: {n_total / 1e6:.1f}M params ({n_non_emb / 1e6:.1f}M "
                   f"non-embedding), {self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak "
@@ -80,9 +94,7 @@ class StepLog:
         del row["bad_losses"]
         row["elapsed_s"] = time.perf_counter() - self.t0  # since the loop began, evaluations too
         self.rows.append(row)
-        if self.metrics:
-            self.metrics.write(json.dumps(row) + "\n")
-            self.metrics.flush()
+        self.append(row)
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_s']:.0f}", mfu=mfu)
         if self.rank == 0 and self.run.log_every and row["step"] % self.run.log_every == 0:
@@ -99,10 +111,30 @@ class StepLog:
             summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags,
                                   self.run.target_loss)
             self.bar.write(summary_line(summary))
-            self.metrics.write(json.dumps({"summary": summary}) + "\n")
+            self.append({"summary": summary})
         if self.metrics:
             self.metrics.close()
         return [row["loss"] for row in self.rows]
+
+    def append(self, line):
+        """One JSON line into --metrics (rank 0). A full disk stops the run: exit 3."""
+        if not self.metrics:
+            return
+        fd, data = self.metrics.fileno(), (json.dumps(line) + "\n").encode()
+        whole = os.fstat(fd).st_size  # the file as it was: whole lines
+        try:
+            written = 0
+            while written < len(data):  # unbuffered: nothing is left to flush at close
+                written += os.write(fd, data[written:])
+        except OSError as e:
+            try:
+                os.ftruncate(fd, whole)  # no torn line left behind
+            except OSError:
+                pass
+            self.metrics.close()
+            self.metrics = None
+            raise TrainingFailure(f"--metrics: cannot write {self.run.metrics}: "
+                                  f"{e.strerror or e}") from None
 
 
 def read_metrics(path):

@@ -218,6 +218,7 @@ def train(run):
         val_loader = TokenLoader(data, "val", *batches, prefetch=False) if run.eval_every else None
         if run.rank == 0 and run.world > 1:
             print(mesh.describe(), flush=True)
+        metrics_file = metrics.open_metrics(run)
         trainer = prepare(run, cfg, mesh)
         start = folder.start(trainer.wrapper, trainer.opt, trainer.scaler, spec.weights)
     except BaseException:
@@ -225,7 +226,7 @@ def train(run):
         raise
     if run.rank == 0:
         print(f"run folder: {run.out}", flush=True)
-    log = metrics.StepLog(run, cfg, mesh, start, trainer)
+    log = metrics.StepLog(run, cfg, mesh, start, trainer, metrics_file)
     profiler = metrics.start_profiler(run.profile, Path(run.out), run.rank)
     try:
         with launch.CtrlC() as ctrl_c:
