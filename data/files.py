@@ -1,13 +1,14 @@
-"""Writing files and folders so that nothing is half-written, read through a link or blocked on: what data/ and
-saves/ share (saves/ imports data/, never the reverse).
+"""Files and folders that are never half-written, read through a link, or blocked on.
 
-    atomic_write, write_json   readers see the old file or the whole new one, never a part of it
-    read_bytes, read_text      a regular file's bytes; a FIFO or a device there is refused, never waited on
-    open_append                a folder's log, appended to, never through a link that leaves the folder
-    check_own_file             a file a folder's owner writes is a regular file of that folder, or missing
-    lock_folder                one writer per folder: an flock on the folder itself, which dies with its process
-    make_folders, remove_created   a folder and its parents, and on a failure only those this process made
-    interruptible              SIGTERM and SIGHUP raise Interrupted, so that a half-written folder is removed
+data/ and saves/ share these; saves/ imports data/, never the reverse.
+
+    atomic_write, write_json   readers see the old file or the whole new one, never a part
+    read_bytes, read_text      a regular file's bytes; a FIFO or a device is refused, not waited on
+    open_append                a folder's log, never appended through a link out of the folder
+    check_own_file             a file a folder's owner writes: a regular file there, or missing
+    lock_folder                one writer per folder: an flock on the folder, gone with its process
+    make_folders, remove_created   a folder and its parents; on a failure, only those made here
+    interruptible              SIGTERM and SIGHUP raise Interrupted; a half-written folder goes
 """
 import errno
 import fcntl
@@ -31,8 +32,10 @@ def kind_of(mode):
 
 
 def _open_regular(path, flags):
-    """An fd of the regular file at path (created if flags say so): what is there is checked before the open and
-    after it (O_NONBLOCK: a FIFO put there meanwhile is refused too, never waited on)."""
+    """An fd of the regular file at path, created if flags say so.
+
+    What is there is checked before the open and after it. With O_NONBLOCK,
+    a FIFO put there meanwhile is refused too, never waited on."""
     try:
         _check_regular(os.stat(path).st_mode, path)
     except FileNotFoundError:
@@ -53,7 +56,7 @@ def _check_regular(mode, path):
 
 
 def read_bytes(path):
-    """The bytes of the regular file at path; OSError (NotAFile for a FIFO, a folder, a device) otherwise."""
+    """The bytes of the regular file at path; else OSError (NotAFile for a FIFO, folder, device)."""
     with os.fdopen(_open_regular(path, os.O_RDONLY), "rb") as f:
         return f.read()
 
@@ -68,8 +71,10 @@ def open_regular(path):
 
 
 def check_own_file(path, folder):
-    """For a file the owner of `folder` writes: None if path is missing, or a regular file whose real path lies in
-    folder; else what is wrong, for one line ("a link to /x, outside FOLDER", "a FIFO, not a regular file")."""
+    """What is wrong with a file the owner of `folder` writes, for one line; None if nothing.
+
+    None means path is missing, or a regular file whose real path lies in folder. Otherwise it says
+    what is there: "a link to /x, outside FOLDER", or "a FIFO, not a regular file"."""
     path = Path(path)
     try:
         st = os.lstat(path)
@@ -89,9 +94,10 @@ def check_own_file(path, folder):
 
 
 def open_append(path, folder=None):
-    """path opened to append text (created if missing), a regular file; within `folder` (a run folder), never
-    through a link that leads out of it. OSError (NotAFile, strerror saying why) otherwise: the caller names the
-    flag."""
+    """path opened to append text, created if missing; it must be a regular file.
+
+    Within `folder` (a run folder) it is never opened through a link that leads out of it.
+    Otherwise OSError (NotAFile, strerror saying why); the caller names the flag."""
     path = Path(path)
     if folder is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder)):
         problem = check_own_file(path, folder)
@@ -108,11 +114,12 @@ def _exclusive(path, flags):
 
 @contextmanager
 def atomic_write(path, mode="wb"):
-    """Yields a file object for a temporary sibling of `path`, renamed over `path` only after the block succeeds
-    and the bytes are on disk; on any error the temporary file is removed and `path` is untouched. The rename
-    replaces a link at path, never writes through it."""
+    """Yields a file for a temporary sibling of `path`, renamed over `path` once the block succeeds.
+
+    The rename comes after the bytes are on disk. On any error the temporary file is removed
+    and `path` is untouched. The rename replaces a link at path, never writes through it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # unique per process: concurrent writers are safe
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: writers may race
     tmp.unlink(missing_ok=True)  # this process's own leftover (a pid reused after a kill)
     try:
         with open(tmp, mode, opener=_exclusive) as f:
@@ -139,10 +146,12 @@ def fsync_dir(path):
 
 
 def lock_folder(path):
-    """An fd of the folder at path (created, with its parents, if missing) holding an exclusive flock, or None if
-    another process holds it. The lock is on the folder itself, not on a file in it that could be deleted, and the
-    kernel drops it when the process dies: nothing stale is ever left. A folder renamed away between the open and
-    the lock (a writer swapping in a new one) is let go, and the one now at path is locked instead."""
+    """An fd of the folder at path holding an exclusive flock; None if another process holds it.
+
+    The folder and its parents are created if missing. The lock is on the folder itself,
+    not on a file in it that could be deleted. The kernel drops it when the process dies,
+    so nothing stale is left. A folder renamed away between the open and the lock is let go
+    (a writer swapped in a new one); the one now at path is locked instead."""
     path = Path(path)
     for _ in range(100):
         path.mkdir(parents=True, exist_ok=True)
@@ -160,8 +169,9 @@ def lock_folder(path):
 
 
 def make_folders(folder):
-    """Creates folder and its missing parents; returns those this process created, the outermost first. OSError if
-    one cannot be, after removing those it made."""
+    """Creates folder and its missing parents; returns those made here, the outermost first.
+
+    If one cannot be made, those it made are removed and the OSError is raised."""
     folder, created = Path(folder), []
     for p in [p for p in (folder, *folder.parents) if not p.exists()][::-1]:
         try:
@@ -176,7 +186,7 @@ def make_folders(folder):
 
 
 def remove_created(created):
-    """Removes the folders make_folders created, innermost first, as long as they are empty (never another's)."""
+    """Removes the folders make_folders created, innermost first, while they are empty."""
     for folder in reversed(created):
         try:
             folder.rmdir()
@@ -190,13 +200,14 @@ def unlock_folder(fd):
 
 
 class Interrupted(Exception):
-    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt, so that a
-    command writing a folder removes its unfinished work on the way out."""
+    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt.
+
+    A command writing a folder then removes its unfinished work on the way out."""
 
 
 @contextmanager
 def interruptible():
-    """Within the block SIGTERM and SIGHUP raise Interrupted; the previous handlers are back after it."""
+    """Within the block SIGTERM and SIGHUP raise Interrupted; then the old handlers are back."""
     def interrupt(signum, frame):
         raise Interrupted(signal.Signals(signum))
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}

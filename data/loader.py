@@ -10,19 +10,22 @@ shards are weighted by length). DP rank r takes rows [r*B/dp, (r+1)*B/dp). The u
 ranks' rows is the one-process batch for any layout, and resuming at step s needs no replay.
 A background thread prepares step s+1 while step s trains.
 
-meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`; prepare.py also records each
-shard's size, fingerprint and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard
-holding an id at or above vocab_size. It checks what it will read, not the record: it takes each shard's maximum when
-it opens it, one vectorized pass over the memory-mapped tokens (about 10 ms per 100M tokens in the page cache), so a
-shard edited in place is refused too, with the recorded maximum named when they differ.
+meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`.
+prepare.py also records each shard's size, fingerprint and largest token id (`shards`),
+and the overall `max_token_id`. The loader refuses a shard holding an id at or above vocab_size.
+It checks what it reads, not the record: it takes each shard's maximum when it opens it.
+That is one vectorized pass over the memory-mapped tokens, about 10 ms per 100M tokens
+in the page cache. So a shard edited in place is refused too; the recorded maximum is named
+when the two differ.
 
-The shards are the ones meta.json records (check_shards): where it records them, a shard on disk that it does not
-(a foreign one dropped in), one it records that is missing, and one whose size or fingerprint differs (swapped for
-another, of another tokenizer) are refused. A fingerprint is the CRC-32 of 16 blocks of 4 KiB spread over the file,
-the header first and the end last: 64 KiB read per shard, whatever its size, so it catches a file swapped or
-rewritten, not one token edited in place (the maximum above catches an id past the vocabulary). data_identity, what
-a resume compares, is the hash of meta.json, which covers the shards it records; a folder whose meta.json records
-none has each shard's name, size and fingerprint folded in.
+The shards must be the ones meta.json records (check_shards), where it records them.
+A shard on disk it does not record (a foreign one dropped in) is refused. So is one it records
+that is missing, and one whose size or fingerprint differs (swapped, of another tokenizer).
+A fingerprint is the CRC-32 of 16 blocks of 4 KiB spread over the file, header first, end last.
+That is 64 KiB read per shard, whatever its size. It catches a file swapped or rewritten,
+not one token edited in place; the maximum above catches an id past the vocabulary.
+data_identity, what a resume compares, is the hash of meta.json, which covers the shards it
+records. Where meta.json records none, each shard's name, size and fingerprint are folded in.
 """
 import hashlib
 import json
@@ -85,20 +88,24 @@ def read_shard(path):
 
 
 def read_meta(folder):
-    """The folder's meta.json as a dict, validated: `tokenizer` a name, `vocab_size` a positive integer, and
-    `max_token_id` (when recorded) an integer below it. Anything else raises DataError naming the file."""
+    """The folder's meta.json as a dict, validated.
+
+    `tokenizer` is a name, `vocab_size` a positive integer, and `max_token_id` (when recorded)
+    an integer below it. Anything else raises DataError naming the file."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"data folder {folder} not found; run python -m data.prepare {folder.name}")
     path = folder / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} missing (preparation unfinished?); run python -m data.prepare {folder.name}")
+        raise DataError(f"{path} missing (preparation unfinished?); "
+                        f"run python -m data.prepare {folder.name}")
     try:
         meta = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: unreadable: {e}".replace("\n", " ")) from None
     except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e}); rerun python -m data.prepare {folder.name}") from None
+        raise DataError(f"{path}: not valid JSON ({e}); "
+                        f"rerun python -m data.prepare {folder.name}") from None
     if not isinstance(meta, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     for key in ("tokenizer", "vocab_size"):
@@ -132,7 +139,7 @@ def recorded_max(meta, path):
 
 
 def fingerprint(path):
-    """The CRC-32 (8 hex digits) of FINGERPRINT_BLOCKS blocks of the file spread from its first byte to its last."""
+    """The CRC-32 (8 hex digits) of FINGERPRINT_BLOCKS blocks spread from first byte to last."""
     size = Path(path).stat().st_size
     crc = zlib.crc32(size.to_bytes(8, "little"))
     with open_regular(path) as f:
@@ -148,23 +155,27 @@ def shard_paths(folder, split="*"):
 
 
 def check_shards(folder, meta, paths, split="*"):
-    """DataError unless the shards `paths` (of `split`) are those meta.json records, with their recorded size and
-    fingerprint (where it records them: a meta.json without `shards` records nothing to hold them to)."""
+    """DataError unless the shards `paths` (of `split`) are those meta.json records.
+
+    Each must have its recorded size and fingerprint. A meta.json without `shards`
+    records nothing to hold them to."""
     shards, where = meta.get("shards"), Path(folder) / "meta.json"
     if not isinstance(shards, dict):
         return
     for path in paths:
         record = shards.get(path.name)
         if not isinstance(record, dict):
-            raise DataError(f"{path}: not a shard {where} records (a file put there after it was prepared?); "
+            raise DataError(f"{path}: not a shard {where} records "
+                            "(a file put there after it was prepared?); "
                             f"remove it, or prepare the folder again")
         size = path.stat().st_size
         if record.get("bytes", size) != size:
-            raise DataError(f"{path}: {size} bytes, {where} records {record['bytes']}: the shard changed after it "
-                            "was prepared; prepare the folder again")
+            raise DataError(f"{path}: {size} bytes, {where} records {record['bytes']}: "
+                            "the shard changed after it was prepared; prepare the folder again")
         if "fingerprint" in record and record["fingerprint"] != fingerprint(path):
-            raise DataError(f"{path}: its bytes are not the ones {where} records (fingerprint {fingerprint(path)}, "
-                            f"recorded {record['fingerprint']}): the shard was replaced; prepare the folder again")
+            raise DataError(f"{path}: its bytes are not the ones {where} records "
+                            f"(fingerprint {fingerprint(path)}, recorded {record['fingerprint']}): "
+                            "the shard was replaced; prepare the folder again")
     names = {p.name for p in paths}
     missing = sorted(n for n in shards if n not in names and Path(n).match(f"*_{split}_*.bin"))
     if missing:
@@ -172,9 +183,11 @@ def check_shards(folder, meta, paths, split="*"):
 
 
 def data_identity(folder):
-    """What a resume compares to know it reads the same data (16 hex digits): the hash of meta.json, once every shard
-    is checked against it (check_shards: DataError if one is not the one it records); where meta.json records no
-    shards, each shard's name, size and fingerprint are hashed with it."""
+    """What a resume compares to know it reads the same data: 16 hex digits.
+
+    It is the hash of meta.json, once check_shards holds every shard to it (DataError if one
+    is not the one it records). Where meta.json records no shards, each shard's name, size and
+    fingerprint are hashed with it."""
     folder = Path(folder)
     meta, paths = read_meta(folder), shard_paths(folder)
     check_shards(folder, meta, paths)
@@ -186,12 +199,15 @@ def data_identity(folder):
 
 
 def check_vocab(path, top, vocab_size, where, recorded=None):
-    """DataError naming the shard if its largest id `top` is outside the vocabulary; `recorded`: what meta.json
-    says it was, named when it differs (the shard changed after it was prepared)."""
+    """DataError naming the shard if its largest id `top` is outside the vocabulary.
+
+    `recorded` is what meta.json says it was. It is named when it differs:
+    the shard changed after it was prepared."""
     if top >= vocab_size:
-        changed = f"; it records {recorded} for this shard" if recorded is not None and recorded != top else ""
-        raise DataError(f"{path}: token id {top} is outside the vocabulary (vocab_size {vocab_size} in {where}"
-                        f"{changed})")
+        changed = (f"; it records {recorded} for this shard"
+                   if recorded is not None and recorded != top else "")
+        raise DataError(f"{path}: token id {top} is outside the vocabulary "
+                        f"(vocab_size {vocab_size} in {where}{changed})")
 
 
 class TokenLoader:
@@ -208,10 +224,11 @@ class TokenLoader:
         if not paths:
             raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.shards = [read_shard(p) for p in paths]
-        self.max_token_id = -1  # the largest id in this split's shards: a model needs vocab_size above it
+        self.max_token_id = -1  # largest id in this split's shards: vocab_size must exceed it
         for path, tokens in zip(paths, self.shards):
             top = max_token_id(tokens)
-            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json", recorded_max(self.meta, path))
+            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json",
+                        recorded_max(self.meta, path))
             self.max_token_id = max(self.max_token_id, top)
         check_shards(data_dir, self.meta, paths, split)
         # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
