@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import model
 from config import OneLineParser, UsageError, nonnegative_int
 from data.loader import DataError
 from data.tokenizer import get_tokenizer
@@ -156,7 +156,7 @@ def read_save(run):
     save = run if (run / "complete").exists() else complete_saves(run)[-1]
     try:
         # complete and consistent, or ValueError naming the field
-        cfg = M.config_from_dict(config["model"])
+        cfg = model.config_from_dict(config["model"])
     except ValueError as e:
         raise SaveError(f"{save / 'meta.json'}: {e}") from None
     try:
@@ -175,7 +175,7 @@ def build(cfg, tensors, save, device):
     check_layers(cfg, tensors, save / "meta.json")
     with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
         warnings.simplefilter("ignore")
-        shapes = {name: p.shape for name, p in M.GPT(cfg).named_parameters()}
+        shapes = {name: p.shape for name, p in model.GPT(cfg).named_parameters()}
     for name, shape in shapes.items():
         if name not in tensors or tensors[name].shape != shape:
             found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
@@ -187,7 +187,7 @@ def build(cfg, tensors, save, device):
         raise SaveError(f"{save / 'meta.json'}: the save has {extra[0]}, "
                         "which its config's model has no place for")
     with torch.device(device):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             p.copy_(tensors[name]())

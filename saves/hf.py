@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import model
 from data.files import open_regular, read_text
 from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
@@ -307,7 +307,7 @@ class HFWeights:
             raise SaveError(f"--init-from: {folder} has no lm_head.weight "
                             "and config.json's tie_word_embeddings is false")
         with torch.device("meta"):  # tied: no lm_head.weight, the embedding is the head
-            shapes = {name: list(p.shape) for name, p in M.GPT(cfg).named_parameters()}
+            shapes = {name: list(p.shape) for name, p in model.GPT(cfg).named_parameters()}
         self.tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
         for name, shape in shapes.items():
             source = name if name == "lm_head.weight" else "model." + name

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import data.files
-import model as M
+import model
 import saves.load
 import saves.restarts
 import saves.write
@@ -27,7 +27,7 @@ from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet
 from tests.test_save_integrity import exit_of, one_error_line
 
-CROSS_ENTROPY = M.cross_entropy_loss
+CROSS_ENTROPY = model.cross_entropy_loss
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--peak-tflops", "1", "--steps", "8", "--save-every", "2", "--resume", "auto"]
@@ -93,7 +93,7 @@ def failing_loss(monkeypatch, at_call, error=None):
                 raise error
             return loss * float("nan")
         return loss
-    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)  # GPT() takes it as its loss_fn
+    monkeypatch.setattr(model, "cross_entropy_loss", loss_fn)  # GPT() takes it as its loss_fn
     return calls
 
 

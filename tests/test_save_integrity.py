@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import model as M
+import model
 import sample
 import saves.export
 import saves.load
@@ -26,7 +26,7 @@ import train
 from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet, run1, snapshot
 
-CROSS_ENTROPY = M.cross_entropy_loss
+CROSS_ENTROPY = model.cross_entropy_loss
 SAVE = "step_0000002"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_a_stop_names_a_last_good_save_that_verifies(tmp_path, monkeypatch, caps
             damage(tmp_path / "step_0000004" / "rank00000.bin", 100, os.urandom(16))
             return loss * float("nan")
         return loss
-    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)
+    monkeypatch.setattr(model, "cross_entropy_loss", loss_fn)
     code, err = exit_of(train.main, ARGS + ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "6",
                                             "--save-every", "2", "--resume", "auto"])
     assert code == 3, err
