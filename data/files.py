@@ -119,7 +119,7 @@ def atomic_write(path, mode="wb"):
     The rename comes after the bytes are on disk. On any error the temporary file is removed
     and `path` is untouched. The rename replaces a link at path, never writes through it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: writers may race
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: writers never collide
     tmp.unlink(missing_ok=True)  # this process's own leftover (a pid reused after a kill)
     try:
         with open(tmp, mode, opener=_exclusive) as f:
