@@ -283,15 +283,15 @@ def run(work, out, quiet=False):
     The status is 2 for bad input: DataError, ValueError, a name too long for the file system.
     It is 3 for a worker process that died or a write that failed (a full disk). Ctrl-C, SIGTERM
     or SIGHUP give 128 + the signal's number. On any of them the unfinished folder is gone and out
-    is as it was. With quiet, a DataError is only kept in run.last_error; a fallback follows."""
+    is as it was. With quiet, a DataError is not printed but returned in the result's place: a
+    fallback follows."""
     try:
         with interruptible():
             return work(), 0
     except (DataError, ValueError) as e:
         code, message = 2, e
         if quiet and isinstance(e, DataError):
-            run.last_error = e
-            return None, code
+            return e, code
     except WorkerLost as e:
         code, message = 3, e
     except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
@@ -361,9 +361,9 @@ def main(argv=None):
     t0, name = time.time(), args.name
     out_dir, code = run(lambda: prepare(name, args.out, args.shards),
                         args.out or default_folder(name), quiet=args.fallback is not None)
-    if code == 2 and args.fallback:  # the network, or a download that did not check out
+    if isinstance(out_dir, DataError):  # the network, or a download that did not check out
         name = args.fallback
-        print(f"note: {args.name} could not be prepared ({run.last_error}); "
+        print(f"note: {args.name} could not be prepared ({out_dir}); "
               f"using the {name} corpus instead", file=sys.stderr)
         out_dir, code = run(lambda: prepare(name, None, args.shards), default_folder(name))
     if code:

@@ -334,10 +334,12 @@ def main(argv=None):
     try:
         with interruptible():  # SIGTERM, SIGHUP: raised here, so the staging folder is removed
             export(run_dir, out, replace)
-    except (SaveError, OSError) as e:  # OSError: a full or unwritable disk; nothing is half-written
-        print(f"error: {e}" if isinstance(e, SaveError)
-              else f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+    except SaveError as e:  # bad input: the run folder, the output folder
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full or unwritable disk, as training's exit 3; nothing is half-written
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 3
     except (KeyboardInterrupt, Interrupted) as e:
         sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
         print(f"error: interrupted by {sig.name}: nothing was written to {out}", file=sys.stderr)

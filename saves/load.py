@@ -233,26 +233,6 @@ def check_config(saved, current, where=""):
         raise SaveError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
 
 
-def find_resume(run_dir, mode, config):
-    """The validated save to resume from, or None.
-
-    mode None is a fresh run; 'auto' starts fresh if there is no save."""
-    if mode is None:
-        return None
-    found = complete_saves(run_dir)
-    if not found:
-        if mode == "auto":
-            return None
-        raise SaveError(f"--resume: no complete save in {run_dir} "
-                        "(use --resume auto to start fresh)")
-    try:
-        saved = Saved(found[-1]).validate()
-        check_config(saved.meta["config"], config, where=f"{found[-1]} ")
-    except SaveError as e:
-        raise SaveError(f"--resume: {e}") from None
-    return saved
-
-
 # ---------------------------------------------------------------- export and sampling
 
 class LazyTensor:

@@ -101,6 +101,9 @@ class RunFolder:
             return None
         if not found:
             if mode == "auto" or (self.path / "attempts.json").exists():
+                if another_runs_attempts(self.path, self.config):  # no save: these must be ours
+                    raise SaveError(f"--resume: {self.path} holds another run's attempts.json "
+                                    "and no save to resume; choose another --out")
                 return None  # nothing saved yet: the run starts again from step 0
             raise SaveError(f"--resume: no complete save in {self.path} "
                             "(use --resume auto to start fresh)")
@@ -272,6 +275,18 @@ def holds_a_run(path, config=None):
     mine = run_identity(config)
     return not (isinstance(records, list) and records and
                 all(isinstance(r, dict) and r.get("run") == mine for r in records))
+
+
+def another_runs_attempts(path, config):
+    """Whether attempts.json holds a record that names another run (records from before runs had
+    identities name none, and may be this run's)."""
+    try:
+        records = json.loads(read_text(Path(path) / "attempts.json"))
+    except (OSError, ValueError):
+        return False  # Attempts reads it next, and says what is wrong with it
+    mine = run_identity(config)
+    return isinstance(records, list) and any(isinstance(r, dict) and r.get("run", mine) != mine
+                                             for r in records)
 
 
 def check_fresh_run_folder(run_dir, config=None):

@@ -326,3 +326,18 @@ def test_an_out_whose_name_is_too_long_is_one_line(tmp_path):
     code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out)])
     assert code == 2 and one_error_line(err).startswith("error: --out: ") and "File name too long" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_auto_refuses_another_runs_attempts_without_a_save(tmp_path):
+    """A folder that holds no save but another run's attempts.json: --resume auto used to start at
+    step 0 there and append to that run's records."""
+    out = tmp_path / "run"
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out), "--resume", "auto"])
+    assert code == 0, err
+    for step in out.glob("step_*"):
+        shutil.rmtree(step)  # that run's saves gone, its attempts.json left
+    other = RUN + ["--steps", "1", "--lr", "1e-3", "--out", str(out), "--resume", "auto"]
+    code, err = exit_of(train.main, other)
+    assert code == 2 and "holds another run's attempts.json and no save" in one_error_line(err), err
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out), "--resume", "auto"])
+    assert code == 0, err  # the same run takes its folder back
