@@ -197,7 +197,10 @@ def parse_args(argv=None):
     g("--async-save", action="store_true",
       help="snapshot to CPU memory, write from a background thread")
     g("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
-    g("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
+    g("--eval-batches", type=positive_int, help="global batches per evaluation (default 4)")
+    g("--eval-tokens", type=positive_int,
+      help="evaluate on exactly the first N tokens of the val split, the same slice every time "
+           "(N a multiple of global-batch x seq-len)")
     g("--target-loss", type=positive_float,
       help="the summary names the step, tokens and time at which the val loss first reached it")
     g("--log-every", type=nonnegative_int, default=10,
@@ -232,7 +235,10 @@ def check_args(args):
              "--pp-schedule interleaved"),
             (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1"),
             (args.warmdown and args.schedule != "wsd", "--warmdown", "--schedule wsd"),
-            (args.target_loss and not args.eval_every, "--target-loss", "--eval-every")):
+            (args.target_loss and not args.eval_every, "--target-loss", "--eval-every"),
+            (args.eval_tokens and not args.eval_every, "--eval-tokens", "--eval-every"),
+            (args.eval_tokens and args.eval_batches, "--eval-batches",
+             "random windows (--eval-tokens sets the batches)")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
     if args.dp_mode == "hsdp" and not args.dp_shard:
@@ -322,7 +328,8 @@ class Run:
     keep: int
     async_save: bool
     eval_every: int
-    eval_batches: int
+    eval_batches: int  # 4 unless given, or --eval-tokens / (B·T)
+    eval_tokens: Optional[int]
     target_loss: Optional[float]
     log_every: int
     metrics: str
@@ -363,6 +370,7 @@ def resolve(argv=None, environ=None):
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in fields(Run)}}
     derived = dict(
         accum_steps=accumulation_steps(args.global_batch, args.micro_batch, dp),
+        eval_batches=eval_batches(args),
         dtype=dtype, tf32=(cuda and dtype != "fp32") if args.tf32 is None else args.tf32,
         reduce_dtype=args.reduce_dtype or "fp32", dp=dp, dp_shard=dp_shard,
         accumulate=args.accumulate or "sharded", pp_schedule=args.pp_schedule or "1f1b",
@@ -378,7 +386,7 @@ def resolve(argv=None, environ=None):
 
 
 NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep",
-               "async_save", "eval_every", "eval_batches", "target_loss", "timeout",
+               "async_save", "eval_every", "eval_batches", "eval_tokens", "target_loss", "timeout",
                "startup_timeout", "peak_tflops", "device"}  # they change no number trained
 
 
@@ -427,6 +435,17 @@ def check_writable(path, flag, folder):
             pass
     except OSError as e:
         raise UsageError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
+
+
+def eval_batches(args):
+    """Global batches per evaluation: --eval-batches (4), or --eval-tokens / (B·T), checked."""
+    if not args.eval_tokens:
+        return args.eval_batches or 4
+    per_batch = args.global_batch * (args.seq_len or model.PRESETS[args.model].seq_len)
+    if args.eval_tokens % per_batch:
+        raise UsageError(f"--eval-tokens: {args.eval_tokens:,} is not a multiple of global-batch x "
+                         f"seq-len = {per_batch:,}")
+    return args.eval_tokens // per_batch
 
 
 def accumulation_steps(global_batch, micro_batch, dp):

@@ -215,7 +215,10 @@ def train(run):
     try:
         batches = (cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp, run.device)
         loader = TokenLoader(data, "train", *batches)
-        val_loader = TokenLoader(data, "val", *batches, prefetch=False) if run.eval_every else None
+        val_loader = None
+        if run.eval_every:  # random windows, or the first --eval-tokens of the split
+            val_loader = TokenLoader(data, "val", *batches, prefetch=False,
+                                     fixed_tokens=run.eval_tokens)
         if run.rank == 0 and run.world > 1:
             print(mesh.describe(), flush=True)
         metrics_file = metrics.open_metrics(run)

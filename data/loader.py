@@ -211,8 +211,12 @@ def check_vocab(path, top, vocab_size, where, recorded=None):
 
 
 class TokenLoader:
+    """fixed_tokens N: step s is instead the s-th run of global_batch consecutive windows from
+    the split's start, window j the tokens [j·T, j·T + T] (T = seq_len): N tokens in N/(B·T) steps,
+    the same slice every time (a validation set as the speedrun's)."""
+
     def __init__(self, data_dir, split, seq_len, global_batch, seed,
-                 dp_rank=0, dp_size=1, device="cpu", prefetch=True):
+                 dp_rank=0, dp_size=1, device="cpu", prefetch=True, fixed_tokens=None):
         if global_batch % dp_size:
             raise ValueError(f"--global-batch {global_batch} is not divisible by the "
                              f"data-parallel size {dp_size}")
@@ -238,6 +242,10 @@ class TokenLoader:
             raise DataError(f"{split} shards in {data_dir} hold no window of "
                             f"seq_len+1 = {seq_len + 1} tokens")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.fixed_tokens = fixed_tokens
+        if fixed_tokens is not None and fixed_tokens + 1 > len(self.shards[0]):
+            raise DataError(f"--eval-tokens: {fixed_tokens:,} tokens (and one more, the last "
+                            f"target) are more than {paths[0]} holds ({len(self.shards[0]):,})")
         rows_per_rank = global_batch // dp_size
         self.rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)  # global rows
         self.device = torch.device(device)
@@ -256,6 +264,10 @@ class TokenLoader:
 
     def _windows(self, step, rows):
         """Token windows (len(rows), seq_len+1) as int64 for the given rows of the global batch."""
+        if self.fixed_tokens is not None:  # consecutive windows of the first shard
+            first = step * self.global_batch + np.arange(self.global_batch)[rows]
+            T = self.seq_len
+            return np.stack([self.shards[0][j * T:j * T + T + 1] for j in first]).astype(np.int64)
         rng = np.random.default_rng([self.seed, step])
         idx = rng.integers(0, self.cum_starts[-1], size=self.global_batch)  # every rank draws all
         idx = idx[rows]
