@@ -220,6 +220,7 @@ class FSDP:
     # ---------------------------------------------------------------- reduce-scatter
     def after_backward(self, unit, grads):
         """A backward of the unit is done: free its buffer, reduce-scatter its gradient (async)."""
+        unit.detach()  # a recompute that checkpointing stopped early never ran after_forward
         if not self.keep_gathered:
             unit.full = None
         if self.reducing is not None:  # launched one unit ago, done under this unit's backward
