@@ -188,7 +188,7 @@ class FSDP:
             try:
                 return run_last(*args, **kwargs)
             finally:
-                del self.in_forward[unit.full.untyped_storage().data_ptr()]
+                del self.in_forward[unit.full.untyped_storage()]
                 last = unit not in self.next_unit and self.phase == "forward" and torch.is_grad_enabled()
                 unit.release(self.keep_gathered or last)  # the last unit's backward comes next: keep it
         modules[-1].forward = run_then_release
@@ -202,12 +202,12 @@ class FSDP:
             elif self.phase == "backward":  # a forward recomputed in backward (activation checkpointing)
                 self._prefetch_backward(unit)
             unit.attach(views)
-            self.in_forward[unit.full.untyped_storage().data_ptr()] = unit
+            self.in_forward[unit.full.untyped_storage()] = unit
             return run_first(*args, **kwargs)
         modules[0].forward = gather_then_run
 
     def _pack(self, t):
-        unit = self.in_forward.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        unit = self.in_forward.get(t.untyped_storage()) if t.numel() else None
         return t if unit is None else SavedWeight(unit, t.size(), t.stride(), t.storage_offset())
 
     def _unpack(self, saved):
