@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 import config
+import dry_run
 import fp8
 import model as M
 import optim
@@ -537,6 +538,8 @@ def report_to_launcher(error):
 
 
 def main(argv=None):
+    if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # rehearse the step on fake GPUs (dry_run.py)
+        sys.exit(dry_run.main(argv))
     joined = dist.is_initialized()  # a caller's process group (tests) outlives this run; our own does not
     try:
         return train(config.resolve(argv))
