@@ -16,7 +16,12 @@ time). Nor does it see the CUDA context, NCCL's buffers or the allocator's fragm
 them. The weights' initial values are not drawn (they are data), and attention runs the kernel a GPU would pick.
 """
 import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import weakref
@@ -31,7 +36,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils import cpp_extension
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -43,6 +47,7 @@ import train
 from config import UsageError
 from data.loader import DataError, read_meta
 from parallel import fsdp
+from parallel.comm import Group
 from parallel.mesh import LayoutError, Mesh
 
 HERE = Path(__file__).resolve().parent
@@ -158,8 +163,9 @@ class Report:
         return "--dp-mode" if self.run.dp_mode == "ddp" else "--tp"
 
 
-def rehearse(train_argv, world, gpu, per_node=8, stages=None, show=False):
-    """[Report] of one rank per pipeline stage (or per stage in `stages`), rehearsed one after the other."""
+def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=False):
+    """[Report] of one rank per pipeline stage (or per stage in `stages`), rehearsed one after the other: rank 0 of
+    the stage, or the rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}) in it."""
     env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(per_node)}
     with FakeGPUs(gpu, per_node):
         layout = config.resolve(train_argv, environ=env)  # the flags, checked before any rank is rehearsed
@@ -168,7 +174,7 @@ def rehearse(train_argv, world, gpu, per_node=8, stages=None, show=False):
             print(mesh.describe(per_node), flush=True)
         reports = []
         for stage in range(layout.pp) if stages is None else stages:
-            reports.append(rehearse_rank(train_argv, mesh.rank_of(pp=stage), world, per_node, gpu))
+            reports.append(rehearse_rank(train_argv, mesh.rank_of(pp=stage, **(at or {})), world, per_node, gpu))
             if show:
                 print(reports[-1].describe(), flush=True)
         return reports
@@ -207,6 +213,9 @@ def rehearse_steps(run, cfg, report):
     """train.prepare, then STEPS of train.train_step on random tokens, all on fake CUDA tensors."""
     with FakeCUDA(), Ledger() as ledger, no_initial_values():
         mesh = train.start_distributed(run)
+        for group in vars(mesh).values():  # the fake backend stands in for NCCL: means are NCCL's ReduceOp.AVG
+            if isinstance(group, Group):
+                group.native_mean = True
         report.coord = mesh.coord
         trainer = train.prepare(run, cfg, mesh)
         ledger.know(trainer, cfg, run)
@@ -290,10 +299,23 @@ class FakeCUDA(FakeTensorMode):
 
 
 def shim():
-    """dry_run_gpu.cpp, which answers the autograd engine's questions to CUDA, built once into torch's extensions
-    folder (a few seconds of g++ the first time)."""
-    path = cpp_extension.load("dry_run_gpu", [str(HERE / "dry_run_gpu.cpp")], is_python_module=False)
-    return ctypes.CDLL(path)
+    """dry_run_gpu.cpp, which answers the autograd engine's questions to CUDA, built against this torch by the C++
+    compiler once into the temporary folder (about 3 s of g++), then loaded from there."""
+    source, torch_dir = HERE / "dry_run_gpu.cpp", Path(torch.__file__).parent
+    key = hashlib.sha256(source.read_bytes() + str(torch_dir).encode() + torch.__version__.encode()).hexdigest()
+    built = Path(tempfile.gettempdir()) / f"dry_run_gpu-{key[:16]}.so"
+    if not built.exists():
+        compiler = shutil.which("c++") or shutil.which("g++")
+        if compiler is None:
+            raise UsageError("--dry-run: builds dry_run_gpu.cpp with a C++ compiler (c++ or g++); none is on PATH")
+        partial = built.with_suffix(f".{os.getpid()}.tmp")
+        include = torch_dir / "include"
+        subprocess.run([compiler, "-O1", "-std=c++20", "-shared", "-fPIC", str(source), "-o", str(partial),
+                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-I{include}",
+                        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-L{torch_dir / 'lib'}",
+                        f"-Wl,-rpath,{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"], check=True, capture_output=True)
+        os.replace(partial, built)  # whole or not at all, whoever builds it at the same time
+    return ctypes.CDLL(str(built))
 
 
 @contextmanager
