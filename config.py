@@ -381,7 +381,8 @@ def step_bytes(cfg, run):
     units, or autocast's cast of the stage's weights), the activations backward keeps (per layer and token in the
     compute dtype: the norms' inputs and outputs, q, k, v, attention's output, the MLP's gate, up and product; a
     checkpointed layer keeps its input, and one layer is remade at a time; a pipeline stage keeps up to P micro-
-    batches' sets, GPipe M), the logits and their gradient, and the step's token ids."""
+    batches' sets, GPipe M), the logits and their gradient, and the step's token ids. --accumulate unsharded keeps
+    every unit's flat gradient all step, in the reduce dtype, unsharded."""
     e = 4 if run.dtype == "fp32" else 2
     d, f, params = cfg.d_model, cfg.ffn_dim, M.param_counts(cfg)[0]
     sh = run.tp if run.sp else 1  # the residual stream's split under sequence parallel
@@ -397,7 +398,8 @@ def step_bytes(cfg, run):
         kept -= layers * e * (2 * d / sh + f / run.tp)
     sets = 1 if run.pp == 1 else (run.micro_batches if run.pp_schedule == "gpipe" else min(run.pp, run.micro_batches))
     vocab = cfg.padded_vocab / run.tp
-    return {"model state": 16 * stage / shard,
+    summed = DTYPES[run.reduce_dtype].itemsize * stage if run.accumulate == "unsharded" else 0  # fsdp_accumulate
+    return {"model state": 16 * stage / shard + summed,
             "weights in use": 2 * e * block if run.dp_mode != "ddp" else (e * stage if e < 4 else 0),
             "activations": sets * tokens * kept,
             "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,
