@@ -8,7 +8,6 @@ at the full world size (bench/plan.py's code="ours", the formulas tests/test_pla
 2 and 4 ranks); the peak memory is config.step_bytes's within MEMORY_BOUND. Layouts run in two processes, each
 family once however many tests read it (-k runs only the chosen ones).
 """
-import ctypes
 import io
 import time
 import traceback
@@ -17,6 +16,8 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import config
 import dry_run
@@ -196,18 +197,26 @@ def test_the_rules_catch_what_nccl_refuses_and_the_fake_backend_accepts():
         assert what in seen, (what, seen)
 
 
-def _guard_back(rank, world):
-    """After a rehearsal the process's CUDA guard and hooks are torch's again: a CPU backward still works."""
-    before = torch.cuda.is_available()
+def _leaves_torch_as_it_was(rank, world):
+    """torch.cuda's answers, SDPA and the CUDA guard and hooks before a rehearsal, and whether they are the same after:
+    with torch's own again, a backward on fake CUDA tensors fails (CUDA asked for streams or contexts), as before."""
+    def fake_cuda_backward_fails():
+        try:
+            with FakeTensorMode(), torch.autograd.set_multithreading_enabled(False):
+                x = torch.ones(3, device="cuda", requires_grad=True)
+                (x * 2).sum().backward()
+        except (RuntimeError, AssertionError):
+            return True
+        return False
+    before = [getattr(torch.cuda, name) for name in ("is_available", "get_device_properties", "set_device")]
+    before += [F.scaled_dot_product_attention, fake_cuda_backward_fails()]
     dry_run.rehearse(MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
-    x = torch.ones(3, requires_grad=True)
-    (x * 2).sum().backward()
-    lib = dry_run.shim()
-    return before == torch.cuda.is_available(), x.grad.tolist(), isinstance(lib, ctypes.CDLL)
+    after = [getattr(torch.cuda, name) for name in ("is_available", "get_device_properties", "set_device")]
+    return before == after + [F.scaled_dot_product_attention, fake_cuda_backward_fails()], before[-1]
 
 
-def test_a_rehearsal_leaves_the_process_as_it_found_it():
-    assert run_ranks(_guard_back, 1, init=False)[0] == (True, [2.0, 2.0, 2.0], True)
+def test_a_rehearsal_leaves_torch_as_it_found_it():
+    assert run_ranks(_leaves_torch_as_it_was, 1, init=False)[0] == (True, True)
 
 
 def test_the_command_line_exit_codes(tmp_path):
