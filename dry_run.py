@@ -147,7 +147,8 @@ class Report:
                  + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in self.parts.items() if v) + ")",
                  f"  {'fits' if self.peak <= self.usable else 'does NOT fit'} in {1 - config.MARGIN:.0%} of the "
                  f"{self.gpu.memory / 1e9:.1f} GB of an {self.gpu.name}; the memory model (config.step_bytes) says "
-                 f"{model / 1e9:.3g} GB ({model / self.peak - 1:+.0%})",
+                 f"{model / 1e9:.3g} GB ({model / self.peak - 1:+.0%})"
+                 + ("; train.py's memory check refuses to start above that 90%" if model > self.usable else ""),
                  f"  per step: {sum(self.launches[-1].values())} collective launches ("
                  + ", ".join(f"{op} {n}" for op, n in self.launches[-1].most_common()) + ")"]
         for (group, kind), (calls, nbytes) in sorted(self.steps[-1].items()):
