@@ -23,6 +23,7 @@ import config
 import dry_run
 import train
 from bench import plan as P
+from parallel.comm import ALL_GATHER
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
 from tests.ranks import run_ranks
@@ -180,8 +181,7 @@ def _broken_collectives(rank, world):
             dist.all_reduce(x.t())  # not contiguous
             dist.all_reduce(torch.zeros(8, device="cuda:2"))  # another rank's device
             dist.all_to_all_single(torch.zeros(6, 4, device="cuda:3"), torch.zeros(6, 4, device="cuda:3"))  # 6 / 8
-            dist.all_gather_into_tensor(torch.zeros(64, device="cuda:3"), torch.zeros(8, device="cuda:3",
-                                                                                       dtype=torch.bfloat16))
+            ALL_GATHER(torch.zeros(64, device="cuda:3"), torch.zeros(8, device="cuda:3", dtype=torch.bfloat16))
             torch.zeros(3)  # a CPU tensor made in the step
             try:
                 x.sum().item()  # a host read: fake tensors have no value to give
