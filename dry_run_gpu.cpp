@@ -58,3 +58,8 @@ extern "C" void dry_run_gpu_remove() {
   class_of(&at::detail::getCUDAHooks()) = saved_class;
   c10::impl::device_guard_impl_registry[static_cast<size_t>(kCUDA)].store(saved_guard);
 }
+
+extern "C" int dry_run_gpu_installed() {  // whether the guard or the hooks are this library's now (tests)
+  return c10::impl::device_guard_impl_registry[static_cast<size_t>(kCUDA)].load() == &guard ||
+         class_of(&at::detail::getCUDAHooks()) == class_of(&hooks);
+}
