@@ -27,7 +27,7 @@ install: $(VENV)/.run
 install-dev: $(VENV)/.dev
 
 data/pystdlib/meta.json: | install
-	$(PY) data/prepare.py pystdlib
+	$(PY) -m data.prepare pystdlib
 
 # CPU: the tiny model on the offline corpus for about 5 minutes. GPU node: the small model on every GPU, bf16,
 # compiled, on FineWeb (GPT-2 tokens) where the network reaches it, else on the offline corpus, saying why.
@@ -37,7 +37,7 @@ ifeq ($(NGPU),0)
 	$(PY) train.py --model tiny --steps 400 --global-batch 32 --micro-batch 16 --lr 3e-3 --warmup 20 \
 		--eval-every 100 --log-every 50 --out $(RUN) --metrics $(RUN)/metrics.jsonl --resume auto
 else
-	data=$$($(PY) data/prepare.py fineweb10b --shards $(SHARDS) --fallback pystdlib --print-folder) && \
+	data=$$($(PY) -m data.prepare fineweb10b --shards $(SHARDS) --fallback pystdlib --print-folder) && \
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NGPU) train.py --data $$data --model small \
 		--dtype bf16 --compile --steps 2000 --global-batch $$((32 * $(NGPU))) --micro-batch 16 --lr 1e-3 \
 		--min-lr 1e-4 --warmup 100 --eval-every 250 --log-every 50 --save-every 500 --out $(RUN) \

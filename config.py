@@ -1,40 +1,36 @@
-"""The run's configuration, resolved once: train.py's command line and the launcher's environment become one frozen
-Run (resolve), and with the data, the model it trains (model): every check, in one place, before a process group
-forms or a file is written. Bad input is one UsageError or LayoutError line (exit status 2).
+"""The run's configuration, resolved once, before a process group forms or a file is written.
 
-    run = resolve(argv)                 # flags, launcher, device, dtypes, layout, compile, schedule, saves
-    model = model_for(run, data_folder) # the ModelConfig (flags, data vocabulary, --init-from), checked to fit
+    run = resolve(argv)                  # flags, launcher, device: one frozen Run
+    spec = model_for(run, data_folder)   # the model it trains, checked against every constraint
+
+Bad input is one UsageError or LayoutError line (exit status 2).
 """
 import argparse
 import hashlib
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import fp8
-import model as M
-from data.loader import read_meta
+import machine
+import memory
+import model
+from data.loader import data_identity, read_meta
 from parallel import ckpt, cp, pp, tp
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
 from saves.hf import init_from
+from saves.run import holds_a_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
 DP_MODES = ("ddp", "fsdp", "hsdp")
-# Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name(); first match wins.
-PEAK_TFLOPS = {  # dense bf16 tensor-core peak in TFLOP/s, by the full name torch.cuda.get_device_name() reports
-    "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,  # SXM, PCIe, NVL
-    "NVIDIA H200": 989.4, "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.4, "NVIDIA H800": 989.4,
-    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0,
-    "NVIDIA A100-PCIE-40GB": 312.0, "NVIDIA L4": 121.0, "NVIDIA L40": 181.0, "NVIDIA L40S": 362.0,
-    "NVIDIA A10G": 125.0, "NVIDIA GeForce RTX 4090": 165.2,
-}
 
 
 class UsageError(ValueError):
@@ -69,7 +65,8 @@ def one_of(choices, what):
     """A type that accepts one of `choices` and otherwise says which exist."""
     def check(text):
         if text not in choices:
-            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; "
+                                             f"choose from {', '.join(choices)}")
         return text
     return check
 
@@ -87,106 +84,130 @@ def layer_split(text):
     try:
         counts = tuple(int(s) for s in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
+        message = f"expected comma-separated layer counts, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     if min(counts) < 1:
         raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text}")
     return counts
 
 
-class Run(argparse.Namespace):
-    """The run, resolved: every flag with its default made concrete, and what the launcher and the machine decide.
-    Frozen: once resolve() returns it, nothing changes it. Beyond the flags (train.py --help):
-      rank, world, local_rank, ranks_here   from torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (else one
-                                            process)
-      device, backend                       "cuda:<local rank>" and nccl, or "cpu" and gloo
-      dtype, compile, tf32                  the defaults: bf16, compiled, TF32 for what stays fp32 on CUDA; fp32,
-                                            eager, no TF32 on CPU (--dtype fp32 never uses TF32 unless --tf32)
-      dp, micro_batches                     world / (tp·pp·cp) unless given; B / (b·dp), also the pipeline's M
-      pp_schedule, cp_mode                  1f1b, ring unless given (given without --pp / --cp: refused)
-      overlap                               not --no-overlap
-      tp_ring                               --sp's collectives as ring hops under the matmuls (tp_ring.py): on NCCL,
-                                            with overlap, bf16/fp16/fp32 and a schedule without the B/W split; on
-                                            gloo the blocking collectives cost less (bench/vs_torch.py)"""
+# ---------------------------------------------------------------- the flags
 
-    def __setattr__(self, name, value):
-        if vars(self).get("frozen"):
-            raise AttributeError(f"the run is resolved; {name} cannot change")
-        super().__setattr__(name, value)
-
-
-def parse_args(argv=None, namespace=None):
+def parse_args(argv=None):
     p = OneLineParser(description="Train a Llama-style GPT on any (dp x pp x cp x tp) layout.",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--model", default="tiny", type=one_of(M.PRESETS, "preset"), help=f"preset: {', '.join(M.PRESETS)}")
+    g = p.add_argument_group("model").add_argument
+    g("--model", default="tiny", type=one_of(model.PRESETS, "preset"),
+      help=f"preset: {', '.join(model.PRESETS)}")
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size", "seq-len"):
-        a(f"--{name}", type=positive_int, help="override the preset's field")
-    a("--dropout", type=probability, default=0.0, help="residual dropout (off by default)")
-    a("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
-    a("--global-batch", type=positive_int, default=32, help="sequences per optimizer step, all ranks together")
-    a("--micro-batch", type=positive_int, default=8,
-      help="sequences per forward per DP rank; accumulation = B / (b*dp)")
-    a("--steps", type=positive_int, default=100, help="optimizer steps")
-    a("--lr", type=nonnegative_float, default=3e-3, help="peak learning rate (0: measure, or check an import)")
-    a("--min-lr", type=nonnegative_float, default=3e-4, help="learning rate at the end of the cosine decay")
-    a("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
-    a("--weight-decay", type=nonnegative_float, default=0.1)
-    a("--grad-clip", type=nonnegative_float, default=1.0, help="clip the global gradient norm (0: off)")
-    a("--seed", type=seed_int, default=1337, help="seeds the weights and the batches")
-    a("--dtype", type=one_of(DTYPES, "dtype"),
-      help="compute precision: fp32 | bf16 | fp16 (fp16 uses loss scaling) | fp8 (bf16, block matmuls in fp8); "
+        g(f"--{name}", type=positive_int, help="override the preset's field")
+    g("--dropout", type=probability, default=0.0, help="residual dropout (off by default)")
+
+    g = p.add_argument_group("data and batch").add_argument
+    g("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
+    g("--global-batch", type=positive_int, default=32,
+      help="sequences per optimizer step, all ranks")
+    g("--micro-batch", type=positive_int, default=8,
+      help="sequences per forward per dp rank; accumulation steps M = B / (b*dp)")
+
+    g = p.add_argument_group("optimization").add_argument
+    g("--steps", type=positive_int, default=100, help="optimizer steps")
+    g("--lr", type=nonnegative_float, default=3e-3,
+      help="peak learning rate (0: measure, or check an import)")
+    g("--min-lr", type=nonnegative_float, default=3e-4,
+      help="learning rate at the end of the cosine")
+    g("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
+    g("--schedule", default="cosine", type=one_of(("cosine", "wsd"), "schedule"),
+      help="after the warmup: cosine to --min-lr | wsd (warmup-stable-decay: --lr until the last "
+           "--warmdown steps, then linear to --min-lr)")
+    g("--warmdown", type=positive_int, help="steps of wsd's linear decay at the end of the run")
+    g("--weight-decay", type=nonnegative_float, default=0.1)
+    g("--grad-clip", type=nonnegative_float, default=1.0,
+      help="clip the global gradient norm (0: off)")
+    g("--seed", type=seed_int, default=1337, help="seeds the weights and the batches")
+
+    g = p.add_argument_group("precision").add_argument
+    g("--dtype", type=one_of(DTYPES, "dtype"),
+      help="compute precision: fp32 | bf16 | fp16 (loss scaling) | fp8 (bf16, block matmuls "
+           "in fp8); "
            "default bf16 on CUDA, fp32 on CPU")
-    a("--tf32", action=argparse.BooleanOptionalAction,
-      help="TF32 tensor cores for the matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for fp32)")
-    a("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
-    a("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
-    a("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
-    a("--reduce-dtype", type=one_of(("fp32", "bf16"), "dtype"),
+    g("--tf32", action=argparse.BooleanOptionalAction,
+      help="TF32 for matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for "
+           "fp32)")
+    g("--reduce-dtype", type=one_of(("fp32", "bf16"), "dtype"),
       help="FSDP gradient reduce-scatter dtype: fp32 | bf16 (default fp32)")
-    a("--accumulate", type=one_of(("sharded", "unsharded"), "mode"),
-      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch, 4P/M bytes held; the "
-           "default) | unsharded (summed locally, one reduce-scatter per step, 4P bytes held)")
-    a("--fp8-all-gather", action="store_true", help="FSDP/HSDP all-gather the block weights in fp8 (--dtype fp8)")
-    a("--tp", type=positive_int, default=1, help="tensor parallel degree")
-    a("--sp", action="store_true", help="sequence parallel (with --tp)")
-    a("--pp", type=positive_int, default=1, help="pipeline parallel degree")
-    a("--pp-schedule", type=one_of(SCHEDULES, "schedule"), help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
-    a("--pp-virtual", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
-    a("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
-    a("--cp", type=positive_int, default=1, help="context parallel degree")
-    a("--cp-mode", type=one_of(CP_MODES, "mode"), help=f"{' | '.join(CP_MODES)} (default ring)")
-    a("--ckpt", default="none", type=recompute_policy,
-      help="activation checkpointing, i.e. recompute activations in backward (not a save: see --save-every): "
-           f"{ckpt.POLICIES}")
-    a("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
-    a("--no-overlap", action="store_true",
-      help="no communication overlap (ablation): dp gradient sync after backward, every tp collective blocking")
-    a("--device", type=one_of(("cpu", "cuda"), "device"), help="cpu | cuda (default: cuda if available)")
-    a("--compile", action=argparse.BooleanOptionalAction,
+    g("--fp8-all-gather", action="store_true",
+      help="FSDP/HSDP gather block weights in fp8 (--dtype fp8)")
+
+    g = p.add_argument_group("layout").add_argument
+    g("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
+    g("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
+    g("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
+    g("--accumulate", type=one_of(("sharded", "unsharded"), "mode"),
+      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch; the "
+           "default) | "
+           "unsharded (summed locally, one reduce-scatter per step, 4P bytes more)")
+    g("--tp", type=positive_int, default=1, help="tensor parallel degree")
+    g("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g("--sp-ring", action="store_true",
+      help="--sp's collectives as ring hops under the matmuls (tp_ring.py; not yet measured on "
+           "GPUs)")
+    g("--pp", type=positive_int, default=1, help="pipeline parallel degree")
+    g("--pp-schedule", type=one_of(SCHEDULES, "schedule"),
+      help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
+    g("--pp-virtual", type=positive_int, default=1,
+      help="model chunks per pipeline rank (interleaved)")
+    g("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
+    g("--cp", type=positive_int, default=1, help="context parallel degree")
+    g("--cp-mode", type=one_of(CP_MODES, "mode"), help=f"{' | '.join(CP_MODES)} (default ring)")
+    g("--ckpt", default="none", type=recompute_policy,
+      help=f"activation checkpointing: recompute activations in backward: {ckpt.POLICIES}")
+    g("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
+    g("--no-overlap", action="store_true",
+      help="no communication overlap (ablation): dp gradient sync after backward, tp collectives "
+           "blocking")
+
+    g = p.add_argument_group("device").add_argument
+    g("--device", type=one_of(("cpu", "cuda"), "device"),
+      help="cpu | cuda (default: cuda if available)")
+    g("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")
-    a("--peak-tflops", type=positive_float, help="device peak for MFU (default: device table, or measured on CPU)")
-    a("--timeout", type=positive_float, default=600.0,
-      help="seconds a collective may wait, once the first steps are done (a hung rank then stops the job)")
-    a("--startup-timeout", type=positive_float, default=3600.0,
-      help="seconds a collective may wait during set-up, the first two steps and the first evaluation, which "
-           "compile stage after stage")
-    a("--out", help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that differ from "
-      "their defaults, a new one for a fresh run, the newest of that name for --resume)")
-    a("--save-every", type=nonnegative_int, default=0, help="save every N steps (0: only at the end)")
-    a("--resume", nargs="?", const="latest", choices=["latest", "auto"],
-      help="continue from the newest complete save in --out in any layout (error if none); "
+    g("--peak-tflops", type=positive_float, help="device peak for MFU (default: the device table)")
+    g("--timeout", type=positive_float, default=600.0,
+      help="seconds a collective may wait once the first steps are done (a hung rank stops the "
+           "job)")
+    g("--startup-timeout", type=positive_float, default=3600.0,
+      help="seconds a collective may wait during set-up, the first two steps and the first "
+           "evaluation")
+
+    g = p.add_argument_group("outputs").add_argument
+    g("--out",
+      help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that "
+      "differ from their defaults; a new one for a fresh run, the newest of that name for "
+      "--resume)")
+    g("--save-every", type=nonnegative_int, default=0,
+      help="save every N steps (0: only at the end)")
+    g("--resume", nargs="?", const="latest", choices=["latest", "auto"],
+      help="continue from the newest complete save in --out, in any layout (error if none); "
            "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
-    a("--init-from", metavar="DIR", help="start from a Hugging Face Llama folder (config.json + safetensors) at step 0 "
-      "with a fresh optimizer; the shape flags must match config.json")
-    a("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
-    a("--async-save", action="store_true", help="snapshot to CPU memory and write from a background thread")
-    a("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
-    a("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
-    a("--log-every", type=nonnegative_int, default=10, help="print a console line every N steps (0: off)")
-    a("--metrics", help="append one JSON line per step, and the run's summary at the end, to this file (rank 0; "
-      "default OUT/metrics.jsonl)")
-    a("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 3-5 to --out")
-    args = p.parse_args(argv, namespace=namespace)
+    g("--init-from", metavar="DIR",
+      help="start from a Hugging Face Llama folder (config.json + safetensors) "
+      "at step 0 with a fresh optimizer; the shape flags must match config.json")
+    g("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
+    g("--async-save", action="store_true",
+      help="snapshot to CPU memory, write from a background thread")
+    g("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
+    g("--eval-batches", type=positive_int, default=4, help="global batches per evaluation")
+    g("--target-loss", type=positive_float,
+      help="the summary names the step, tokens and time at which the val loss first reached it")
+    g("--log-every", type=nonnegative_int, default=10,
+      help="print a console line every N steps (0: off)")
+    g("--metrics",
+      help="append a JSON line per step, and the run's summary at the end, to this file "
+      "(rank 0; default OUT/metrics.jsonl)")
+    g("--profile", action="store_true",
+      help="write a torch.profiler Chrome trace of steps 3-5 to --out")
+    args = p.parse_args(argv)
     check_args(args)
     return args
 
@@ -194,53 +215,192 @@ def parse_args(argv=None, namespace=None):
 def check_args(args):
     """The checks that involve more than one flag, or the machine; each names the flag at fault."""
     for problem, flag, needs in (
-            (args.sp and args.tp == 1, "--sp", "--tp > 1: it shards the tensor-parallel region along the sequence"),
+            (args.sp and args.tp == 1, "--sp",
+             "--tp > 1: it shards the tensor-parallel region along the sequence"),
+            (args.sp_ring and not args.sp, "--sp-ring", "--sp"),
+            (args.sp_ring and args.no_overlap, "--sp-ring",
+             "communication overlap (drop --no-overlap)"),
             (args.dp_shard and args.dp_mode != "hsdp", "--dp-shard", "--dp-mode hsdp"),
-            (args.reduce_dtype and args.dp_mode == "ddp", "--reduce-dtype", "--dp-mode fsdp or hsdp"),
+            (args.reduce_dtype and args.dp_mode == "ddp", "--reduce-dtype",
+             "--dp-mode fsdp or hsdp"),
             (args.accumulate and args.dp_mode == "ddp", "--accumulate", "--dp-mode fsdp or hsdp"),
-            (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"), "--fp8-all-gather",
-             "--dtype fp8 and --dp-mode fsdp or hsdp"),
+            (args.fp8_all_gather and (args.dtype != "fp8" or args.dp_mode == "ddp"),
+             "--fp8-all-gather", "--dtype fp8 and --dp-mode fsdp or hsdp"),
             ((args.pp_split or args.pp_virtual != 1 or args.pp_schedule) and args.pp == 1,
              "--pp-split/--pp-virtual/--pp-schedule", "--pp > 1"),
             (args.pp_virtual > 1 and args.pp_schedule != "interleaved", "--pp-virtual",
              "--pp-schedule interleaved"),
-            (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1")):
+            (args.cp_mode and args.cp == 1, "--cp-mode", "--cp > 1"),
+            (args.warmdown and args.schedule != "wsd", "--warmdown", "--schedule wsd"),
+            (args.target_loss and not args.eval_every, "--target-loss", "--eval-every")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
     if args.dp_mode == "hsdp" and not args.dp_shard:
         raise UsageError("--dp-shard: hsdp needs the shard-group size")
+    if args.schedule == "wsd" and not args.warmdown:
+        raise UsageError("--warmdown: --schedule wsd needs the length of its decay, in steps")
+    if args.warmdown and args.warmdown > args.steps:
+        raise UsageError(f"--warmdown: {args.warmdown} is more than --steps {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda requested but no GPU is visible")
     if args.dtype == "fp8" and args.pp_schedule in SPLIT_BACKWARD:
-        raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; not with --dtype fp8")
+        raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; "
+                         "not with --dtype fp8")
+    if args.sp_ring and (args.dtype == "fp8" or args.pp_schedule in SPLIT_BACKWARD):
+        raise UsageError("--sp-ring: not with --dtype fp8 or the zero-bubble schedules, which run "
+                         "tp's plain path")
     if args.dtype == "fp8" and fp8.missing():
-        raise UsageError(f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")
+        raise UsageError("--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; "
+                         f"{fp8.missing()}")
 
 
-NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep", "async_save", "eval_every",
-               "eval_batches", "timeout", "startup_timeout", "peak_tflops", "device"}  # they change no number trained
+# ---------------------------------------------------------------- the run
+
+@dataclass(frozen=True)
+class Run:
+    """The run, resolved: every flag with its default made concrete, and what the launcher and the
+    machine decide. Frozen: nothing changes it once resolve() returns."""
+    # the model (None: the preset's)
+    model: str
+    n_layer: Optional[int]
+    d_model: Optional[int]
+    n_head: Optional[int]
+    n_kv_head: Optional[int]
+    ffn_dim: Optional[int]
+    vocab_size: Optional[int]
+    seq_len: Optional[int]
+    dropout: float
+    # data and batch
+    data: Optional[str]
+    global_batch: int  # B: sequences per step
+    micro_batch: int  # b: sequences per forward on one dp rank
+    accum_steps: int  # M = B / (b·dp): micro-batches per rank and step, the pipeline's M
+    # optimization
+    steps: int
+    lr: float
+    min_lr: float
+    warmup: int
+    schedule: str  # cosine | wsd
+    warmdown: Optional[int]  # wsd: the steps of the final linear decay
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    # precision
+    dtype: str  # bf16 on CUDA, fp32 on CPU unless given
+    tf32: bool  # on CUDA for bf16, fp16 and fp8 unless given; never for fp32 unless given
+    reduce_dtype: str
+    fp8_all_gather: bool
+    # layout
+    dp: int  # world / (tp·pp·cp) unless given
+    dp_mode: str
+    dp_shard: Optional[int]  # hsdp only
+    accumulate: str
+    tp: int
+    sp: bool
+    sp_ring: bool
+    pp: int
+    pp_schedule: str  # 1f1b unless given
+    pp_virtual: int
+    pp_split: Optional[tuple]
+    cp: int
+    cp_mode: str  # ring unless given
+    ckpt: str
+    bucket_mb: float
+    overlap: bool  # not --no-overlap
+    # device
+    device: str  # "cuda:<local rank>" or "cpu"
+    backend: str  # nccl or gloo
+    compile: bool  # on CUDA unless given
+    peak_tflops: Optional[float]
+    timeout: float
+    startup_timeout: float
+    # outputs
+    out: str
+    save_every: int
+    resume: Optional[str]
+    init_from: Optional[str]
+    keep: int
+    async_save: bool
+    eval_every: int
+    eval_batches: int
+    target_loss: Optional[float]
+    log_every: int
+    metrics: str
+    profile: bool
+    # the launcher: torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (else one process)
+    rank: int
+    world: int
+    local_rank: int
+    ranks_here: int
+    # the flags that differ from their defaults and change what is trained: the run's name
+    flags: dict
 
 
-def given_flags(run):
-    """{flag: value} of the flags this run sets to something other than their defaults, that change what it trains
-    (a data folder or checkpoint by its name): the run's name, and what bench/compare.py tells runs apart by."""
+def resolve(argv=None, environ=None):
+    """The frozen Run of this process: the flags (checked), torchrun's environment, the device."""
+    environ = os.environ if environ is None else environ
+    args = parse_args(argv)
+    for flag, value, what in (("--out", args.out, "a folder"),
+                              ("--metrics", args.metrics, "a file")):
+        if value == "":
+            raise UsageError(f"{flag}: an empty path: name {what}")
+    rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    local_rank = int(environ.get("LOCAL_RANK", 0))
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    if cuda and dtype == "fp8" and torch.cuda.get_device_capability(local_rank) < (8, 9):
+        raise UsageError("--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
+                         "Hopper); "
+                         f"{torch.cuda.get_device_name(local_rank)} is "
+                         f"{torch.cuda.get_device_capability(local_rank)}")
+    dp = infer_dp(world, args.tp, args.pp, args.cp, args.dp)
+    dp_shard = args.dp_shard if args.dp_mode == "hsdp" else None
+    if dp_shard and dp % dp_shard:
+        raise LayoutError("--dp-shard", f"dp_shard {dp_shard} does not divide dp {dp}")
+    flags = given_flags(args)
+    out = args.out or str(default_out(args.model, flags, args.resume))
+    metrics = args.metrics or str(Path(out) / "metrics.jsonl")
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in fields(Run)}}
+    derived = dict(
+        accum_steps=accumulation_steps(args.global_batch, args.micro_batch, dp),
+        dtype=dtype, tf32=(cuda and dtype != "fp32") if args.tf32 is None else args.tf32,
+        reduce_dtype=args.reduce_dtype or "fp32", dp=dp, dp_shard=dp_shard,
+        accumulate=args.accumulate or "sharded", pp_schedule=args.pp_schedule or "1f1b",
+        cp_mode=args.cp_mode or "ring", overlap=not args.no_overlap,
+        device=f"cuda:{local_rank}" if cuda else "cpu", backend="nccl" if cuda else "gloo",
+        compile=cuda if args.compile is None else args.compile, out=out, metrics=metrics,
+        rank=rank, world=world, local_rank=local_rank,
+        ranks_here=int(environ.get("LOCAL_WORLD_SIZE", 1)), flags=flags)
+    run = Run(**{**given, **derived})
+    check_writable(run.out, "--out", folder=True)
+    check_writable(run.metrics, "--metrics", folder=False)
+    return run
+
+
+NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep",
+               "async_save", "eval_every", "eval_batches", "target_loss", "timeout",
+               "startup_timeout", "peak_tflops", "device"}  # they change no number trained
+
+
+def given_flags(args):
+    """{flag: value} of the flags set to other than their defaults that change what is trained (a
+    data folder or checkpoint by its name): the run's name, and how compare.py tells runs apart."""
     defaults = vars(parse_args([]))
     return {k.replace("_", "-"): Path(v).name if k in ("data", "init_from") else v
-            for k, v in sorted(vars(run).items()) if k in defaults and k not in NOT_IN_NAME and v != defaults[k]}
+            for k, v in sorted(vars(args).items()) if k not in NOT_IN_NAME and v != defaults[k]}
 
 
-def default_out(run, root=Path("runs")):
-    """runs/NAME, NAME the model and the given flags (a hash past 120 characters). A fresh run takes the first of
-    NAME, NAME-2, NAME-3, ... that holds no run (so back-to-back ablations never collide and nothing is lost);
-    --resume the newest that exists (so a torchrun restart with --resume auto finds its own saves)."""
-    flags = {k: v for k, v in given_flags(run).items() if k != "model"}
-    name = "-".join([run.model] + [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
-                                   for k, v in flags.items()]).replace("/", "_")
+def default_out(preset, flags, resume, root=Path("runs")):
+    """runs/NAME: the preset and the given flags (hashed past 120 characters). A fresh run takes the
+    first of NAME, NAME-2, NAME-3, ... that holds no run; --resume the newest that exists."""
+    shown = [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in flags.items()
+             if k != "model"]
+    name = "-".join([preset] + shown).replace("/", "_")
     if len(name) > 120:
         name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
     names = [root / name] + [root / f"{name}-{i}" for i in range(2, 10_000)]
-    if run.resume:
-        existing = [p for p in names[:next(i for i, p in enumerate(names) if not p.exists())]]
+    if resume:
+        existing = names[:next(i for i, p in enumerate(names) if not p.exists())]
         return existing[-1] if existing else names[0]
     for path in names:
         if not path.exists() or not holds_a_run(path):
@@ -248,55 +408,18 @@ def default_out(run, root=Path("runs")):
     raise UsageError(f"--out: {root / name} and 9,999 more of that name hold runs; choose --out")
 
 
-def holds_a_run(path):
-    return any(path.glob("step_*")) or (path / "attempts.json").exists()
-
-
-def resolve(argv=None, environ=None):
-    """The frozen Run of this process: the flags (checked), torchrun's environment, and the device's defaults."""
-    environ = os.environ if environ is None else environ
-    run = parse_args(argv, namespace=Run())
-    run.flags = given_flags(run)
-    if run.out is None:
-        run.out = str(default_out(run))
-    run.metrics = run.metrics or str(Path(run.out) / "metrics.jsonl")
-    rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
-    run.rank, run.world, run.local_rank = rank, world, int(environ.get("LOCAL_RANK", 0))
-    run.ranks_here = int(environ.get("LOCAL_WORLD_SIZE", 1))
-    cuda = (run.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    run.device, run.backend = (f"cuda:{run.local_rank}", "nccl") if cuda else ("cpu", "gloo")
-    run.dtype = run.dtype or ("bf16" if cuda else "fp32")
-    run.compile = cuda if run.compile is None else run.compile
-    run.tf32 = (cuda and run.dtype != "fp32") if run.tf32 is None else run.tf32
-    if cuda and run.dtype == "fp8" and torch.cuda.get_device_capability(run.device) < (8, 9):
-        raise UsageError(f"--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(run.device)} is {torch.cuda.get_device_capability(run.device)}")
-    run.dp = infer_dp(world, run.tp, run.pp, run.cp, run.dp)
-    run.dp_shard = run.dp_shard if run.dp_mode == "hsdp" else None
-    if run.dp_shard and run.dp % run.dp_shard:
-        raise LayoutError("--dp-shard", f"dp_shard {run.dp_shard} does not divide dp {run.dp}")
-    run.micro_batches = accumulation_steps(run.global_batch, run.micro_batch, run.dp)
-    run.pp_schedule, run.cp_mode = run.pp_schedule or "1f1b", run.cp_mode or "ring"
-    run.reduce_dtype, run.accumulate = run.reduce_dtype or "fp32", run.accumulate or "sharded"
-    run.overlap = not run.no_overlap
-    run.tp_ring = (run.sp and run.overlap and run.backend == "nccl" and run.dtype != "fp8"
-                   and not (run.pp > 1 and run.pp_schedule in SPLIT_BACKWARD))
-    check_writable(run.out, "--out", folder=True)
-    if run.metrics:
-        check_writable(run.metrics, "--metrics", folder=False)
-    run.frozen = True
-    return run
-
-
 def check_writable(path, flag, folder):
-    """path (a folder to be, or a file to be) can be created: it is not the other kind of thing, nothing on its way
-    is a file, and the nearest existing folder takes a new file (probed, then removed: nothing is left)."""
+    """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
+    way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
     path = Path(path)
-    if path.exists() and path.is_dir() != folder:
-        raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
-    parent = path if folder else path.parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        if path.exists() and path.is_dir() != folder:
+            raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
+        parent = path if folder else path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:  # a name too long for the file system
+        raise UsageError(f"{flag}: {path}: {e.strerror or e}") from None
     if not parent.is_dir():
         raise UsageError(f"{flag}: {parent} is a file, so {path} cannot be created")
     try:
@@ -307,7 +430,7 @@ def check_writable(path, flag, folder):
 
 
 def accumulation_steps(global_batch, micro_batch, dp):
-    """Micro-batches per rank and step, M = B / (b·dp); the one place the batch sizes are checked together."""
+    """M = B / (b·dp); the one place the batch sizes are checked together."""
     if global_batch % (micro_batch * dp):
         raise UsageError(f"--global-batch: {global_batch} is not divisible by micro-batch x dp = "
                          f"{micro_batch} x {dp}")
@@ -318,136 +441,81 @@ def accumulation_steps(global_batch, micro_batch, dp):
 
 @dataclass(frozen=True)
 class Model:
-    """What the run trains: the model config (flags, the data's vocabulary, --init-from's config.json), the Hugging
-    Face weights to start from (None: the seeded init), and what a save records to be resumed: `config` must match on
-    --resume (model, data, tokenizer, optimization), `layout` need not."""
-    cfg: M.ModelConfig
+    """What the run trains: the config (flags, the data's vocabulary, --init-from's config.json) and
+    the Hugging Face weights to start from (None: the seeded init). A save records `config`, which
+    must match on --resume (model, data, tokenizer, optimization), and `layout`, which need not."""
+    cfg: model.ModelConfig
     weights: object
     config: dict
     layout: dict
 
 
 def model_for(run, data_folder):
-    """The Model of a run on a prepared data folder, checked: the shape, every parallelism's constraints on it
-    (tp.validate, cp.validate, pp.layer_counts), fp8's dimensions, and that it fits the device."""
+    """The Model of a run on a prepared data folder, checked: the shape, every parallelism's
+    constraints on it, fp8's dimensions, and that a step fits the device."""
     meta = read_meta(data_folder)
-    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)  # config.json checked
+    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
     check_layout(cfg, run)
     check_fits(cfg, run)
-    config = {"model": dict(cfg.__dict__), "data": data_identity(Path(data_folder) / "meta.json"),
-              "train": {k: getattr(run, k) for k in ("global_batch", "lr", "min_lr", "warmup", "weight_decay",
-                                                      "grad_clip", "seed", "dtype", "steps")},
-              "tokenizer": meta["tokenizer"], **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
-    layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp, "dp_mode": run.dp_mode,
-              "dp_shard": run.dp_shard or run.dp, "sp": run.sp, "pp_schedule": run.pp_schedule,
-              "pp_virtual": run.pp_virtual, "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
+    train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
+             "steps")
+    config = {"model": dict(cfg.__dict__), "data": data_identity(data_folder),
+              "train": {**{k: getattr(run, k) for k in train},  # cosine: as before wsd existed
+                        **({"warmdown": run.warmdown} if run.schedule == "wsd" else {})},
+              "tokenizer": meta["tokenizer"],
+              **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
+    layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp,
+              "dp_mode": run.dp_mode, "dp_shard": run.dp_shard or run.dp, "sp": run.sp,
+              "pp_schedule": run.pp_schedule, "pp_virtual": run.pp_virtual,
+              "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
               "cp_mode": run.cp_mode}
     return Model(cfg, weights, config, layout)
 
 
 def model_config(run, vocab_size):
-    base = M.PRESETS[run.model]
-    overrides = {f: getattr(run, f) for f in ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim",
-                                              "vocab_size", "seq_len") if getattr(run, f) is not None}
-    fields = {**base.__dict__, "dropout": run.dropout, **overrides}
-    if not fields["vocab_size"]:
-        fields["vocab_size"] = vocab_size
-    if fields["vocab_size"] < vocab_size:
-        raise UsageError(f"--vocab-size: {fields['vocab_size']} is below the data's vocabulary of {vocab_size}")
-    cfg = M.ModelConfig(**fields)
-    problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, run.micro_batch * cfg.seq_len
-                                                                   // run.cp))
+    """The ModelConfig of the preset, the shape flags and the data's vocabulary, checked."""
+    base = model.PRESETS[run.model]
+    names = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
+    overrides = {f: getattr(run, f) for f in names if getattr(run, f) is not None}
+    values = {**base.__dict__, "dropout": run.dropout, **overrides}
+    if not values["vocab_size"]:
+        values["vocab_size"] = vocab_size
+    if values["vocab_size"] < vocab_size:
+        raise UsageError(f"--vocab-size: {values['vocab_size']} is below the data's vocabulary of "
+                         f"{vocab_size}")
+    cfg = model.ModelConfig(**values)
+    tokens = run.micro_batch * cfg.seq_len // run.cp
+    problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, tokens))
     if problem:
         raise UsageError(f"{problem[0]}: {problem[1]}")
     return cfg
 
 
 def check_layout(cfg, run):
-    """Every parallelism's constraints on this model, through its own check, before anything is built."""
+    """Every parallelism's constraints on this model, through its own check."""
     if run.tp > 1:
         tp.validate(cfg, run.tp, run.cp, run.sp)
     if run.cp > 1:
         cp.validate(cfg, run.cp, run.tp, run.cp_mode)
     if run.pp > 1:
-        pp.layer_counts(cfg, run.pp, run.pp_virtual, run.micro_batches, run.pp_split, run.pp_schedule)
-
-
-MARGIN = 0.10  # of the device's memory, kept free: the allocator's fragmentation, NCCL's buffers, the CUDA context
-
-
-def step_bytes(cfg, run):
-    """{what: bytes} one rank holds at the peak of a step, an estimate from the shapes: the model state (fp32 weights,
-    gradients, Adam's two moments: 16 bytes per parameter after sharding), the weights in use (FSDP's two gathered
-    units, or autocast's cast of the stage's weights), the activations backward keeps (per layer and token in the
-    compute dtype: the norms' inputs and outputs, q, k, v, attention's output, the MLP's gate, up and product; a
-    checkpointed layer keeps its input, and one layer is remade at a time; a pipeline stage keeps up to P micro-
-    batches' sets, GPipe M), the logits and their gradient, and the step's token ids. --accumulate unsharded keeps
-    every unit's flat gradient all step, in the reduce dtype, unsharded."""
-    e = 4 if run.dtype == "fp32" else 2
-    d, f, params = cfg.d_model, cfg.ffn_dim, M.param_counts(cfg)[0]
-    sh = run.tp if run.sp else 1  # the residual stream's split under sequence parallel
-    shard = {"ddp": 1, "fsdp": run.dp * run.cp, "hsdp": (run.dp_shard or 1) * run.cp}[run.dp_mode]
-    stage = params / (run.tp * run.pp)
-    block = M.layer_param_count(cfg) / run.tp
-    tokens = run.micro_batch * cfg.seq_len / run.cp
-    layer = e * (4 * d / sh + (4 * d + 2 * d * cfg.n_kv_head / cfg.n_head + 3 * f) / run.tp) + 8 / sh  # per token
-    layers = -(-cfg.n_layer // run.pp)
-    kind = ckpt.parse(run.ckpt)[0]
-    kept = layers * layer if kind in ("none", "selective") else layers * e * d / sh + layer  # remade one at a time
-    if kind == "selective":
-        kept -= layers * e * (2 * d / sh + f / run.tp)
-    sets = 1 if run.pp == 1 else (run.micro_batches if run.pp_schedule == "gpipe" else min(run.pp, run.micro_batches))
-    vocab = cfg.padded_vocab / run.tp
-    summed = DTYPES[run.reduce_dtype].itemsize * stage if run.accumulate == "unsharded" else 0  # fsdp_accumulate
-    return {"model state": 16 * stage / shard + summed,
-            "weights in use": 2 * e * block if run.dp_mode != "ddp" else (e * stage if e < 4 else 0),
-            "activations": sets * tokens * kept,
-            "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,
-            "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
-
-
-def device_memory(run):
-    """(bytes one rank may use, what they are): the GPU's memory, or on CPU the memory available now over the ranks
-    on this machine."""
-    if run.backend == "nccl":
-        return torch.cuda.get_device_properties(run.device).total_memory, torch.cuda.get_device_name(run.device)
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return available / run.ranks_here, f"this machine's available RAM / {run.ranks_here} rank(s)"
+        pp.layer_counts(cfg, run.pp, run.pp_virtual, run.accum_steps, run.pp_split, run.pp_schedule)
 
 
 def check_fits(cfg, run):
-    """Refuses, before anything is built, a run whose step (step_bytes) would not fit in the device's memory less a
-    margin, naming the largest part and the flag that moves it."""
+    """Refuses a run whose step would not fit the device's memory less the margin, naming the
+    largest part and the flag that moves it."""
     if cfg.vocab_size >= 2 ** 31:
         raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
-    parts, (limit, where) = step_bytes(cfg, run), device_memory(run)
+    parts, (limit, where) = memory.step_bytes(cfg, run), machine.device_memory(run)
     need = sum(parts.values())
-    if need > (1 - MARGIN) * limit:
+    if need > (1 - memory.MARGIN) * limit:
         largest = max(parts, key=parts.get)
-        flag = {"activations": "--micro-batch", "logits": "--micro-batch", "token ids": "--global-batch"}.get(largest,
-                                                                                                            "--model")
+        flag = {"activations": "--micro-batch", "logits": "--micro-batch",
+                "token ids": "--global-batch"}.get(largest, "--model")
         shown = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts.items())
-        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more than "
-                         f"{1 - MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; shard the model (--dp-mode fsdp, "
-                         f"--tp, --pp), checkpoint (--ckpt), or shrink --micro-batch")
+        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more "
+                         f"than {1 - memory.MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; "
+                         "shard the model (--dp-mode fsdp, --tp, --pp), checkpoint (--ckpt), or "
+                         "shrink --micro-batch")
 
 
-def data_identity(meta_path):
-    """What a resume compares to know it reads the same data: a hash of the data folder's meta.json."""
-    return hashlib.sha256(Path(meta_path).read_bytes()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- the peak that MFU divides by
-
-def peak_flops(run, cfg):
-    """Per-device peak FLOP/s and where it came from: --peak-tflops, or the table by the GPU's full name. A CPU has no
-    honest peak (a measured matmul rate moved 70x between runs on shared cores): MFU is shown only with
-    --peak-tflops there."""
-    if run.peak_tflops:
-        return run.peak_tflops * 1e12, "--peak-tflops"
-    if run.backend == "nccl":
-        name = torch.cuda.get_device_name(run.device)
-        if name in PEAK_TFLOPS:
-            return PEAK_TFLOPS[name] * 1e12, f"{name} bf16 dense peak"
-        return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
-    return 0.0, "no peak for a CPU: pass --peak-tflops for MFU"

@@ -1,7 +1,9 @@
-"""Optimization pieces shared by every layout: AdamW over fp32 masters, the LR schedule, the fp16 loss scaler, and
-clipping by the global norm of a sharded, partly replicated set of gradients. Nothing here reads a value back to the
-host: the norm, the overflow flag and the loss scale stay on the device, and fused AdamW skips an overflowed step by
-itself, so a training step needs no host sync before its end."""
+"""Optimization pieces every layout shares: AdamW, the LR schedule, the fp16 loss scaler, clipping.
+
+AdamW runs over fp32 masters. Clipping uses the global norm of sharded, partly replicated
+gradients. Nothing here reads a value back to the host. The norm, the overflow flag and the loss
+scale stay on the device, and fused AdamW skips an overflowed step by itself. So a training step
+needs no host sync before its end."""
 import math
 from collections import defaultdict
 
@@ -10,8 +12,9 @@ import torch.distributed as dist
 
 
 def make_adamw(params, lr, weight_decay, device):
-    """AdamW over fp32 master weights, fused (one kernel for all parameters) where torch has it for the device.
-    Matrices decay; norms (1-D) do not."""
+    """AdamW over fp32 master weights. Matrices decay; norms (1-D) do not.
+
+    Fused (one kernel for all parameters) where torch has it for the device."""
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -21,17 +24,25 @@ def make_adamw(params, lr, weight_decay, device):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def lr_at(step, lr, min_lr, warmup, total):
-    """Linear warmup from lr/warmup to lr over `warmup` steps, then cosine decay to min_lr at `total`."""
+def lr_at(step, lr, min_lr, warmup, total, warmdown=None):
+    """Linear warmup from lr/warmup to lr in `warmup` steps, then a decay to min_lr at `total`.
+
+    warmdown None: cosine from the end of the warmup. warmdown K (warmup-stable-decay): lr until
+    the last K steps, then linear to min_lr. A longer `total` lengthens the stable part.
+    """
     if step < warmup:
         return lr * (step + 1) / warmup
+    if warmdown is not None:
+        left = min(1.0, max(0, total - step) / warmdown) if warmdown else 1.0  # 1 while stable
+        return min_lr + left * (lr - min_lr)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
 def optimizer_step(opt, found_inf=None):
-    """opt.step(), skipped where found_inf (a 0-dim device tensor) is 1. Fused AdamW reads the flag on the device;
-    torch without a fused kernel for the device has to read it on the host."""
+    """opt.step(), skipped where found_inf (a 0-dim device tensor) is 1.
+
+    Fused AdamW reads the flag on the device. Without a fused kernel it is read on the host."""
     if found_inf is None or opt.defaults.get("fused"):
         opt.found_inf = found_inf
         opt.step()
@@ -40,9 +51,11 @@ def optimizer_step(opt, found_inf=None):
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16: multiply the loss by `scale` so small gradients survive fp16, divide the
-    gradients back before the step; on inf/nan skip the step and halve the scale, after `interval` clean steps
-    double it. The scale and the count of clean steps live on the device. A disabled scaler (fp32/bf16) is 1."""
+    """Dynamic loss scaling for fp16. A disabled scaler (fp32, bf16) is 1.
+
+    The loss is multiplied by `scale` so small gradients survive fp16. The gradients are divided
+    back before the step. On inf or nan the step is skipped and the scale halved. After
+    `interval` clean steps it doubles. The scale and the count of clean steps live on the device."""
 
     def __init__(self, enabled, device="cpu", scale=2.0 ** 16, interval=2000):
         self.enabled, self.interval = enabled, interval
@@ -59,14 +72,16 @@ class LossScaler:
     def update(self, found_inf):
         """After the step: halve on overflow (found_inf 1), double after `interval` clean steps."""
         if self.enabled:
-            torch._amp_update_scale_(self.scale, self.clean_steps, found_inf, 2.0, 0.5, self.interval)
+            torch._amp_update_scale_(self.scale, self.clean_steps, found_inf, 2.0, 0.5,
+                                     self.interval)
 
 
 def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
-    """The L2 norm of the full gradient. Each entry is (grad, r): a tensor this rank holds and the number of ranks
-    holding an identical copy of it, so that every element counts once. One _foreach_norm per replica count, then
-    one all-reduce of the squared sum (and of `also_sum`, a 0-dim tensor summed over the world in the same call).
-    Returns the norm, or (norm, summed also_sum)."""
+    """The L2 norm of the full gradient. Returns the norm, or (norm, summed also_sum).
+
+    Each entry is (grad, r): a tensor this rank holds, and how many ranks hold the same copy.
+    So every element counts once. One _foreach_norm runs per replica count, then one all-reduce
+    of the squared sum. `also_sum`, a 0-dim tensor, is summed over the world in the same call."""
     by_replicas = defaultdict(list)
     for g, replicas in grads_and_replicas:
         by_replicas[replicas].append(g)
@@ -84,11 +99,14 @@ def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
 
 @torch.no_grad()
 def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, bad_losses=None):
-    """Divides the gradients by the loss scale and clips them to max_norm (0: no clipping), in one pass, with no
-    branch on a device value. Returns (the pre-clip norm of the unscaled gradients, which is inf/nan if any gradient
-    anywhere overflowed; the number of ranks whose `bad_losses` was 1, i.e. whose loss was not finite)."""
+    """Divides the gradients by the loss scale and clips them to max_norm (0: no clipping).
+
+    One pass, with no branch on a device value. Returns (norm, bad). norm: the pre-clip norm of
+    the unscaled gradients, inf or nan if any gradient anywhere overflowed. bad: how many ranks
+    had `bad_losses` 1, a loss that was not finite."""
     grads = [g for g, _ in grads_and_replicas]
-    local_bad = bad_losses if bad_losses is not None else torch.zeros((), device=grads[0].device if grads else "cpu")
+    local_bad = bad_losses if bad_losses is not None else torch.zeros(
+        (), device=grads[0].device if grads else "cpu")
     scaled_norm, bad = global_grad_norm(grads_and_replicas, world_group, also_sum=local_bad)
     norm = scaled_norm / loss_scale
     coef = 1 / loss_scale

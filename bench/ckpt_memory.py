@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
 from bench import common  # noqa: E402
 from parallel import ckpt  # noqa: E402
+from parallel.materialize import init_weights
 
 POLICIES = ["none", "every:2", "sqrt", "full", "selective"]
 
@@ -74,7 +75,7 @@ def build(cfg, policy, device):
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     ckpt.apply(gpt, policy)
-    return M.init_weights(gpt, 1337, device)
+    return init_weights(gpt, 1337, device)
 
 
 def measure_memory(cfg, policy, x, y, device, read):

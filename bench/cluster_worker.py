@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
+import launch
 import train  # noqa: E402
 from bench.cluster_net import join_cpu_share  # noqa: E402
 from bench.collectives import bench_rank  # noqa: E402
@@ -131,7 +132,7 @@ def train_layout(spec, flags, world, rank):
     """[(slowest rank's step seconds, most seconds blocked in collectives)] for each timed step of one layout, each
     train.py's own train_step."""
     args, cfg = layout_args(spec, flags, rank, world)
-    mesh = train.start_distributed(args)
+    mesh = launch.start_distributed(args)
     run = train.prepare(args, cfg, mesh)
     rows = args.global_batch // mesh.dp
     steps = []

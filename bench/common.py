@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 
 import config
+import launch
 import model as M
 import train
-from config import PEAK_TFLOPS
 from data.prepare import prepare
+from machine import PEAK_TFLOPS
+from parallel.materialize import init_weights
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -193,7 +195,7 @@ def build_gpt(preset="tiny", seed=1337, device="cpu", **overrides):
     cfg = M.ModelConfig(**fields)
     with torch.device("meta"):
         gpt = M.GPT(cfg)
-    return M.init_weights(gpt, seed, device)
+    return init_weights(gpt, seed, device)
 
 
 def autocast(mode, device):
@@ -213,7 +215,7 @@ class TrainStep:
                      "--out", str(RESULTS / ".unwritten")] + flags
         run = config.resolve(self.argv, environ={})
         cfg = config.model_config(run, overrides.get("vocab_size") or 257)
-        self.trainer = train.prepare(run, cfg, train.start_distributed(run))
+        self.trainer = train.prepare(run, cfg, launch.start_distributed(run))
         self.model, self.opt, self.scaler = self.trainer.chunks[0], self.trainer.opt, self.trainer.scaler
 
     def batch(self, x):

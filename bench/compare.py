@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import markdown_table  # noqa: E402
 from config import OneLineParser, UsageError  # noqa: E402
-from train import read_metrics  # noqa: E402
+from metrics import read_metrics  # noqa: E402
 
 
 def summary_of(path):

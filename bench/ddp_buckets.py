@@ -24,6 +24,7 @@ import model as M  # noqa: E402
 import optim  # noqa: E402
 from bench import common  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
@@ -36,7 +37,7 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
     for bucket_mb, overlap in settings:
         with torch.device("meta"):
             gpt = M.GPT(cfg)
-        M.init_weights(gpt, seed, "cpu")
+        init_weights(gpt, seed, "cpu")
         ddp = DDP(nn.ModuleList([gpt]), mesh, bucket_mb=bucket_mb, overlap=overlap)
         runs.append((gpt, ddp, optim.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu"), []))
     gen = torch.Generator().manual_seed(rank)

@@ -24,6 +24,7 @@ from bench import common  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
 from parallel.fsdp import FSDP  # noqa: E402
 from parallel.hsdp import HSDP  # noqa: E402
+from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
@@ -39,9 +40,9 @@ def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     module = nn.ModuleList([gpt])
-    init = lambda name, p, flat=None, out=None: M.local_init(name, p, cfg, seed, flat, out)
+    init = lambda name, p, flat=None, out=None: local_init(name, p, cfg, seed, flat, out)
     if mode == "ddp":
-        M.init_weights(gpt, seed, "cpu")
+        init_weights(gpt, seed, "cpu")
         wrapper = DDP(module, mesh)
     elif mode == "fsdp":
         wrapper = FSDP(module, mesh, mesh.dp_cp_group, init, "cpu")

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as M  # noqa: E402
-import train  # noqa: E402
 from bench import common  # noqa: E402
+from metrics import read_metrics
 from parallel.ckpt import recomputed_layers  # noqa: E402
 
 # Tokens per optimizer step by preset: train.py's default (32 sequences) for tiny, GPT-2's 0.5M for
@@ -118,7 +118,7 @@ def error_line(stderr):
 
 def summarize(metrics_path):
     """Medians over the steps after the first (kernel selection, allocator warm-up), max of memory."""
-    rows = train.read_metrics(metrics_path)[0]
+    rows = read_metrics(metrics_path)[0]
     rows = [r for r in rows if "mfu" in r][1:]
     pick = {k: common.median([r.get(k) for r in rows]) for k in ("mfu", "hfu", "tok_s", "tflops", "comm_gb", "dt_s")}
     pick["mem_gb"] = max(r["mem_gb"] for r in rows)
@@ -237,7 +237,7 @@ def main(argv=None):
     seq_len = args.seq_len or (32 if args.quick else (1024 if gpu else 256))
     global_batch = args.global_batch or (4 if args.quick else (32 if gpu else 16))
     steps = args.steps or (2 if args.quick else (10 if gpu else 5))
-    micro = [int(m) for m in (args.micro_batches or ("2" if args.quick else ("4,8" if gpu else "2,8"))).split(",")]
+    micro = [int(m) for m in (args.accum_steps or ("2" if args.quick else ("4,8" if gpu else "2,8"))).split(",")]
     dtype = args.dtype or ("bf16" if gpu else "fp32")
     max_world = torch.cuda.device_count() if gpu else min(2, common.cpu_cores())
     if args.layout:

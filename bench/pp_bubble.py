@@ -41,6 +41,7 @@ from bench import common  # noqa: E402
 from parallel import pp, pp_bw_split  # noqa: E402
 from parallel import pp_schedule as S  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
@@ -96,7 +97,7 @@ def _measure(rank, world, cfg_fields, seqs, schedules, micro_counts, steps, min_
         for chunk in chunks:
             if schedule in S.SPLIT_BACKWARD:  # zb1, zbv: weight gradients wait for the schedule's W
                 pp_bw_split.apply(chunk)
-            M.init_weights(chunk, 1337, "cpu")
+            init_weights(chunk, 1337, "cpu")
         runs[schedule] = (chunks, DDP(torch.nn.ModuleList(chunks), mesh), V)
     out = {}
     for n_micro in micro_counts:
@@ -162,7 +163,7 @@ def main(argv=None):
     p.add_argument("--micro-batches", default="8,16", help="comma-separated M values")
     p.add_argument("--steps", type=int, default=5, help="measured steps per M (after one warmup step)")
     args = p.parse_args(argv)
-    P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
+    P, micro_counts = args.stages, [int(m) for m in args.accum_steps.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
     cfg, seqs, steps, min_micro_batches = (QUICK, 1, 1, 0) if args.quick else (FULL, 2, args.steps, 16)
     t0, load_before = time.time(), os.getloadavg()[0]

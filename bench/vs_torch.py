@@ -32,6 +32,7 @@ from bench import common  # noqa: E402
 from bench import vs_torch_peers as peers  # noqa: E402
 from parallel.ddp import DDP  # noqa: E402
 from parallel.fsdp import FSDP  # noqa: E402
+from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
@@ -48,9 +49,9 @@ def build(impl, cfg, mesh, seed):
         gpt = M.GPT(cfg)
     if impl == "ours-fsdp":
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
-                       lambda name, p, flat=None, out=None: M.local_init(name, p, cfg, seed, flat, out), "cpu")
+                       lambda name, p, flat=None, out=None: local_init(name, p, cfg, seed, flat, out), "cpu")
         return gpt, wrapper.optim_params(), wrapper
-    M.init_weights(gpt, seed, "cpu")
+    init_weights(gpt, seed, "cpu")
     if impl == "ours-ddp":
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
         return gpt, wrapper.optim_params(), wrapper

@@ -1,7 +1,7 @@
 """The tensor- and pipeline-parallel peers of bench/vs_torch.py: ours against torch's on the same split of the same
 model (same initial weights, same batches, fp32, gloo CPU ranks).
 
-TP (2 ranks):  ours = parallel.tp.parallelize(chunk, mesh, sequence_parallel=sp, overlap=True) under our DDP
+TP (2 ranks):  ours = parallel.tp.parallelize(chunk, mesh, sequence_parallel=sp) + tp_fused under our DDP
                wrapper (dp 1: it only sums the sp norms' partial gradients over tp); torch = parallelize_module
                with ColwiseParallel (q, k, v, gate, up, lm_head), RowwiseParallel (o, down; the embedding
                row-wise, i.e. vocab-parallel like ours), SequenceParallel norms and PrepareModuleInput gathers
@@ -29,8 +29,9 @@ from torch.distributed.tensor.parallel import (
 
 import model as M
 import optim
-from parallel import pp, tp, tp_ring
+from parallel import pp, tp, tp_fused, tp_ring
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 
 try:  # public since torch 2.5; torch 2.4 keeps DTensor under _tensor
@@ -68,18 +69,19 @@ def torch_cross_entropy(logits, targets):
 
 def build_tp(impl, cfg, rank, world, seed, sp, ring=False):
     """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism. ring: ours
-    with tp_ring's overlapped sp collectives (train.py's default on NCCL; on gloo it blocks instead)."""
+    with tp_ring's overlapped sp collectives (train.py --sp-ring)."""
     with torch.device("meta"):
         gpt = M.GPT(cfg)
     if impl == "ours-tp":
         mesh = Mesh(rank, world, tp=world)
-        tp.parallelize(gpt, mesh, sequence_parallel=sp, overlap=True)
+        tp.parallelize(gpt, mesh, sequence_parallel=sp)
+        tp_fused.apply(gpt)
         if ring:
             tp_ring.apply(gpt)
-        M.init_weights(gpt, seed, "cpu")
+        init_weights(gpt, seed, "cpu")
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
         return gpt, wrapper.optim_params(), wrapper, nullcontext
-    M.init_weights(gpt, seed, "cpu")
+    init_weights(gpt, seed, "cpu")
     device_mesh = init_device_mesh("cpu", (world,))
     root, block = torch_tp_plan(sp)
     for layer in gpt.layers.values():
@@ -141,7 +143,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
         full = M.GPT(cfg)
     chunks = pp.split(full, mesh, n_micro, schedule, VIRTUAL[schedule])
     for chunk in chunks:
-        M.init_weights(chunk, seed, "cpu")
+        init_weights(chunk, seed, "cpu")
     if impl == "ours-pp":
         wrapper = DDP(nn.ModuleList(chunks), mesh)
         params = wrapper.optim_params()

@@ -1,12 +1,14 @@
 """Which files `prepare.py text PATH...` reads, and what it skips.
 
-A PATH that is a file is read (it must be a regular file, or a link to one: a FIFO or a device would block or never
-end). A PATH that is a folder is walked in sorted order, keeping the regular files whose name or path relative to
-PATH matches a glob (default *.txt and *.jsonl). Each file is read once, however often it is reached (named twice,
-inside a folder also named, through a symbolic link): files are told apart by their resolved path, and the first
-place one is reached names it. The output folder, and the hidden folders a preparation builds beside it
-(staging.py), are never read, even when they lie inside a PATH. Everything skipped is counted by kind (its
-extension, "without an extension", "FIFO", "in the output folder", "already read") for one line at the end.
+A PATH that is a file is read. It must be a regular file or a link to one:
+a FIFO or a device would block or never end. A PATH that is a folder is walked in sorted order.
+Its regular files are kept when their name, or path relative to PATH, matches a glob
+(default *.txt and *.jsonl). Each file is read once, however often it is reached:
+named twice, inside a folder also named, or through a symbolic link.
+Files are told apart by their resolved path; the first place to reach one names it.
+The output folder and the hidden folders a preparation builds beside it (staging.py)
+are never read, even inside a PATH. Everything skipped is counted by kind for one line at the end:
+its extension, "without an extension", "FIFO", "in the output folder", "already read".
 """
 import os
 import stat
@@ -18,12 +20,15 @@ from data.loader import DataError
 from data.staging import is_preparation_folder
 
 DEFAULT_GLOBS = ("*.txt", "*.jsonl")
-OTHER_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"), (stat.S_ISBLK, "device"))
+OTHER_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+               (stat.S_ISCHR, "device"), (stat.S_ISBLK, "device"))
 
 
 def irregular(path):
-    """None for a regular file (or a link to one), else what it is ("FIFO", "socket", "device", ...); DataError
-    naming a path that cannot be read (a dangling link, no permission). It never opens the file."""
+    """None for a regular file or a link to one, else its kind ("FIFO", "socket", "device", ...).
+
+    DataError names a path that cannot be read: a dangling link, or no permission.
+    It never opens the file."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -38,9 +43,11 @@ def count_files(folder):
 
 
 def find_files(paths, globs=DEFAULT_GLOBS, out=None):
-    """([(path, name, is_jsonl, size)] in a fixed order, Counter of the files skipped by kind); name (the path
-    relative to its PATH argument) seeds the split; `out`: the output folder, never read. DataError for a missing
-    path, a named file that is not a regular file or cannot be read, or no file at all."""
+    """([(path, name, is_jsonl, size)] in a fixed order, Counter of the files skipped by kind).
+
+    name is the path relative to its PATH argument; it seeds the split. `out` is the output folder,
+    never read. DataError for a missing path, a named file that is not regular or cannot be read,
+    or no file at all."""
     found, skipped, seen = [], Counter(), set()
 
     def keep(path, name):
@@ -52,12 +59,15 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
             found.append((path, name))
 
     for arg in paths:
+        if str(arg) == "":
+            raise DataError("an empty PATH: name a file or a folder")
         root = Path(arg)
         if root.is_dir() and out is not None and is_preparation_folder(root, out):
             skipped["in the output folder"] += count_files(root)
         elif root.is_dir():
             for folder, subfolders, names in os.walk(root):
-                for sub in [s for s in subfolders if out is not None and is_preparation_folder(Path(folder, s), out)]:
+                for sub in [s for s in subfolders
+                            if out is not None and is_preparation_folder(Path(folder, s), out)]:
                     skipped["in the output folder"] += count_files(Path(folder, sub))
                     subfolders.remove(sub)
                 subfolders.sort()
@@ -78,7 +88,8 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
             raise DataError(f"{arg}: no such file or folder")
     if not found:
         note = f" ({describe_skipped(skipped)})" if skipped else ""
-        raise DataError(f"empty corpus: no file in {', '.join(map(str, paths))} matches {', '.join(globs)}{note}")
+        raise DataError(f"empty corpus: no file in {', '.join(map(str, paths))} "
+                        f"matches {', '.join(globs)}{note}")
     files = []
     for path, name in found:
         try:
@@ -91,11 +102,14 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
 
 
 def describe_skipped(skipped, kinds_named=6):
-    """"skipped 5 files: 3 without an extension, 1 .csv, 1 .md": the most common kinds first, then the rest."""
+    """"skipped 5 files: 3 without an extension, 1 .csv, 1 .md".
+
+    The most common kinds come first; the rest are summed."""
     kinds = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))
     parts = [f"{n:,} {kind}" for kind, n in kinds[:kinds_named]]
     if len(kinds) > kinds_named:
-        parts.append(f"{sum(n for _, n in kinds[kinds_named:]):,} of {len(kinds) - kinds_named} other kinds")
+        parts.append(f"{sum(n for _, n in kinds[kinds_named:]):,} "
+                     f"of {len(kinds) - kinds_named} other kinds")
     total = sum(skipped.values())
     unmatched = any(kind.startswith(".") or kind == "without an extension" for kind in skipped)
     return (f"skipped {total:,} file{'s' * (total != 1)}: {', '.join(parts)}" +

@@ -10,27 +10,41 @@ shards are weighted by length). DP rank r takes rows [r*B/dp, (r+1)*B/dp). The u
 ranks' rows is the one-process batch for any layout, and resuming at step s needs no replay.
 A background thread prepares step s+1 while step s trains.
 
-meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`; prepare.py also records each
-shard's size and largest token id (`shards`) and the overall `max_token_id`. The loader refuses a shard holding an
-id at or above vocab_size. It checks what it will read, not the record: it takes each shard's maximum when it opens
-it, one vectorized pass over the memory-mapped tokens (about 10 ms per 100M tokens in the page cache), so a shard
-edited in place is refused too, with the recorded maximum named when they differ.
+meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`.
+prepare.py also records each shard's size, fingerprint and largest token id (`shards`),
+and the overall `max_token_id`. The loader refuses a shard holding an id at or above vocab_size.
+It checks what it reads, not the record: it takes each shard's maximum when it opens it.
+That is one vectorized pass over the memory-mapped tokens, about 10 ms per 100M tokens
+in the page cache. So a shard edited in place is refused too; the recorded maximum is named
+when the two differ.
+
+The shards must be the ones meta.json records (check_shards), where it records them.
+A shard on disk it does not record (a foreign one dropped in) is refused. So is one it records
+that is missing, and one whose size or fingerprint differs (swapped, of another tokenizer).
+A fingerprint is the CRC-32 of 16 blocks of 4 KiB spread over the file, header first, end last.
+That is 64 KiB read per shard, whatever its size. It catches a file swapped or rewritten,
+not one token edited in place; the maximum above catches an id past the vocabulary.
+data_identity, what a resume compares, is the hash of meta.json, which covers the shards it
+records. Where meta.json records none, each shard's name, size and fingerprint are folded in.
 """
+import hashlib
 import json
 import queue
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from saves.files import atomic_write
+from data.files import atomic_write, open_regular, read_bytes
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 VERSION = 1
 MAGIC_DTYPE = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
+FINGERPRINT_BLOCKS, FINGERPRINT_BYTES = 16, 4096
 
 
 class DataError(Exception):
@@ -74,25 +88,29 @@ def read_shard(path):
 
 
 def read_meta(folder):
-    """The folder's meta.json as a dict, validated: `tokenizer` a name, `vocab_size` a positive integer, and
-    `max_token_id` (when recorded) an integer below it. Anything else raises DataError naming the file."""
+    """The folder's meta.json as a dict, validated.
+
+    `tokenizer` is a name, `vocab_size` a positive integer, and `max_token_id` (when recorded)
+    an integer below it. Anything else raises DataError naming the file."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DataError(f"data folder {folder} not found; run python data/prepare.py {folder.name}")
+        raise DataError(f"data folder {folder} not found; run python -m data.prepare {folder.name}")
     path = folder / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} missing (preparation unfinished?); run python data/prepare.py {folder.name}")
+        raise DataError(f"{path} missing (preparation unfinished?); "
+                        f"run python -m data.prepare {folder.name}")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: unreadable: {e}".replace("\n", " ")) from None
     except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e}); rerun python data/prepare.py {folder.name}") from None
+        raise DataError(f"{path}: not valid JSON ({e}); "
+                        f"rerun python -m data.prepare {folder.name}") from None
     if not isinstance(meta, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     for key in ("tokenizer", "vocab_size"):
         if key not in meta:
-            raise DataError(f"{path}: {key} missing; rerun python data/prepare.py {folder.name}")
+            raise DataError(f"{path}: {key} missing; rerun python -m data.prepare {folder.name}")
     if not isinstance(meta["tokenizer"], str) or not meta["tokenizer"]:
         raise DataError(f"{path}: tokenizer must be a tokenizer's name, got {meta['tokenizer']!r}")
     vocab = meta["vocab_size"]
@@ -120,13 +138,76 @@ def recorded_max(meta, path):
     return record.get("max_token_id") if isinstance(record, dict) else None
 
 
+def fingerprint(path):
+    """The CRC-32 (8 hex digits) of FINGERPRINT_BLOCKS blocks spread from first byte to last."""
+    size = Path(path).stat().st_size
+    crc = zlib.crc32(size.to_bytes(8, "little"))
+    with open_regular(path) as f:
+        last = max(size - FINGERPRINT_BYTES, 0)
+        for k in range(FINGERPRINT_BLOCKS):
+            f.seek(last * k // (FINGERPRINT_BLOCKS - 1))
+            crc = zlib.crc32(f.read(FINGERPRINT_BYTES), crc)
+    return f"{crc:08x}"
+
+
+def shard_paths(folder, split="*"):
+    return sorted(Path(folder).glob(f"*_{split}_*.bin"))
+
+
+def check_shards(folder, meta, paths, split="*"):
+    """DataError unless the shards `paths` (of `split`) are those meta.json records.
+
+    Each must have its recorded size and fingerprint. A meta.json without `shards`
+    records nothing to hold them to."""
+    shards, where = meta.get("shards"), Path(folder) / "meta.json"
+    if not isinstance(shards, dict):
+        return
+    for path in paths:
+        record = shards.get(path.name)
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: not a shard {where} records "
+                            "(a file put there after it was prepared?); "
+                            f"remove it, or prepare the folder again")
+        size = path.stat().st_size
+        if record.get("bytes", size) != size:
+            raise DataError(f"{path}: {size} bytes, {where} records {record['bytes']}: "
+                            "the shard changed after it was prepared; prepare the folder again")
+        if "fingerprint" in record and record["fingerprint"] != fingerprint(path):
+            raise DataError(f"{path}: its bytes are not the ones {where} records "
+                            f"(fingerprint {fingerprint(path)}, recorded {record['fingerprint']}): "
+                            "the shard was replaced; prepare the folder again")
+    names = {p.name for p in paths}
+    missing = sorted(n for n in shards if n not in names and Path(n).match(f"*_{split}_*.bin"))
+    if missing:
+        raise DataError(f"{Path(folder) / missing[0]}: recorded in {where}, but missing")
+
+
+def data_identity(folder):
+    """What a resume compares to know it reads the same data: 16 hex digits.
+
+    It is the hash of meta.json, once check_shards holds every shard to it (DataError if one
+    is not the one it records). Where meta.json records no shards, each shard's name, size and
+    fingerprint are hashed with it."""
+    folder = Path(folder)
+    meta, paths = read_meta(folder), shard_paths(folder)
+    check_shards(folder, meta, paths)
+    digest = hashlib.sha256(read_bytes(folder / "meta.json"))
+    if not isinstance(meta.get("shards"), dict):
+        for path in paths:
+            digest.update(f"\0{path.name}\0{path.stat().st_size}\0{fingerprint(path)}".encode())
+    return digest.hexdigest()[:16]
+
+
 def check_vocab(path, top, vocab_size, where, recorded=None):
-    """DataError naming the shard if its largest id `top` is outside the vocabulary; `recorded`: what meta.json
-    says it was, named when it differs (the shard changed after it was prepared)."""
+    """DataError naming the shard if its largest id `top` is outside the vocabulary.
+
+    `recorded` is what meta.json says it was. It is named when it differs:
+    the shard changed after it was prepared."""
     if top >= vocab_size:
-        changed = f"; it records {recorded} for this shard" if recorded is not None and recorded != top else ""
-        raise DataError(f"{path}: token id {top} is outside the vocabulary (vocab_size {vocab_size} in {where}"
-                        f"{changed})")
+        changed = (f"; it records {recorded} for this shard"
+                   if recorded is not None and recorded != top else "")
+        raise DataError(f"{path}: token id {top} is outside the vocabulary "
+                        f"(vocab_size {vocab_size} in {where}{changed})")
 
 
 class TokenLoader:
@@ -139,15 +220,17 @@ class TokenLoader:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         data_dir = Path(data_dir)
         self.meta = read_meta(data_dir)
-        paths = sorted(data_dir.glob(f"*_{split}_*.bin"))
+        paths = shard_paths(data_dir, split)
         if not paths:
             raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}")
         self.shards = [read_shard(p) for p in paths]
-        self.max_token_id = -1  # the largest id in this split's shards: a model needs vocab_size above it
+        self.max_token_id = -1  # largest id in this split's shards: vocab_size must exceed it
         for path, tokens in zip(paths, self.shards):
             top = max_token_id(tokens)
-            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json", recorded_max(self.meta, path))
+            check_vocab(path, top, self.meta["vocab_size"], data_dir / "meta.json",
+                        recorded_max(self.meta, path))
             self.max_token_id = max(self.max_token_id, top)
+        check_shards(data_dir, self.meta, paths, split)
         # Window starts per shard: a window of seq_len+1 tokens must end inside its shard.
         self.starts = np.array([max(len(s) - seq_len, 0) for s in self.shards], dtype=np.int64)
         self.cum_starts = np.cumsum(self.starts)

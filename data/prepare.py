@@ -1,25 +1,31 @@
-"""Build token shards: python data/prepare.py NAME [--out DIR] [--shards N]
+"""Build token shards: python -m data.prepare NAME [--out DIR] [--shards N]
 
 pystdlib     the running Python's standard library, byte tokens, offline (~13M tokens, seconds)
 shakespeare  tiny-shakespeare (1.1 MB download), GPT-2 tokens, 90/10 train/val
 fineweb10b   FineWeb10B already tokenized with GPT-2: the val shard + N train shards
              (~98.5M tokens, ~200 MB each; at most 103)
 text         your own files, folders and .jsonl, with any tokenizer (text.py):
-             python data/prepare.py text PATH... --tokenizer NAME [--out DIR] [--val-fraction F] [--workers N]
-                                    [--glob G] [--text-key K] [--seed S] [--shard-tokens N]
+             python -m data.prepare text PATH... --tokenizer NAME [--out DIR]
+                 [--val-fraction F] [--workers N] [--glob G] [--text-key K] [--seed S]
+                 [--shard-tokens N]
 
-The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin in
-the llm.c shard format (loader.py), then meta.json, written last: it marks the folder complete
-and records the tokenizer, vocab_size, each shard's size and largest token id, and max_token_id.
-The set is built in a hidden folder beside it and swapped in whole (staging.py): a failed or
-interrupted run leaves the previous set as it was, and a folder holding anything but a set of
-the same kind is refused untouched. Downloads stream to a temporary file and are renamed only
-when complete (and valid); a re-prepare reuses the files already downloaded.
-Bad flags (an --out that cannot be written, --shards out of range) are refused before anything is
-created: one line on stderr, exit status 2. So is bad input found later (exit 2), a tokenizing
-worker that dies (exit 3), and Ctrl-C, SIGTERM or SIGHUP (exit 128 + the signal's number).
+The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin
+in the llm.c shard format (loader.py). Then meta.json is written last; it marks the folder
+complete. It records the tokenizer, vocab_size, max_token_id, and each shard's size,
+fingerprint and largest token id. The set is built in a hidden folder beside the folder,
+and swapped in whole (staging.py). A failed or interrupted run leaves the previous set as it was.
+A folder holding anything but a set of the same kind is refused untouched. So is a second
+preparation of a folder while the first one runs. Downloads stream to a temporary file,
+renamed only when complete and valid; a re-prepare reuses the files already downloaded.
+
+Bad flags are refused before anything is created: an --out that cannot be written or whose
+name is too long, or --shards out of range. Each is one line on stderr, exit status 2.
+Bad input found later exits 2 as well. A tokenizing worker that dies, or a write that fails
+(a full disk), exits 3. Ctrl-C, SIGTERM or SIGHUP exit 128 + the signal's number.
+Run it as a module, from the repository.
 """
 import argparse
+import errno
 import http.client
 import json
 import os
@@ -28,27 +34,26 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
-if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data.*` work
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data.corpus import DEFAULT_GLOBS
-from data.loader import DataError, check_vocab, max_token_id, read_shard, write_shard
-from data.staging import carry, owned_by, staged
+from data.files import Interrupted, atomic_write, interruptible, write_json
+from data.loader import DataError, check_vocab, fingerprint, max_token_id, read_shard, write_shard
+from data.staging import HIDDEN_EXTRA, carry, owned_by, staged
 from data.text import WorkerLost, prepare_text
 from data.tokenizer import get_tokenizer
-from saves.files import atomic_write, write_json
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
-PREFIX = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "fineweb10b": "fineweb"}  # of the shards' names
+# the start of each set's shard names
+PREFIX = {"pystdlib": "pystdlib", "shakespeare": "shakespeare", "fineweb10b": "fineweb"}
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main"
 FINEWEB_TRAIN_SHARDS = 103
+NAME_MAX = 255  # bytes in one name: the limit of ext4, xfs, btrfs, zfs and apfs alike
 
 
 def download(url, dest, check=None):
@@ -63,19 +68,24 @@ def download(url, dest, check=None):
             f.flush()
             if check is not None:
                 check(Path(f.name))
-    except (OSError, http.client.HTTPException, ValueError, DataError) as e:  # URLError, HTTPError,
-        # timeouts, cut connections, a bad url, a bad shard: one line naming the url
+    except (OSError, http.client.HTTPException, ValueError, DataError) as e:
+        # URLError, HTTPError, timeouts, cut connections, a bad url, a bad shard:
+        # one line naming the url
         raise DataError(f"download of {url} failed: {e}".replace("\n", " ")) from None
 
 
 def prepared_folder(data, rank=0, world=1):
-    """The folder a run reads: `data` (--data), which must be prepared, or the offline pystdlib corpus, which rank
-    0 prepares on first use while the others wait."""
-    if data:
+    """The folder a run reads: `data` (--data), which must be prepared, or the pystdlib corpus.
+
+    pystdlib works offline. Rank 0 prepares it on first use while the others wait."""
+    if data == "":
+        raise DataError("--data: an empty path; "
+                        "name a prepared data folder, or leave --data out for pystdlib")
+    if data is not None:
         folder = Path(data)
         if not (folder / "meta.json").exists():
             raise DataError(f"--data: {folder} is not a prepared data folder (no meta.json); "
-                            "run python data/prepare.py NAME")
+                            "run python -m data.prepare NAME")
         return folder
     folder = default_folder("pystdlib")
     if not (folder / "meta.json").exists():
@@ -105,8 +115,10 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Count the tokens the loader will see and record each shard's largest id (one pass over each shard), refuse
-    ids outside the vocabulary, then write meta.json atomically (last)."""
+    """Writes meta.json, atomically and last, after one pass over each shard.
+
+    The pass counts the tokens the loader will see, and records each shard's size, fingerprint
+    and largest id. It refuses ids outside the vocabulary."""
     counts, shards = {}, {}
     for split in ("train", "val"):
         counts[split] = 0
@@ -115,10 +127,12 @@ def write_meta(out_dir, enc_name, vocab_size, eot):
             top = max_token_id(tokens)
             check_vocab(path, top, vocab_size, f"the {enc_name} tokenizer")
             counts[split] += len(tokens)
-            shards[path.name] = {"bytes": path.stat().st_size, "max_token_id": top}
+            shards[path.name] = {"bytes": path.stat().st_size, "fingerprint": fingerprint(path),
+                                 "max_token_id": top}
     meta = {"tokenizer": enc_name, "vocab_size": vocab_size, "eot": eot,
             "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "max_token_id": max((s["max_token_id"] for s in shards.values()), default=-1), "shards": shards}
+            "max_token_id": max((s["max_token_id"] for s in shards.values()), default=-1),
+            "shards": shards}
     write_json(out_dir / "meta.json", meta, indent=2)
 
 
@@ -164,8 +178,18 @@ def prepare_fineweb(out_dir, shards, base_url=None):
 
 
 def writable_folder(path):
-    """path, if it is a folder this process can write into or one it can create; else DataError naming it."""
+    """path, if this process can write into it or create it; else DataError naming it.
+
+    Its name must leave room for the hidden folder it is built in beside it (staging.py)."""
+    if str(path) == "":
+        raise DataError("an empty path: name a folder")
     path = Path(path)
+    too_long = [part for part in path.parts if len(part.encode()) > NAME_MAX]
+    if too_long or len(path.name.encode()) + HIDDEN_EXTRA > NAME_MAX:
+        part = (too_long or [path.name])[0]
+        raise DataError(f"{path}: the name {part[:16]}... is too long for the file system "
+                        f"({len(part.encode())} bytes; {NAME_MAX} at most, "
+                        f"less {HIDDEN_EXTRA} for the hidden folder it is built in)")
     if path.exists() and not path.is_dir():
         raise DataError(f"{path} is a file, not a folder")
     parent = path
@@ -215,7 +239,9 @@ def fraction(text):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2 (not argparse's usage block)."""
+    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2.
+
+    It replaces argparse's usage block."""
 
     def error(self, message):
         self.exit(2, f"error: {message.removeprefix('argument ')}\n")
@@ -224,8 +250,8 @@ class OneLineParser(argparse.ArgumentParser):
 def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer=None):
     """Build data set `name` into out_dir (default data/NAME) and return that folder.
 
-    base_url replaces the download host and path up to the file name (tests use a local server);
-    src_dir replaces the standard library folder for pystdlib; tokenizer replaces GPT-2 for
+    base_url replaces the download host and path up to the file name; tests use a local server.
+    src_dir replaces the standard library folder for pystdlib. tokenizer replaces GPT-2 for
     shakespeare. Failures raise DataError with a one-line message.
     """
     if name not in SOURCES:
@@ -233,7 +259,8 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
     if name == "fineweb10b" and not 1 <= shards <= FINEWEB_TRAIN_SHARDS:
         raise ValueError(f"--shards {shards}: must be 1..{FINEWEB_TRAIN_SHARDS}")
     if name == "shakespeare":
-        tokenizer = tokenizer or get_tokenizer("gpt2")  # offline without a cache: fail before creating anything
+        # offline without a cache: fail before creating anything
+        tokenizer = tokenizer or get_tokenizer("gpt2")
     out_dir = writable_folder(out_dir or default_folder(name))
     owns = owned_by(PREFIX[name], ("input.txt",) if name == "shakespeare" else ())
     with staged(out_dir, name, owns) as tmp:
@@ -243,45 +270,33 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
             carry(out_dir, tmp, ["input.txt"])
             prepare_shakespeare(tmp, base_url, tokenizer)
         else:
-            previous = sorted(p.name for p in out_dir.glob("fineweb_*.bin")) if out_dir.is_dir() else []
+            previous = (sorted(p.name for p in out_dir.glob("fineweb_*.bin"))
+                        if out_dir.is_dir() else [])
             carry(out_dir, tmp, [n for n in previous if owns(n)])
             prepare_fineweb(tmp, shards, base_url)
     return out_dir
 
 
-class Interrupted(Exception):
-    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt, so that a
-    preparation removes its unfinished folder on the way out."""
-
-
-@contextmanager
-def interruptible():
-    """Within the block SIGTERM and SIGHUP raise Interrupted; the previous handlers are back after it."""
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum))
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def run(work, out, quiet=False):
-    """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input (DataError,
-    ValueError), 3 for a worker process that died, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. On any
-    of them the preparation's unfinished folder is gone and out is as it was. quiet: a DataError is only kept, in
-    run.last_error (a fallback follows)."""
+    """(work()'s result, 0), or (None, an exit status) after one line on stderr.
+
+    The status is 2 for bad input: DataError, ValueError, a name too long for the file system.
+    It is 3 for a worker process that died or a write that failed (a full disk). Ctrl-C, SIGTERM
+    or SIGHUP give 128 + the signal's number. On any of them the unfinished folder is gone and out
+    is as it was. With quiet, a DataError is not printed but returned in the result's place: a
+    fallback follows."""
     try:
         with interruptible():
             return work(), 0
     except (DataError, ValueError) as e:
         code, message = 2, e
         if quiet and isinstance(e, DataError):
-            run.last_error = e
-            return None, code
+            return e, code
     except WorkerLost as e:
         code, message = 3, e
+    except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
+        code = 2 if e.errno == errno.ENAMETOOLONG else 3
+        message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
     except (KeyboardInterrupt, Interrupted) as e:
         sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
         code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
@@ -290,30 +305,38 @@ def run(work, out, quiet=False):
 
 
 def text_main(argv):
-    """python data/prepare.py text PATH... : returns the exit status."""
-    parser = OneLineParser(prog="prepare.py text", description="Tokenize text files, folders and .jsonl into shards")
+    """python -m data.prepare text PATH... : returns the exit status."""
+    parser = OneLineParser(prog="prepare.py text",
+                           description="Tokenize text files, folders and .jsonl into shards")
     a = parser.add_argument
-    a("paths", nargs="+", metavar="PATH", help="text files (one document each), .jsonl files (one per line), folders")
-    a("--tokenizer", default="bytes", help="bytes (offline), a tiktoken encoding (gpt2, cl100k_base, o200k_base: "
+    a("paths", nargs="+", metavar="PATH",
+      help="text files (one document each), .jsonl files (one per line), folders")
+    a("--tokenizer", default="bytes",
+      help="bytes (offline), a tiktoken encoding (gpt2, cl100k_base, o200k_base: "
       "network once, or TIKTOKEN_CACHE_DIR), or a .tiktoken BPE file")
-    a("--out", type=out_folder, help="output folder (default: data/NAME, NAME the first PATH's name)")
-    a("--val-fraction", type=fraction, default=0.01, help="share of the documents in the val split (by hash)")
-    a("--workers", type=int_in(1, 1024), help="tokenizing processes (default: one per core; never more than the "
+    a("--out", type=out_folder,
+      help="output folder (default: data/NAME, NAME the first PATH's name)")
+    a("--val-fraction", type=fraction, default=0.01,
+      help="share of the documents in the val split (by hash)")
+    a("--workers", type=int_in(1, 1024),
+      help="tokenizing processes (default: one per core; never more than the "
       "cores or the MiB of text)")
-    a("--glob", action="append", help=f"file names kept in folders (repeat it; default {' '.join(DEFAULT_GLOBS)})")
+    a("--glob", action="append",
+      help=f"file names kept in folders (repeat it; default {' '.join(DEFAULT_GLOBS)})")
     a("--text-key", default="text", help="the field of each .jsonl object that holds the text")
     a("--seed", type=int, default=1337, help="seeds the val split")
     a("--shard-tokens", type=int_in(1, 2**31 - 1), default=100_000_000, help="tokens per shard")
     args = parser.parse_args(argv)
     out = args.out or default_folder(Path(args.paths[0]).resolve().name or "text")
     t0 = time.time()
-    meta, code = run(lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
-                                          tuple(args.glob or DEFAULT_GLOBS), args.text_key, args.seed,
-                                          args.shard_tokens), out)
+    meta, code = run(lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction,
+                                          args.workers, tuple(args.glob or DEFAULT_GLOBS),
+                                          args.text_key, args.seed, args.shard_tokens), out)
     if code:
         return code
-    print(f"{out}: {meta['train_docs']:,} train + {meta['val_docs']:,} val documents, {meta['train_tokens']:,} + "
-          f"{meta['val_tokens']:,} tokens ({args.tokenizer}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
+    print(f"{out}: {meta['train_docs']:,} train + {meta['val_docs']:,} val documents, "
+          f"{meta['train_tokens']:,} + {meta['val_tokens']:,} tokens "
+          f"({args.tokenizer}, vocab {meta['vocab_size']}) in {time.time() - t0:.1f}s")
     return 0
 
 
@@ -322,21 +345,26 @@ def main(argv=None):
     if argv[:1] == ["text"]:
         return text_main(argv[1:])
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=SOURCES, help="data set to build (or: text PATH..., see text --help)")
-    parser.add_argument("--out", type=out_folder, help="output folder (default: data/NAME next to this file)")
+    parser.add_argument("name", choices=SOURCES,
+                        help="data set to build (or: text PATH..., see text --help)")
+    parser.add_argument("--out", type=out_folder,
+                        help="output folder (default: data/NAME next to this file)")
     parser.add_argument("--shards", type=shard_count, default=1,
                         help=f"fineweb10b: train shards, 1-{FINEWEB_TRAIN_SHARDS} (default 1)")
-    parser.add_argument("--fallback", choices=SOURCES, help="if NAME cannot be prepared (no network), prepare this "
-                        "one instead and say why on stderr (make train on a GPU node: fineweb10b, else pystdlib)")
-    parser.add_argument("--print-folder", action="store_true", help="stdout: only the prepared folder (for make)")
+    parser.add_argument("--fallback", choices=SOURCES,
+                        help="if NAME cannot be prepared (no network), prepare this "
+                        "one instead and say why on stderr "
+                        "(make train on a GPU node: fineweb10b, else pystdlib)")
+    parser.add_argument("--print-folder", action="store_true",
+                        help="stdout: only the prepared folder (for make)")
     args = parser.parse_args(argv)
     t0, name = time.time(), args.name
-    out_dir, code = run(lambda: prepare(name, args.out, args.shards), args.out or default_folder(name),
-                        quiet=args.fallback is not None)
-    if code == 2 and args.fallback:  # the network, or a download that did not check out
+    out_dir, code = run(lambda: prepare(name, args.out, args.shards),
+                        args.out or default_folder(name), quiet=args.fallback is not None)
+    if isinstance(out_dir, DataError):  # the network, or a download that did not check out
         name = args.fallback
-        print(f"note: {args.name} could not be prepared ({run.last_error}); using the {name} corpus instead",
-              file=sys.stderr)
+        print(f"note: {args.name} could not be prepared ({out_dir}); "
+              f"using the {name} corpus instead", file=sys.stderr)
         out_dir, code = run(lambda: prepare(name, None, args.shards), default_folder(name))
     if code:
         return code

@@ -1,20 +1,20 @@
-"""Preparing a data set without losing one: the new set is built in a hidden folder beside its destination and
-swapped in only when complete.
+"""Preparing a data set without losing one: build it in a hidden folder, swap it in when complete.
 
-`staged(out, kind, owns)` first checks `out`: it must be missing, empty, or hold only the files of a data set of the
-same kind (`owns(name)` is true for each, as for meta.json and text_train_000000.bin). Anything else there (another
-data set's shards, a file of yours, a folder) means it is not the folder being written: DataError names it before
-anything is created or changed. It then yields an empty folder `.NAME.PID.tmp` beside out (NAME out's name, PID
-this process's id). When the block succeeds, that folder takes out's place: one rename when out is missing or
-empty; otherwise out is renamed to `.NAME.PID.old`, the new folder to NAME, and the old one is removed. When the
-block fails in any way (an error, Ctrl-C, a SIGTERM that prepare.py turns into an exception), the new folder is
-removed and out is as it was. A run killed outright (SIGKILL, power loss) leaves its `.NAME.PID.tmp`: the next
-preparation of the same out removes it once no process PID runs on this machine (so two machines must not prepare
-one out at the same time). An out that is a symbolic link is built beside the folder it points to.
+`staged(out, kind, owns)` checks that out is missing, empty, or holds only a `kind` set's files.
+`owns(name)` is true for each of those, as for meta.json and text_train_000000.bin.
+Anything else there (another set's shards, a file of yours, a folder) means out is not
+the folder being written: DataError names it, and nothing changes. Then it locks out
+(data.files.lock_folder, as training locks a run folder); a second preparation stops with
+DataError. It yields an empty `.NAME.PID.tmp` beside out (NAME is out's name, PID this process).
+On success that folder takes out's place: one rename if out is missing or empty. Otherwise
+out goes to `.NAME.PID.old`, the new folder to NAME, and the old one is removed. On any failure
+(an error, Ctrl-C, a SIGTERM that prepare.py raises) the new folder goes and out is as it was.
+A run killed outright (SIGKILL, power loss) leaves its `.NAME.PID.tmp`. The next preparation
+removes it once no process PID runs on this machine, so two machines must not prepare one out
+at once. An out that is a symbolic link is built beside the folder it points to.
 
-`carry(out, tmp, names)` gives the new folder the files of the previous set that a source reuses (downloads) as
-hard links (copies where the file system has none): nothing is written into a file in place (every file is written
-under a temporary name and renamed), so the previous set keeps its bytes until the swap.
+`carry(out, tmp, names)` hard-links (or copies) into the new folder the files a source reuses
+(downloads). No file is written in place, so the previous set keeps its bytes until the swap.
 """
 import os
 import re
@@ -22,15 +22,18 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from data.files import fsync_dir, lock_folder, make_folders, remove_created, unlock_folder
 from data.loader import DataError
-from saves.files import fsync_dir
 
+HIDDEN_EXTRA = len("..4194304.tmp")  # what hidden folders add to out's name (pid: 7 digits at most)
 TEMPORARY = re.compile(r"\.(.+?)(?:\.\d+)?\.tmp")  # .NAME.tmp, .NAME.PID.tmp: a file being written
 
 
 def owned_by(prefix, extra=()):
-    """owns(name): whether a file called name belongs to a data set whose shards are PREFIX_train_NNNNNN.bin and
-    PREFIX_val_NNNNNN.bin: those, meta.json, the `extra` names, and the temporary files of any of them."""
+    """owns(name): whether a file called name belongs to the data set of PREFIX.
+
+    The set's files are its shards PREFIX_train_NNNNNN.bin and PREFIX_val_NNNNNN.bin, meta.json,
+    the `extra` names, and the temporary files of any of them."""
     shard = re.compile(rf"{re.escape(prefix)}_(train|val)_\d{{6}}\.bin")
 
     def owns(name):
@@ -41,7 +44,7 @@ def owned_by(prefix, extra=()):
 
 
 def check_replaceable(out, kind, owns):
-    """DataError unless out is missing, empty, or holds only files that owns() (a previous `kind` data set)."""
+    """DataError unless out is missing, empty, or holds only files of a previous `kind` data set."""
     out = Path(out)
     if not out.exists():
         return
@@ -50,15 +53,18 @@ def check_replaceable(out, kind, owns):
     foreign = sorted(p.name for p in out.iterdir() if p.is_dir() or not owns(p.name))
     if foreign:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise DataError(f"{out} holds {foreign[0]}{more}, which is not part of a {kind} data set: choose another "
-                        "--out, or empty that one (nothing was changed)")
+        raise DataError(f"{out} holds {foreign[0]}{more}, which is not part of a {kind} data set: "
+                        "choose another --out, or empty that one (nothing was changed)")
 
 
 def is_preparation_folder(folder, out):
-    """Whether folder is out or one of the hidden folders a preparation of out builds beside it (both resolved)."""
+    """Whether folder is out, or a hidden folder a preparation of out builds beside it.
+
+    Both paths are resolved first."""
     folder, out = Path(os.path.realpath(folder)), Path(os.path.realpath(out))
     return folder == out or (folder.parent == out.parent and
-                             re.fullmatch(rf"\.{re.escape(out.name)}\.\d+\.(tmp|old)", folder.name) is not None)
+                             re.fullmatch(rf"\.{re.escape(out.name)}\.\d+\.(tmp|old)",
+                                          folder.name) is not None)
 
 
 def running(pid):
@@ -78,19 +84,6 @@ def remove_stale(place):
         pid = re.fullmatch(rf"\.{re.escape(place.name)}\.(\d+)\.tmp", folder.name)
         if pid and int(pid.group(1)) not in (0, os.getpid()) and not running(int(pid.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def make_folders(folder):
-    """Creates folder and its missing parents; returns those created, the outermost first."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
-    for p in missing:
-        try:
-            p.mkdir()
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise DataError(f"cannot create {p}: {e.strerror or e}") from None
-    return missing
 
 
 def swap(tmp, place):
@@ -113,31 +106,45 @@ def swap(tmp, place):
 
 @contextmanager
 def staged(out, kind, owns):
-    """Yields an empty hidden folder beside out to prepare a `kind` data set in, swapped in when the block
-    succeeds and removed when it fails."""
+    """Yields an empty hidden folder beside out, to prepare a `kind` data set in.
+
+    It is swapped in when the block succeeds, and removed when it fails. One preparation of out
+    runs at a time: out is locked from its second check to the swap. DataError if another process
+    holds it."""
     check_replaceable(out, kind, owns)
     place = Path(os.path.realpath(out))
-    remove_stale(place)
-    created = make_folders(place.parent)
-    tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier call that could not remove it
     try:
+        created = make_folders(place)  # out too: the lock is taken on the folder itself
+    except OSError as e:
+        raise DataError(f"cannot create {e.filename or place}: {e.strerror or e}") from None
+    try:
+        lock = lock_folder(place)
+    except OSError as e:
+        remove_created(created)
+        raise DataError(f"cannot lock {place}: {e.strerror or e}") from None
+    if lock is None:
+        remove_created(created)
+        raise DataError(f"{out} is being written by another process (a preparation of it): "
+                        "wait for it to end, or choose another --out (nothing was changed)")
+    tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
+    try:
+        check_replaceable(out, kind, owns)  # again, now that no other preparation can change it
+        remove_stale(place)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by an earlier call
         tmp.mkdir()
         yield tmp
         check_replaceable(out, kind, owns)  # again: something may have been put there meanwhile
         swap(tmp, place)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for folder in reversed(created):
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_created(created)
         raise
+    finally:
+        unlock_folder(lock)
 
 
 def carry(out, tmp, names):
-    """Hard-links (or copies) the files `names` of the previous set in out, those that exist, into tmp."""
+    """Hard-links (or copies) into tmp those files `names` of the previous set in out that exist."""
     for name in names:
         source = Path(out) / name
         if source.is_file():

@@ -1,29 +1,32 @@
-"""Token shards from your own text: `python data/prepare.py text PATH... --tokenizer NAME` (flags: prepare.py).
+"""Token shards from your own text: `python -m data.prepare text PATH... --tokenizer NAME`.
 
-Documents. The files are those corpus.py finds: regular files named, and those in folders whose name matches a glob
-(default *.txt and *.jsonl), each once, never the output folder; what it skips is counted by kind and reported at
-the end. A text file is one document; a .jsonl file holds one per line, the string field `text_key` of a JSON
-object (blank lines are skipped). Each document's tokens are followed by the end-of-text token; empty documents are
-left out. Invalid UTF-8 is replaced by U+FFFD (as bytes.decode(errors="replace") does), counted and reported.
+Documents. The files are those corpus.py finds: regular files named, and files in folders
+whose name matches a glob (default *.txt and *.jsonl). Each is read once, never the output
+folder; what is skipped is counted by kind and reported at the end. A text file is one document.
+A .jsonl file holds one per line: the string field `text_key` of a JSON object (blank lines
+are skipped). Each document's tokens are followed by the end-of-text token; empty documents
+are left out. Invalid UTF-8 becomes U+FFFD, as bytes.decode(errors="replace") does, and is counted.
 
-Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls below val_fraction:
-the same documents for any number of workers, with no counting pass first.
+Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls
+below val_fraction. The split is the same for any number of workers, with no counting pass.
 
-Parallel and streaming. The files are cut into units of about `unit_bytes` by byte ranges. A .jsonl range holds the
-lines that start in it. A text range starts and ends at a cut: a line start between a non-space ASCII character and
-its newline on one side and an ASCII letter or digit on the other, where the pre-tokenizer of every tiktoken
-encoding (and of .tiktoken files) ends a piece anyway, so the tokens equal those of the whole document (a file with
-no such line start is read whole, by one unit). Worker processes read and tokenize units, at most a few per worker
-in flight; the main process writes their tokens in unit order into shards of `shard_tokens` tokens, so the shards
-are byte-identical for any number of workers and the corpus is never in memory. Shards are uint32 when the
-vocabulary exceeds 65535, else uint16.
+Parallel and streaming. The files are cut by byte ranges into units of about `unit_bytes`.
+A .jsonl range holds the lines that start in it. A text range starts and ends at a cut: a line
+start with a non-space ASCII character and its newline before it, an ASCII letter or digit
+after. Every tiktoken pre-tokenizer (and that of .tiktoken files) ends a piece there anyway,
+so the tokens equal those of the whole document. A file with no such line start is one unit.
+Worker processes read and tokenize units, a few per worker in flight at most. The main process
+writes their tokens in unit order into shards of `shard_tokens` tokens. So the shards are
+byte-identical for any number of workers, and the corpus is never in memory. Shards are uint32
+when the vocabulary exceeds 65535, else uint16.
 
-Output. The shards and meta.json are written into a hidden folder beside out_dir, which takes its place only when
-complete (staging.py): a failure or an interruption leaves a previous data set there as it was, and an out_dir
-holding anything but a text data set is refused untouched.
+Output. The shards and meta.json are written into a hidden folder beside out_dir, which takes
+its place only when complete (staging.py). A failure or an interruption leaves a previous data
+set as it was. An out_dir holding anything but a text data set is refused untouched.
 
-meta.json, written last: the tokenizer (its name, or a file's "sha256:..." and path), vocab_size, eot, the
-document and token counts of each split, max_token_id, each shard's size and largest id, and where the text came from.
+meta.json, written last, holds: the tokenizer (its name, or a file's "sha256:..." and path),
+vocab_size, eot, each split's document and token counts, max_token_id, each shard's size,
+fingerprint (loader.py) and largest id, and where the text came from.
 """
 import hashlib
 import json
@@ -41,10 +44,10 @@ import numpy as np
 from tqdm import tqdm
 
 from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
-from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError
+from data.files import write_json
+from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError, fingerprint
 from data.staging import owned_by, staged
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
-from saves.files import write_json
 
 UNIT_BYTES = 1 << 20
 CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
@@ -53,7 +56,7 @@ PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
 
 
 def plan_units(files, unit_bytes=UNIT_BYTES):
-    """Units of work: tuples of (file index, start byte, end byte), about unit_bytes each, in corpus order."""
+    """Units of work, about unit_bytes each, in corpus order: tuples of (file, start, end byte)."""
     unit, size = [], 0
     for i, (_, _, _, n) in enumerate(files):
         for start in range(0, max(n, 1), unit_bytes):
@@ -68,7 +71,7 @@ def plan_units(files, unit_bytes=UNIT_BYTES):
 
 
 def decode(data):
-    """(text, invalid sequences replaced): each replaced by one U+FFFD, exactly as errors="replace" would."""
+    """(text, invalid sequences replaced); each becomes one U+FFFD, as errors="replace" does."""
     try:
         return data.decode("utf-8"), 0
     except UnicodeDecodeError:
@@ -97,20 +100,22 @@ def next_cut(f, pos, size):
         more = f.read(1 << 16)
         if not more:
             return size
-        base, buf = base + len(buf) - 2, buf[-2:] + more  # keep 2 bytes: a cut may straddle two reads
+        base, buf = base + len(buf) - 2, buf[-2:] + more  # keep 2 bytes: a cut may straddle reads
 
 
 class Tokenizing:
-    """What one worker does with a unit: read its documents, tokenize them, and sort them into train and val."""
+    """One worker's job on a unit: read, tokenize and sort its documents into train and val."""
 
     def __init__(self, files, tokenizer, tokenizer_file, text_key, seed, val_fraction):
         self.enc = get_tokenizer(tokenizer, tokenizer_file)
-        self.files, self.text_key, self.seed, self.val_fraction = files, text_key, seed, val_fraction
+        self.files, self.text_key, self.seed, self.val_fraction = (
+            files, text_key, seed, val_fraction)
 
     def encode(self, text):
         if self.enc.name == "bytes":  # the same ids as the Encoding's, without its per-byte work
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
-        return self.enc.encode_to_numpy(text, disallowed_special=())  # "<|endoftext|>" in the text is plain text
+        # "<|endoftext|>" inside the text is plain text
+        return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def is_val(self, name, offset):
         key = hashlib.blake2b(f"{self.seed}/{name}/{offset}".encode(), digest_size=8).digest()
@@ -123,7 +128,8 @@ class Tokenizing:
             path, name, jsonl, size = self.files[i]
             try:
                 with open(path, "rb") as f:
-                    docs = self.json_lines(f, path, start, end) if jsonl else self.text_range(f, start, end, size)
+                    docs = (self.json_lines(f, path, start, end) if jsonl
+                            else self.text_range(f, start, end, size))
                     for offset, text, last, replaced in docs:
                         split = "val" if self.is_val(name, offset) else "train"
                         out[split].append(self.encode(text))
@@ -134,12 +140,14 @@ class Tokenizing:
             except OSError as e:
                 raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
             counts["bytes"] += end - start
-        arrays = [np.concatenate(out[s]) if out[s] else np.zeros(0, np.uint32) for s in ("train", "val")]
+        arrays = [np.concatenate(out[s]) if out[s] else np.zeros(0, np.uint32)
+                  for s in ("train", "val")]
         return arrays[0], arrays[1], counts
 
     def text_range(self, f, start, end, size):
-        """The piece of the file's one document from the cut at start to the cut at end:
-        (offset 0, its text, whether the document ends there, invalid sequences replaced)."""
+        """The file's one document, from the cut at start to the cut at end.
+
+        Yields (offset 0, its text, whether the document ends there, invalid sequences replaced)."""
         first, last = next_cut(f, start, size), next_cut(f, end, size)
         if last > first:
             f.seek(first)
@@ -147,7 +155,7 @@ class Tokenizing:
             yield 0, text, last == size, replaced
 
     def json_lines(self, f, path, start, end):
-        """(offset, text, True, invalid sequences replaced) for each document whose line starts in [start, end)."""
+        """(offset, text, True, invalid sequences replaced) per line starting in [start, end)."""
         f.seek(max(start - 1, 0))
         if start:
             f.readline()  # the rest of a line that started before `start`: the previous unit's
@@ -168,7 +176,7 @@ class Tokenizing:
             if not isinstance(text, str):
                 raise DataError(f"{path}: the line at byte {offset}: {self.text_key!r} is a "
                                 f"{type(text).__name__}, not a string")
-            text, lone = SURROGATE.subn("\ufffd", text)  # "\ud800" escaped in JSON is not a character
+            text, lone = SURROGATE.subn("\ufffd", text)  # JSON's escaped "\ud800" is no character
             if text:
                 yield offset, text, True, replaced + lone
 
@@ -177,22 +185,25 @@ _job = None  # in a worker process: its Tokenizing, made once by the pool's init
 
 
 def _start_worker(*job_args):
-    """A worker leaves Ctrl-C to the main process, which stops handing out work and waits for the units in flight
-    (a terminal sends SIGINT to every process of its group); SIGTERM and SIGHUP end it as they would by default, not
-    through the handlers prepare.py gave the main process, which fork copies."""
+    """A worker ignores Ctrl-C: the main process stops handing out work, waits for those in flight.
+
+    A terminal sends SIGINT to every process of its group. SIGTERM and SIGHUP end a worker
+    as by default, not through the main process's handlers from prepare.py that fork copies."""
     global _job
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back since the fork (_submit)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the fork (_submit)
     _job = Tokenizing(*job_args)
 
 
 def _submit(pool, unit):
-    """pool.submit(_run_unit, unit) with SIGINT blocked in this thread. The pool forks its workers inside a submit
-    (a forking pool: the first) and each inherits the mask, so a Ctrl-C that arrives while a worker is still starting
-    up (before _start_worker ignores it) waits instead of raising KeyboardInterrupt there, a traceback on the console.
-    This process gets it as soon as the mask is restored."""
+    """pool.submit(_run_unit, unit) with SIGINT blocked in this thread.
+
+    A forking pool forks its workers inside the first submit, and each inherits the mask.
+    So a Ctrl-C while a worker starts up, before _start_worker ignores it, waits. It does not
+    raise KeyboardInterrupt there, a traceback on the console. This process gets it as soon
+    as the mask is restored."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return pool.submit(_run_unit, unit)
@@ -205,7 +216,7 @@ def _run_unit(unit):
 
 
 class WorkerLost(Exception):
-    """A tokenizing worker process died (killed by a signal: the out-of-memory killer, say): not the input's fault."""
+    """A tokenizing worker was killed by a signal (the out-of-memory killer, say); not bad input."""
 
 
 def usable_cores():
@@ -214,34 +225,40 @@ def usable_cores():
 
 
 def tokenized_units(units, job_args, workers):
-    """The results of the units, in order, from `workers` processes (in this process when 1); WorkerLost if one
-    of them dies."""
+    """The results of the units, in order, from `workers` processes (in this process when 1).
+
+    WorkerLost if one of them dies."""
     if workers == 1:
         yield from map(Tokenizing(*job_args), units)
         return
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None  # fork: no re-import per worker
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker, job_args)
+    # fork: no re-import per worker
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker,
+                               job_args)
     try:
         pending = deque()
         for unit in units:
             pending.append(_submit(pool, unit))
-            if len(pending) >= 4 * workers:  # bounded: a slow unit never lets the others pile up in memory
+            if len(pending) >= 4 * workers:  # bounded: behind a slow unit, the rest never pile up
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
     except BrokenProcessPool:
-        raise WorkerLost("a tokenizing worker process died (killed by a signal: out of memory?); nothing was "
-                         "written: run again, with fewer --workers if memory is short") from None
+        raise WorkerLost("a tokenizing worker process died (killed by a signal: out of memory?); "
+                         "nothing was written: run again, with fewer --workers if memory is short"
+                         ) from None
     finally:
         pool.shutdown(cancel_futures=True)
 
 
 class Shards:
-    """One split's tokens, streamed into shards of exactly `size` tokens (the last one shorter); each shard is
-    written to a hidden file and renamed when complete."""
+    """One split's tokens, streamed into shards of exactly `size` tokens (the last one shorter).
+
+    Each shard is written to a hidden file and renamed when complete."""
 
     def __init__(self, out_dir, split, size, dtype):
-        self.out_dir, self.split, self.size, self.dtype = Path(out_dir), split, size, np.dtype(dtype)
+        self.out_dir, self.split, self.size, self.dtype = (
+            Path(out_dir), split, size, np.dtype(dtype))
         self.done, self.file, self.tmp = {}, None, None
 
     def add(self, tokens):
@@ -278,7 +295,8 @@ class Shards:
         self.file.close()
         path = self.out_dir / self.tmp.name[1:-len(".tmp")]
         os.replace(self.tmp, path)
-        self.done[path.name] = {"bytes": path.stat().st_size, "tokens": self.count, "max_token_id": self.top}
+        self.done[path.name] = {"bytes": path.stat().st_size, "fingerprint": fingerprint(path),
+                                "tokens": self.count, "max_token_id": self.top}
         self.file = None
 
     def abort(self):
@@ -289,22 +307,27 @@ class Shards:
 
 
 def worker_count(asked, units):
-    """The worker processes to start: `asked` (None: as many as useful), but no more than the units of work or the
-    cores, since more only share them (a note says so when that is fewer than asked)."""
+    """The worker processes to start: `asked`, or as many as useful when None.
+
+    Never more than the units of work or the cores, since more only share them.
+    A note says so when that is fewer than asked."""
     cores = usable_cores()
     useful = min(units, cores)
     if asked is not None and asked > useful:
-        print(f"note: {useful} worker{'s' * (useful != 1)}, not {asked}: no more than the units of work ({units}) "
-              f"and the usable cores ({cores})", file=sys.stderr)
+        print(f"note: {useful} worker{'s' * (useful != 1)}, not {asked}: "
+              f"no more than the units of work ({units}) and the usable cores ({cores})",
+              file=sys.stderr)
     return useful if asked is None else min(asked, useful)
 
 
-def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1, globs=DEFAULT_GLOBS,
-                 text_key="text", seed=1337, shard_tokens=100_000_000, unit_bytes=UNIT_BYTES):
-    """Tokenizes the documents under `paths` into out_dir and returns meta.json's content; `workers` processes
-    (None: one per core) tokenize, never more than the units of work or the cores. Bad input raises DataError (or
-    ValueError for an unknown tokenizer) with a one-line message, a worker that dies WorkerLost; out_dir is left as
-    it was on any failure or interruption."""
+def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1,
+                 globs=DEFAULT_GLOBS, text_key="text", seed=1337, shard_tokens=100_000_000,
+                 unit_bytes=UNIT_BYTES):
+    """Tokenizes the documents under `paths` into out_dir; returns meta.json's content.
+
+    `workers` processes tokenize (None: one per core), never more than the units or the cores.
+    Bad input raises DataError with a one-line message (ValueError for an unknown tokenizer).
+    A worker that dies raises WorkerLost. On any failure or interruption out_dir is as it was."""
     try:
         enc = get_tokenizer(tokenizer)
     except TokenizerUnavailable as e:
@@ -330,7 +353,8 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
             if not counts["train_docs"] + counts["val_docs"]:
                 raise DataError(f"empty corpus: the {len(files)} file(s) hold no document")
             if not counts["train_docs"]:
-                raise DataError(f"every document fell in the val split; lower --val-fraction {val_fraction}")
+                raise DataError("every document fell in the val split; "
+                                f"lower --val-fraction {val_fraction}")
             for split in shards.values():
                 split.finish()
         finally:
@@ -338,18 +362,24 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
                 split.abort()
         done = {**shards["train"].done, **shards["val"].done}
         tokens = {split: sum(s["tokens"] for s in shards[split].done.values()) for split in shards}
-        meta = {"tokenizer": enc.name, **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
+        meta = {"tokenizer": enc.name,
+                **({"tokenizer_file": tokenizer_file} if tokenizer_file else {}),
                 "vocab_size": enc.n_vocab, "eot": enc.eot_token, "train_tokens": tokens["train"],
-                "val_tokens": tokens["val"], "train_docs": counts["train_docs"], "val_docs": counts["val_docs"],
+                "val_tokens": tokens["val"], "train_docs": counts["train_docs"],
+                "val_docs": counts["val_docs"],
                 "max_token_id": max(v["max_token_id"] for v in done.values()), "shards": done,
                 "source": {"paths": [str(Path(p).resolve()) for p in paths], "files": len(files),
-                           "bytes": sum(f[3] for f in files), "invalid_utf8_replaced": counts["replaced"],
-                           "val_fraction": val_fraction, "seed": seed, "text_key": text_key, "globs": list(globs)}}
+                           "bytes": sum(f[3] for f in files),
+                           "invalid_utf8_replaced": counts["replaced"],
+                           "val_fraction": val_fraction, "seed": seed, "text_key": text_key,
+                           "globs": list(globs)}}
         write_json(tmp / "meta.json", meta, indent=2)
     if val_fraction and not counts["val_docs"]:
-        print(f"warning: no document fell in the val split (--val-fraction {val_fraction})", file=sys.stderr)
+        print(f"warning: no document fell in the val split (--val-fraction {val_fraction})",
+              file=sys.stderr)
     if counts["replaced"]:
-        print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD", file=sys.stderr)
+        print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD",
+              file=sys.stderr)
     if skipped:
         print(f"note: {describe_skipped(skipped)}", file=sys.stderr)
     return meta

@@ -1,14 +1,15 @@
 """Tokenizers, all as tiktoken Encodings so prepare.py, text.py and sample.py treat them alike.
 
-bytes  one token per UTF-8 byte (0..255) plus <|endoftext|> = 256; built in code, works offline.
-NAME   any tiktoken encoding: gpt2, cl100k_base, o200k_base, ... tiktoken downloads its files on first use
-       into TIKTOKEN_CACHE_DIR; offline machines need that cache seeded from a machine with network access
-       (run tiktoken.get_encoding(NAME) there, copy the folder).
-FILE   a local .tiktoken BPE file (one `base64-of-the-token rank` line per token, tiktoken's own format; Llama 3's
-       tokenizer.model is one): its tokens, the pre-tokenizer of cl100k_base and Llama 3 (FILE_PIECES), and
-       <|endoftext|> after the largest rank (ids are 32-bit, so ranks stop at 2**32 - 2). It is named by the
-       SHA-256 of its bytes, "sha256:<hex>"; meta.json keeps that name and the file's path, and reloading the file
-       (sample.py) refuses one whose bytes changed.
+bytes  one token per UTF-8 byte (0..255), plus <|endoftext|> = 256. Built in code; works offline.
+NAME   any tiktoken encoding: gpt2, cl100k_base, o200k_base, ... tiktoken downloads its files
+       on first use, into TIKTOKEN_CACHE_DIR. An offline machine needs that cache seeded elsewhere:
+       run tiktoken.get_encoding(NAME) on a machine with network access, and copy the folder.
+FILE   a local .tiktoken BPE file, tiktoken's own format: one `base64-of-the-token rank` line
+       per token. Llama 3's tokenizer.model is one. It brings its tokens, the pre-tokenizer of
+       cl100k_base and Llama 3 (FILE_PIECES), and <|endoftext|> after the largest rank.
+       Ids are 32-bit, so ranks stop at 2**32 - 2. The file is named by the SHA-256 of its bytes,
+       "sha256:<hex>". meta.json keeps that name and the file's path; sample.py refuses the file
+       when its bytes changed.
 """
 import base64
 import binascii
@@ -17,15 +18,17 @@ from pathlib import Path
 
 import tiktoken
 
+from data.files import read_bytes
 from data.loader import DataError
 
 EOT = "<|endoftext|>"
-# How a file tokenizer cuts text into pieces before the merges (a merge never crosses a piece's edge), as cl100k_base
-# and Llama 3 do: contractions; letters with one leading non-letter; up to 3 digits; symbols with one leading space
-# and their trailing newlines; newlines with the whitespace before them; other whitespace.
-FILE_PIECES = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-MAX_RANK = 2**32 - 2  # token ids are 32-bit (tiktoken's, and uint32 shards) and <|endoftext|> takes the next one
+# How a file tokenizer cuts text into pieces before the merges, as cl100k_base and Llama 3 do.
+# A merge never crosses a piece's edge. The pieces: contractions; letters with one leading
+# non-letter; up to 3 digits; symbols with one leading space and their trailing newlines;
+# newlines with the whitespace before them; other whitespace.
+FILE_PIECES = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+MAX_RANK = 2**32 - 2  # ids are 32-bit (tiktoken's, uint32 shards); <|endoftext|> takes the next
 
 
 class TokenizerUnavailable(DataError):
@@ -33,8 +36,8 @@ class TokenizerUnavailable(DataError):
 
 
 def bytes_tokenizer():
-    # A single regex piece for any run of characters: nothing is split, and since there
-    # are no merges every byte becomes its own token, so decode(encode(text)) == text.
+    # One regex piece for any run of characters: nothing is split. With no merges,
+    # every byte is its own token, so decode(encode(text)) == text.
     return tiktoken.Encoding(
         name="bytes",
         pat_str=r"[\s\S]+",
@@ -44,39 +47,45 @@ def bytes_tokenizer():
 
 
 def file_tokenizer(path, expected=None):
-    """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>"; `expected`: the name it must have."""
+    """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>".
+
+    `expected` is the name it must have."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_bytes(path)
     except OSError as e:
         raise DataError(f"tokenizer file {path}: cannot read: {e.strerror or e}") from None
     name = "sha256:" + hashlib.sha256(data).hexdigest()
     if expected is not None and name != expected:
-        raise DataError(f"tokenizer file {path} has changed: its {name[:23]}... is not the {expected[:23]}... "
-                        "the data was prepared with")
+        raise DataError(f"tokenizer file {path} has changed: its {name[:23]}... "
+                        f"is not the {expected[:23]}... the data was prepared with")
     ranks = {}
     for number, line in enumerate(data.splitlines(), 1):
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except (ValueError, binascii.Error):
-            raise DataError(f"tokenizer file {path}: line {number} is not `base64-token rank`") from None
+            raise DataError(f"tokenizer file {path}: "
+                            f"line {number} is not `base64-token rank`") from None
     missing = [i for i in range(256) if bytes([i]) not in ranks]
-    if missing:  # a byte-level BPE must be able to spell any text, one byte at a time if need be
-        raise DataError(f"tokenizer file {path}: byte 0x{missing[0]:02x} has no token ({len(missing)} of the 256 "
-                        "single bytes are missing): not a byte-level BPE")
+    if missing:  # a byte-level BPE must spell any text, one byte at a time if need be
+        raise DataError(f"tokenizer file {path}: byte 0x{missing[0]:02x} has no token "
+                        f"({len(missing)} of the 256 single bytes are missing): "
+                        "not a byte-level BPE")
     if len(set(ranks.values())) != len(ranks) or min(ranks.values()) < 0:
         raise DataError(f"tokenizer file {path}: its ranks are not distinct non-negative integers")
     if max(ranks.values()) > MAX_RANK:
-        raise DataError(f"tokenizer file {path}: its largest rank {max(ranks.values())} leaves no 32-bit id for "
-                        f"<|endoftext|> (ranks must stay at or below {MAX_RANK})")
+        raise DataError(f"tokenizer file {path}: its largest rank {max(ranks.values())} "
+                        "leaves no 32-bit id for <|endoftext|> "
+                        f"(ranks must stay at or below {MAX_RANK})")
     return tiktoken.Encoding(name=name, pat_str=FILE_PIECES, mergeable_ranks=ranks,
                              special_tokens={EOT: max(ranks.values()) + 1})
 
 
 def get_tokenizer(name, file=None):
-    """The Encoding called `name`: "bytes", a tiktoken encoding's name, the path of a .tiktoken file, or the
-    "sha256:..." name of a file tokenizer together with its `file` (which must still have those bytes)."""
+    """The Encoding called `name`: "bytes", a tiktoken encoding, or the path of a .tiktoken file.
+
+    A file tokenizer's "sha256:..." name comes with its `file`; the bytes must not have changed."""
     if name == "bytes":
         return bytes_tokenizer()
     if name.startswith("sha256:"):

@@ -1,51 +1,53 @@
 """Activation checkpointing (--ckpt): keep fewer activations in forward, recompute them in backward.
 
-Split:    nothing across ranks: a chunk's blocks are grouped into checkpointed segments; only a segment's input
-          (the (b, s, d) residual stream at the boundary) is kept, and backward re-runs its forward from there.
-Policies: full      every block alone: L boundaries stored, L blocks recomputed;
-          every:K   the blocks whose global index is a multiple of K alone; the others keep everything;
-          segment:C C consecutive blocks per segment: ceil(L/C) boundaries, plus one segment's activations
-                    while it is recomputed: O(L/C + C); sqrt is C = ceil(sqrt L), O(sqrt L) (L18 sweeps C);
-          selective nothing is checkpointed, but the outputs of the norms and of SwiGLU, which only matmuls read,
-                    are not kept by those matmuls: backward makes them again from what the norm (its input and
-                    1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer 2·d·r/sh + f·e/tp fewer bytes
-                    (sh = tp under sp; r the residual's bytes, e the compute dtype's), for three elementwise
-                    passes and no matmul: Megatron's selective recomputation, in spirit. Compiled (--compile),
-                    a graph saves what the compiler's partitioner picks: selective_in_graph makes the norms and
-                    SwiGLU regions it recomputes, or runs them eagerly where tp's or cp's collectives break the graph.
-Costs:    one more forward of each recomputed block: counted in HFU, not in MFU (L20, L23); under tp it repeats
-          the block's collectives. Nothing is communicated by this file; nothing overlaps.
-RNG:      torch.utils.checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
-          draws the same masks again (L19). Memory: see bench/results/ckpt_memory.md (L17).
+Split:    nothing across ranks. A chunk's blocks form checkpointed segments. Only a segment's input
+          is kept: the (b, s, d) residual stream at the boundary. Backward re-runs its forward.
+Policies: full      every block alone: L boundaries stored, L blocks recomputed.
+          every:K   blocks whose global index is a multiple of K, alone; the others keep all.
+          segment:C C consecutive blocks per segment: ceil(L/C) boundaries, plus one segment's
+                    activations while it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L),
+                    O(sqrt L).
+          selective nothing is checkpointed. Only matmuls read the norms' and SwiGLU's outputs,
+                    and they do not keep them: backward remakes them from what the norm (input,
+                    1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer that saves
+                    2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual bytes, e: compute
+                    dtype's), for three elementwise passes and no matmul. Megatron's selective
+                    recomputation, in spirit. Under --compile: selective_in_graph.
+Costs:    one more forward of each recomputed block, counted in HFU, not in MFU. Under tp it
+          repeats the block's collectives. This file sends nothing; nothing overlaps.
+RNG:      checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
+          draws the same masks again. Memory: bench/results/ckpt_memory.md.
 """
 import math
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-import model as M
+import model
+from parallel import keep_saved
 from parallel.mesh import LayoutError
 
 POLICIES = "none, full, every:K, segment:C, sqrt or selective"
-RECOMPUTABLE = (M.ScaledRMSNorm, M.SwiGLU)  # autograd Functions with an output(*saved_tensors) that remakes theirs
+RECOMPUTABLE = (model.ScaledRMSNorm, model.SwiGLU)  # Functions whose output(*saved) remakes it
 
 
 def parse(policy):
-    """'every:4' -> ('every', 4); 'full' -> ('full', None). Raises LayoutError('--ckpt') otherwise."""
+    """'every:4' -> ('every', 4); 'full' -> ('full', None). Else raises LayoutError('--ckpt')."""
     if policy in ("none", "full", "sqrt", "selective"):
         return policy, None
     kind, _, k = str(policy).partition(":")
     if kind in ("every", "segment"):
         if k.isdigit() and int(k) >= 1:
             return kind, int(k)
-        raise LayoutError("--ckpt", f"{kind}:{'K' if kind == 'every' else 'C'} needs a positive integer, got {k!r}")
+        raise LayoutError("--ckpt", f"{kind}:{'K' if kind == 'every' else 'C'} needs a positive "
+                                    f"integer, got {k!r}")
     raise LayoutError("--ckpt", f"unknown policy {policy!r}; choose {POLICIES}")
 
 
 def segments(keys, policy):
-    """The plan for one chunk's blocks (their global indices as ModuleDict keys, in order):
-    a list of (keys of consecutive blocks, checkpointed?)."""
+    """The plan for one chunk's blocks: [(keys of consecutive blocks, checkpointed?)].
+
+    keys: the blocks' global indices as ModuleDict keys, in order."""
     kind, k = parse(policy)
     if kind in ("none", "selective"):
         return [(list(keys), False)] if keys else []
@@ -58,48 +60,23 @@ def segments(keys, policy):
 
 
 def recomputed_layers(cfg, policy):
-    """How many layers' forwards run a second time per step, over the whole model (the HFU term of
-    M.flops_per_token). torch's checkpoint stops recomputing once the last tensor backward needs is back, so
-    each segment's final down_proj matmul (and what follows it) is not repeated: that share is subtracted.
-    Exact without pp; under pp, sqrt/segment:C count segments per stage, a little more than assumed here."""
+    """How many layers' forwards run twice per step, over the whole model.
+
+    It is the HFU term of model.flops_per_token. torch's checkpoint stops recomputing once the
+    last tensor backward needs is back. So each segment's final down_proj matmul, and what
+    follows it, is not repeated: that share is subtracted. Exact without pp. Under pp, sqrt
+    and segment:C count segments per stage, a few more than assumed here."""
     kind, k = parse(policy)
     n = cfg.n_layer
-    layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0, "every": -(-n // (k or 1))}[kind]
-    n_segments = {"sqrt": -(-n // math.ceil(math.sqrt(n))), "segment": -(-n // (k or 1))}.get(kind, layers)
-    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / M.layer_flops_per_token(cfg)
-
-
-def keep_saved(chunk, pack, unpack):
-    """Adds a rule for the tensors the chunk's forward saves for backward: pack(t) returns t itself when t is not
-    its kind, else what to keep instead, and unpack(kept) gives the tensor back in backward. The first rule wraps the
-    chunk's forward in one saved_tensors_hooks context that tries the rules in order: such contexts do not nest (the
-    innermost alone applies), so every owner (fsdp's gathered weights, selective's outputs) shares this one. The rules
-    run eagerly: called from the eager stretch of a compiled part, a hook would otherwise be compiled itself, once
-    per kind of tensor it is handed."""
-    if "saved_rules" not in vars(chunk):
-        chunk.saved_rules, forward = [], chunk.forward
-
-        @torch.compiler.disable
-        def pack_saved(t):
-            for i, (rule_pack, _) in enumerate(chunk.saved_rules):
-                kept = rule_pack(t)
-                if kept is not t:
-                    return i, kept
-            return t
-
-        @torch.compiler.disable
-        def unpack_saved(saved):
-            return chunk.saved_rules[saved[0]][1](saved[1]) if isinstance(saved, tuple) else saved
-
-        def run_chunk(*args, **kwargs):
-            with saved_tensors_hooks(pack_saved, unpack_saved):
-                return forward(*args, **kwargs)
-        chunk.forward = run_chunk
-    chunk.saved_rules.append((pack, unpack))
+    layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0,
+              "every": -(-n // (k or 1))}[kind]
+    n_segments = {"sqrt": -(-n // math.ceil(math.sqrt(n))),
+                  "segment": -(-n // (k or 1))}.get(kind, layers)
+    return layers - n_segments * 2 * cfg.d_model * cfg.ffn_dim / model.layer_flops_per_token(cfg)
 
 
 def pack_recomputable(t):
-    """A saved view of a norm's or SwiGLU's output, or autocast's cast of one, kept as how to make it again."""
+    """A saved view of a norm's or SwiGLU's output (or its autocast cast), kept as its recipe."""
     base = t if t._base is None else t._base
     fn, cast = base.grad_fn, None
     if type(fn).__name__ == "ToCopyBackward0":  # autocast's copy of it in the compute dtype
@@ -110,8 +87,10 @@ def pack_recomputable(t):
 
 
 def unpack_recomputable(kept):
-    """The output again, bit for bit, for one reader's backward (a norm read by q, k and v is remade three times:
-    nothing is cached on the graph, which outlives the backward as long as the loss does)."""
+    """The output again, bit for bit, for one reader's backward.
+
+    A norm read by q, k and v is remade three times. Nothing is cached on the graph: the graph
+    lives as long as the loss, past the backward."""
     fn, cast, size, stride, offset = kept
     out = type(fn)._forward_cls.output(*fn.saved_tensors)
     return (out if cast is None else out.to(cast)).as_strided(size, stride, offset)
@@ -139,7 +118,8 @@ class CheckpointedLayers:
                 x = run_blocks(blocks, x, cos, sin)
                 continue
             # Only x (B, T, d) and cos/sin are kept; everything inside is recomputed in backward.
-            x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False, preserve_rng_state=True)
+            x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False,
+                           preserve_rng_state=True)
         return x
 
 
@@ -147,15 +127,19 @@ class CheckpointedLayers:
 
 def norm_in_compute_dtype(norm, x):
     """A norm's output as the matmuls reading it take it, autocast's cast included."""
-    y = M.RMSNorm.forward(norm, x)
-    return y.to(M.compute_dtype(y))
+    y = model.RMSNorm.forward(norm, x)
+    return y.to(model.compute_dtype(y))
 
 
-class RecomputedNorm(M.RMSNorm):
-    """A norm compiled into one graph with its readers: a checkpointed region, which the compiler's partitioner
-    recomputes in backward from the region's input (kept anyway) instead of saving its output."""
+class RecomputedNorm(model.RMSNorm):
+    """A norm compiled into one graph with its readers, as a checkpointed region.
+
+    The partitioner recomputes it in backward from its input instead of saving its output.
+    Run eagerly (dynamo declined the frame), it is a plain norm, and selective's rule applies."""
 
     def forward(self, x):
+        if not torch.compiler.is_compiling():
+            return super().forward(x)
         return checkpoint(norm_in_compute_dtype, self, x, use_reentrant=False)
 
 
@@ -166,32 +150,40 @@ def run_eagerly(cls):
 
 def recomputed_swiglu(gate, up):
     """MLP.activation compiled into one graph with down_proj: a region, as RecomputedNorm."""
-    return checkpoint(M.SwiGLU.apply, gate, up, use_reentrant=False)
+    if not torch.compiler.is_compiling():
+        return model.SwiGLU.apply(gate, up)
+    return checkpoint(model.SwiGLU.apply, gate, up, use_reentrant=False)
 
 
-eager_swiglu = torch.compiler.disable(M.SwiGLU.apply)  # MLP.activation where its reader runs eagerly
+eager_swiglu = torch.compiler.disable(model.SwiGLU.apply)  # MLP.activation, its reader eager
 
 
 def how_compiled(module):
-    """How a block's attention or MLP compiles: "apart" (tp's or cp's collectives, or the zero-bubble split's deferred
-    weight gradients, break the graph inside it), "fp8" (fp8's matmul hook, traced whole when no group reduces its
-    amaxes; left to the partitioner) or "whole" (model.py's linears and attention: one graph with the norm in front)."""
-    linears = [m for m in module.modules() if isinstance(m, M.Linear)]
-    if any(type(linear) is not M.Linear or linear.weight_grads is not None for linear in linears) or getattr(
-            module, "attend", M.causal_attention) is not M.causal_attention:
+    """How a block's attention or MLP compiles: "apart", "fp8" or "whole".
+
+    "apart": tp's or cp's collectives break the graph inside it, or the zero-bubble split's
+    deferred weight gradients do. "fp8": fp8's matmul hook, traced whole when no group reduces
+    its amaxes; it is left to the partitioner. "whole": model.py's linears and attention, one
+    graph with the norm in front."""
+    linears = [m for m in module.modules() if isinstance(m, model.Linear)]
+    if (any(type(linear) is not model.Linear or linear.weight_grads is not None
+            for linear in linears)
+            or getattr(module, "attend", model.causal_attention) is not model.causal_attention):
         return "apart"
     return "fp8" if any(linear.matmul is not None for linear in linears) else "whole"
 
 
 def selective_in_graph(chunk):
-    """--ckpt selective for blocks about to be compiled (after every layer is applied). Inside a graph the compiler's
-    partitioner, not autograd, decides what is saved, and the rule above never sees a norm's or SwiGLU's output: the
-    partitioner keeps one a matmul's backward reads, and a graph keeps its inputs as they came. Where a norm's readers
-    compile into one graph with it, the norm (autocast's cast included) and SwiGLU become checkpointed regions, which
-    the partitioner recomputes. Where tp's or cp's collectives break that graph, the norm or SwiGLU and the linears
-    reading it run eagerly, and the rule takes their outputs as in an eager run. fp8's matmuls are left to the
-    partitioner."""
-    eager = {}  # one eager class per class in this chunk: its blocks keep sharing their compiled graphs
+    """--ckpt selective for blocks about to be compiled, after every layer is applied.
+
+    Inside a graph the compiler's partitioner, not autograd, decides what is saved. The rule
+    above never sees a norm's or SwiGLU's output. The partitioner keeps one a matmul's backward
+    reads, and a graph keeps its inputs as they came. So where a norm's readers compile into one
+    graph with it, the norm (autocast's cast included) and SwiGLU become checkpointed regions.
+    The partitioner recomputes those. Where tp's or cp's collectives break that graph, the norm
+    or SwiGLU and the linears reading it run eagerly. The rule then takes their outputs, as in
+    an eager run. fp8's matmuls are left to the partitioner."""
+    eager = {}  # one eager class per class in this chunk: its blocks keep sharing compiled graphs
 
     def run_apart(*modules):
         for module in modules:
@@ -200,8 +192,10 @@ def selective_in_graph(chunk):
             module.__class__ = eager[type(module)]
     for block in chunk.layers.values():
         attn, mlp = block.self_attn, block.mlp
-        for norm, module, readers in ((block.input_layernorm, attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                      (block.post_attention_layernorm, mlp, (mlp.gate_proj, mlp.up_proj))):
+        for norm, module, readers in ((block.input_layernorm, attn,
+                                       (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                      (block.post_attention_layernorm, mlp,
+                                       (mlp.gate_proj, mlp.up_proj))):
             how = how_compiled(module)
             if how == "whole":
                 norm.__class__ = RecomputedNorm
@@ -216,8 +210,10 @@ def selective_in_graph(chunk):
 
 
 def apply(chunk, policy):
-    """Swaps the chunk's run_layers for the checkpointed one, or (selective) adds the rule that recomputes the norms'
-    and SwiGLU's outputs (selective_in_graph adds what compiled blocks need); parameter names are untouched."""
+    """Swaps the chunk's run_layers for the checkpointed one. Parameter names are untouched.
+
+    selective instead adds the rule that recomputes the norms' and SwiGLU's outputs.
+    selective_in_graph adds what compiled blocks need."""
     kind = parse(policy)[0]
     if kind == "selective":
         keep_saved(chunk, pack_recomputable, unpack_recomputable)

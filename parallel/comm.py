@@ -1,15 +1,18 @@
 """The collective layer: thin wrappers over torch.distributed that count calls and bytes.
 
-Every parallel file talks through a `Group` (one per mesh axis), never to torch.distributed
-directly, so tests and benchmarks read the communication volume from one place.
+Every parallel file talks through a `Group`, one per mesh axis, never to torch.distributed.
+So tests and benchmarks read the communication volume from one place.
 
-Bytes are "sent by this rank" in ring terms, for a group of g ranks and a payload of N bytes:
-- all-reduce: 2(g-1)/g · N  (a reduce-scatter then an all-gather);
-- all-gather (N = the gathered output) and reduce-scatter (N = the full input): (g-1)/g · N;
-- all-to-all (N = the local input): (g-1)/g · N;  send: N.
-A group of one rank communicates nothing and counts nothing. `wait_s` is the exposed part: the seconds this
-rank's thread spent blocked in a collective: a blocking call, an async one's launch (gloo's reduce-scatter does
-much of its work there) and Pending.wait; p2p requests (send_recv) are waited by their callers and not timed.
+Bytes are "sent by this rank" in ring terms. A group has g ranks; the payload is N bytes.
+- all-reduce: 2(g-1)/g · N, a reduce-scatter then an all-gather.
+- all-gather (N = the gathered output), reduce-scatter (N = the full input): (g-1)/g · N.
+- all-to-all (N = the local input): (g-1)/g · N.
+- send: N.
+A group of one rank communicates nothing and counts nothing.
+
+`wait_s` is the exposed part: the seconds this rank's thread spent blocked in a collective.
+That is a blocking call, an async one's launch, and Pending.wait. gloo's reduce-scatter does much
+of its work in the launch. Callers wait for p2p requests (send_recv); those are not timed.
 """
 import time
 from collections import defaultdict
@@ -17,7 +20,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-# Newer torch renames the single-tensor collectives and warns on the old names, which older torch only has
+# Newer torch renames the single-tensor collectives and warns on the old names; older has only those
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -32,8 +35,9 @@ class CommStats:
         self.calls = defaultdict(int)
         self.bytes = defaultdict(float)
         self.log = []  # (kind, group name, bytes) in launch order, for tests that check ordering
-        self.timeline = []  # ("launch" | "wait", index into log): when collectives start and finish (p2p: no wait)
-        self.wait_s, self.launched_at = 0.0, 0.0  # seconds blocked in collectives; when the last one was launched
+        # ("launch" | "wait", index into log): when collectives start and finish (p2p: no wait)
+        self.timeline = []
+        self.wait_s, self.launched_at = 0.0, 0.0  # seconds blocked; when the last one was launched
 
     def add(self, kind, group, nbytes):
         self.calls[kind] += 1
@@ -54,8 +58,10 @@ class CommStats:
 
 
 class Pending:
-    """An async collective in flight. wait() blocks until it is done, records the wait, then runs `after` (a
-    division that turns gloo's sum into a mean). Waiting twice is harmless."""
+    """An async collective in flight. Waiting twice is harmless.
+
+    wait() blocks until it is done and records the wait. Then it runs `after`, a division that
+    turns gloo's sum into a mean."""
 
     def __init__(self, work, stats=None, index=None, after=None):
         self.work, self.stats, self.index, self.after = work, stats, index, after
@@ -79,15 +85,16 @@ def nbytes(t):
 class Group:
     """One process group of the mesh. `ranks` are global ranks; `rank` is this rank's index in it.
 
-    The collectives run outside torch.compile (--compile): a compiled block breaks its graph around each,
-    and dynamo never traces the counters, whose growing log would otherwise become a guard that fails, and
-    recompiles the block, on every call."""
+    The collectives run outside torch.compile: a compiled block breaks its graph around each.
+    So dynamo never traces the counters. Traced, their growing log would become a guard. It
+    would fail, and recompile the block, on every call."""
 
     def __init__(self, name, ranks, pg, global_rank, stats):
         self.name, self.ranks, self.pg, self.stats = name, list(ranks), pg, stats
         self.size = len(self.ranks)
         self.rank = self.ranks.index(global_rank)
-        self.native_mean = pg is not None and dist.get_backend(pg) == "nccl"  # gloo has no ReduceOp.AVG
+        # gloo has no ReduceOp.AVG
+        self.native_mean = pg is not None and dist.get_backend(pg) == "nccl"
 
     def __repr__(self):
         return f"Group({self.name}, ranks={self.ranks})"
@@ -96,8 +103,9 @@ class Group:
         return self.stats.add(kind, self.name, n)
 
     def _started(self, work, index, async_op, after=None):
-        """An async launch returns its Pending handle; a blocking one has finished: run `after` now."""
-        self.stats.wait_s += time.perf_counter() - self.stats.launched_at  # the whole call, or an async launch
+        """An async launch returns its Pending handle. A blocking one is done: `after` runs now."""
+        # the whole call, or an async launch
+        self.stats.wait_s += time.perf_counter() - self.stats.launched_at
         if async_op:
             return Pending(work, self.stats, index, after)
         self.stats.timeline.append(("wait", index))  # a blocking call is done when it returns
@@ -115,23 +123,24 @@ class Group:
 
     @torch.compiler.disable
     def all_reduce_mean(self, t, async_op=False):
-        """Mean in place: one AVG all-reduce where the backend has it (NCCL), else sum, then divide once done."""
+        """Mean in place: one AVG all-reduce on NCCL; elsewhere sum, then divide once done."""
         if self.size == 1:
             return Pending(None) if async_op else None
         index = self._count("all_reduce", 2 * (self.size - 1) / self.size * nbytes(t))
         if self.native_mean:
-            return self._started(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.pg, async_op=async_op), index,
-                                 async_op)
+            return self._started(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.pg,
+                                                 async_op=async_op), index, async_op)
         work = dist.all_reduce(t, group=self.pg, async_op=async_op)
         return self._started(work, index, async_op, after=lambda: t.div_(self.size))
 
     @torch.compiler.disable
     def max_all_reduce(self, t):
-        """Max in place, blocking (fp8.py's amaxes: a few floats), counted as its own kind, all_reduce_max."""
+        """Max in place, blocking (fp8.py's amaxes: a few floats). Counted as all_reduce_max."""
         if self.size == 1:
             return None
         index = self._count("all_reduce_max", 2 * (self.size - 1) / self.size * nbytes(t))
-        return self._started(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg), index, async_op=False)
+        return self._started(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg), index,
+                             async_op=False)
 
     @torch.compiler.disable
     def all_gather(self, out, inp, async_op=False):
@@ -140,7 +149,8 @@ class Group:
             out.copy_(inp)
             return Pending(None) if async_op else None
         index = self._count("all_gather", (self.size - 1) / self.size * nbytes(out))
-        return self._started(ALL_GATHER(out, inp, group=self.pg, async_op=async_op), index, async_op)
+        return self._started(ALL_GATHER(out, inp, group=self.pg, async_op=async_op), index,
+                             async_op)
 
     @torch.compiler.disable
     def reduce_scatter(self, out, inp, async_op=False):
@@ -149,20 +159,22 @@ class Group:
             out.copy_(inp)
             return Pending(None) if async_op else None
         index = self._count("reduce_scatter", (self.size - 1) / self.size * nbytes(inp))
-        return self._started(REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op), index, async_op)
+        return self._started(REDUCE_SCATTER(out, inp, group=self.pg, async_op=async_op), index,
+                             async_op)
 
     @torch.compiler.disable
     def all_to_all(self, out, inp):
-        """Block i of inp (split along dim 0) goes to rank i; block j of out comes from rank j."""
+        """Block i of inp (split along dim 0) goes to rank i. Block j of out comes from rank j."""
         if self.size == 1:
             out.copy_(inp)
             return None
         index = self._count("all_to_all", (self.size - 1) / self.size * nbytes(inp))
-        return self._started(dist.all_to_all_single(out, inp, group=self.pg), index, async_op=False)
+        return self._started(dist.all_to_all_single(out, inp, group=self.pg), index,
+                             async_op=False)
 
     @torch.compiler.disable
     def send_recv(self, sends, recvs):
-        """Batched p2p: sends/recvs are lists of (tensor, group index of the peer). Returns the requests."""
+        """Batched p2p. sends, recvs: [(tensor, the peer's group index)]. Returns the requests."""
         ops = []
         for t, peer in sends:
             self._count("send", nbytes(t))
@@ -181,11 +193,12 @@ class Group:
         if self.size == 1:
             return None
         index = self._count("broadcast", nbytes(t))
-        return self._started(dist.broadcast(t, self.ranks[src], group=self.pg), index, async_op=False)
+        return self._started(dist.broadcast(t, self.ranks[src], group=self.pg), index,
+                             async_op=False)
 
 
 def all_reduce_max(group, value, device="cpu"):
-    """A Python float, maxed over the group (for flags and error checks, not counted as traffic)."""
+    """A Python float, maxed over the group: for flags and error checks, not counted as traffic."""
     t = torch.tensor([float(value)], device=device)
     if group.size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)

@@ -1,18 +1,22 @@
-"""Context parallel: the sequence is split over the cp group; only attention needs the other ranks' tokens.
+"""Context parallel: the sequence is split over the cp group. Only attention needs other tokens.
 
-Split:    zigzag: 2·CP chunks, rank r holds chunks r and 2CP-1-r (equal causal work per rank). Tokens, targets and
-          RoPE positions move together; the rest is token-local; the DP wrapper averages grads over dp x cp.
-Sends, per rank and layer in forward (b micro-batch, s = T/CP local tokens, e bytes/element, |K_r| = |V_r| =
-b·s·Hkv·hd·e); a step sends this x n_layer x micro-batches, plus backward:
-  ring:      K,V hop around the ring, each hop overlapped with a block's attention: (CP-1)·2·|K_r|; backward the
-             same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
-  ulysses:   all-to-all of q, k, v, each with its own heads (s tokens, h heads) -> (T tokens, h/CP heads), SDPA
-             with GQA, all-to-all back: (CP-1)/CP · b·s·(2·H + 2·lcm(Hkv, CP))·hd·e; backward the same. No overlap.
-  allgather: all-gather of K,V: (CP-1)·2·|K_r|; per local query chunk a causal call on its own key chunk and a full
-             call on all earlier keys, merged by log-sum-exp; backward reduce-scatters dK,dV, the same size.
-Memory:   activations are 1/CP of the sequence; attention holds two K,V blocks (ring), the whole sequence's K,V
-          (allgather) or the whole sequence for H/CP heads (ulysses). K,V keep the model's Hkv heads, never repeated
-          per query head; only ulysses, when CP does not divide Hkv, repeats them to lcm(Hkv, CP) heads.
+Split:    zigzag: 2·CP chunks; rank r holds chunks r and 2CP-1-r, for equal causal work. Tokens,
+          targets and RoPE positions move together; the rest is token-local. The DP wrapper
+          averages grads over dp x cp.
+Sends:    per rank and layer, in forward. b: micro-batch, s = T/CP local tokens, e: bytes per
+          element, |K_r| = |V_r| = b·s·Hkv·hd·e. A step sends this x n_layer x M, plus backward.
+  ring:      K,V hop around the ring, each hop under a block's attention: (CP-1)·2·|K_r|.
+             Backward: the same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
+  ulysses:   q, k, v go all-to-all from (s tokens, h heads) to (T tokens, h/CP heads). Then SDPA
+             with GQA, and all-to-all back: (CP-1)/CP · b·s·(2·H + 2·lcm(Hkv, CP))·hd·e.
+             Backward: the same. No overlap.
+  allgather: K,V all-gathered: (CP-1)·2·|K_r|. Each local query chunk makes two calls, merged by
+             log-sum-exp: a causal one on its own key chunk, a full one on all earlier keys.
+             Backward reduce-scatters dK,dV, the same size.
+Memory:   activations are 1/CP of the sequence. Attention holds two K,V blocks under ring, the
+          whole sequence's K,V under allgather, and all of it for H/CP heads under ulysses.
+          K,V keep the model's Hkv heads, never repeated per query head. Only ulysses repeats
+          them, to lcm(Hkv, CP) heads, when CP does not divide Hkv.
 """
 import math
 
@@ -20,13 +24,19 @@ import torch
 
 from model import causal_attention
 from parallel.mesh import LayoutError
-from parallel.ring_attention import RingAttention, attend_blocks, attend_blocks_backward, local_chunks, pick_kernel
+from parallel.ring_attention import (
+    RingAttention,
+    attend_blocks,
+    attend_blocks_backward,
+    local_chunks,
+    pick_kernel,
+)
 
 MODES = ("ring", "ulysses", "allgather")
 
 
 def validate(cfg, cp, tp, mode):
-    """Raises LayoutError for a layout cp cannot run (before any work starts)."""
+    """Raises LayoutError for a layout cp cannot run, before any work starts."""
     if mode not in MODES:
         raise LayoutError("--cp-mode", f"unknown mode {mode!r}; choose {', '.join(MODES)}")
     if cfg.seq_len % (2 * cp):
@@ -41,17 +51,17 @@ def validate(cfg, cp, tp, mode):
 def local_positions(seq_len, rank, cp, device=None, layout="zigzag"):
     """The sequence positions a cp rank holds, in its local order: (seq_len / CP,)."""
     chunks = local_chunks(rank, cp, layout)
-    c = seq_len // (cp * len(chunks))  # chunk length: the sequence is cut into cp·len(chunks) chunks
+    c = seq_len // (cp * len(chunks))  # chunk length: the sequence is cp·len(chunks) chunks
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks])
 
 
 def gathered_positions(seq_len, cp, device=None, layout="zigzag"):
-    """Positions of the sequence gathered in rank order (rank 0's tokens, then rank 1's, ...): (seq_len,)."""
+    """Positions of the sequence gathered in rank order (rank 0's tokens first): (seq_len,)."""
     return torch.cat([local_positions(seq_len, r, cp, device, layout) for r in range(cp)])
 
 
 def shard_batches(batches, mesh):
-    """[(x, y)] of (b, T) -> this cp rank's zigzag tokens [(x, y)] of (b, T/CP), and their positions (T/CP,)."""
+    """[(x, y)] of (b, T) -> this cp rank's zigzag [(x, y)] of (b, T/CP), and positions (T/CP,)."""
     x0 = batches[0][0]
     positions = local_positions(x0.shape[1], mesh.cp_group.rank, mesh.cp_group.size, x0.device)
     return [(x[:, positions], y[:, positions]) for x, y in batches], positions
@@ -79,10 +89,13 @@ class _AllToAll(torch.autograd.Function):
 
 
 def seq_to_heads(x, group):
-    """(B, h, T/CP, hd) local tokens, all heads -> (B, h/CP, T, hd): every rank's tokens (rank order), h/CP heads."""
+    """(B, h, T/CP, hd): local tokens, all heads -> (B, h/CP, T, hd): all tokens, h/CP heads.
+
+    The tokens come in rank order."""
     B, h, s, hd = x.shape
     cp = group.size
-    blocks = x.reshape(B, cp, h // cp, s, hd).transpose(0, 1)  # (CP, B, h/CP, s, hd): head group j -> rank j
+    # (CP, B, h/CP, s, hd): head group j goes to rank j
+    blocks = x.reshape(B, cp, h // cp, s, hd).transpose(0, 1)
     got = _AllToAll.apply(blocks, group)  # block j: rank j's tokens of my head group
     return got.permute(1, 2, 0, 3, 4).reshape(B, h // cp, cp * s, hd)
 
@@ -91,28 +104,31 @@ def heads_to_seq(y, group):
     """The inverse of seq_to_heads: (B, h/CP, T, hd) -> (B, h, T/CP, hd)."""
     B, hl, T, hd = y.shape
     cp = group.size
-    blocks = y.reshape(B, hl, cp, T // cp, hd).permute(2, 0, 1, 3, 4)  # (CP, B, h/CP, s, hd): rank j's tokens
+    # (CP, B, h/CP, s, hd): rank j's tokens go to rank j
+    blocks = y.reshape(B, hl, cp, T // cp, hd).permute(2, 0, 1, 3, 4)
     got = _AllToAll.apply(blocks, group)  # block j: my tokens, head group j
     return got.transpose(0, 1).reshape(B, cp * hl, T // cp, hd)
 
 
 def ulysses_attention(q, k, v, group):
     cp, kv_heads = group.size, k.shape[1]
-    if kv_heads % cp:  # the one copy left: too few kv heads to split, so each is repeated just until cp divides
-        repeat = cp // math.gcd(kv_heads, cp)  # them (lcm(Hkv, CP) heads; GQA grouping holds); no more than that
+    # The one place K,V are still copied: too few kv heads to split over cp. Each is repeated
+    # just until cp divides them: lcm(Hkv, CP) heads, and GQA grouping holds.
+    if kv_heads % cp:
+        repeat = cp // math.gcd(kv_heads, cp)
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, heads/CP, T, hd) each, zigzag rank order
+    q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, heads/CP, T, hd), zigzag rank order
     where = gathered_positions(q.shape[2], cp, q.device)  # position of each gathered token
     order = torch.argsort(where)  # gathered index of each position
-    # model.causal_attention: the kv heads as they are to a kernel that takes GQA, repeated for one that does not
-    y = causal_attention(q[:, :, order], k[:, :, order], v[:, :, order])  # (B, H/CP, T, hd), position order
+    # model.causal_attention passes the kv heads as they are to a GQA kernel, repeated to others
+    y = causal_attention(q[:, :, order], k[:, :, order], v[:, :, order])  # (B, H/CP, T, hd)
     return heads_to_seq(y[:, :, where], group)
 
 
 # ---------------------------------------------------------------- allgather
 
 class _GatherKV(torch.autograd.Function):
-    """kv (2, B, Hkv, s, hd) -> (CP·2, B, Hkv, s, hd); backward reduce-scatters dK, dV back to their owners."""
+    """kv (2, B, Hkv, s, hd) -> (CP·2, B, Hkv, s, hd). Backward reduce-scatters dK, dV to owners."""
 
     @staticmethod
     def forward(ctx, kv, group):
@@ -129,28 +145,36 @@ class _GatherKV(torch.autograd.Function):
 
 
 def _in_position_order(kv, cp):
-    """(CP·2, B, Hkv, s, hd) gathered in rank order -> (2, B, Hkv, T, hd) in position order, in one copy. Rank r
-    holds chunks r and 2CP-1-r, so chunk p is rank p's first chunk for p < CP and rank 2CP-1-p's second after: the
-    first chunks in rank order, then the second ones in reverse (slices and a flip: no index built on the host)."""
+    """(CP·2, B, Hkv, s, hd) in rank order -> (2, B, Hkv, T, hd) in position order, in one copy.
+
+    Rank r holds chunks r and 2CP-1-r. So chunk p < CP is rank p's first chunk, and later ones
+    are rank 2CP-1-p's second. The order: first chunks in rank order, then second ones reversed.
+    Slices and a flip do it: no index is built on the host."""
     _, B, kv_heads, s, hd = kv.shape
-    chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)  # (2, B, Hkv, CP, 2, c, hd)
-    ordered = torch.cat([chunks[:, :, :, :, 0], chunks[:, :, :, :, 1].flip(3)], dim=3)  # (2, B, Hkv, 2CP, c, hd)
+    # (2, B, Hkv, CP, 2, c, hd)
+    chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)
+    # (2, B, Hkv, 2CP, c, hd)
+    ordered = torch.cat([chunks[:, :, :, :, 0], chunks[:, :, :, :, 1].flip(3)], dim=3)
     return ordered.reshape(2, B, kv_heads, cp * s, hd)
 
 
 def _chunk_blocks(rank, cp, c):
-    """For each local query chunk p: a causal call on key chunk p and a full call on all earlier keys (if any),
-    as [(q rows, k rows, causal)] of the local q and the position-ordered K,V."""
+    """Per local query chunk p: a causal call on key chunk p, a full call on earlier keys (if any).
+
+    Returns [(q rows, k rows, causal)] of the local q and the position-ordered K,V."""
     blocks = []
     for i, p in enumerate(local_chunks(rank, cp)):
         rows = slice(i * c, (i + 1) * c)
-        blocks += [(rows, slice(p * c, (p + 1) * c), True)] + ([(rows, slice(0, p * c), False)] if p else [])
+        blocks += ([(rows, slice(p * c, (p + 1) * c), True)]
+                   + ([(rows, slice(0, p * c), False)] if p else []))
     return blocks
 
 
 class _ChunkAttentionFn(torch.autograd.Function):
-    """q (B, H, s, hd) of this rank's chunks against the whole sequence's kv (2, B, Hkv, T, hd) -> (B, H, s, hd),
-    by ring_attention's block kernels merged by log-sum-exp; backward from the final (out, lse) alone."""
+    """q (B, H, s, hd) of this rank's chunks against kv (2, B, Hkv, T, hd) -> (B, H, s, hd).
+
+    It runs ring_attention's block kernels, merged by log-sum-exp.
+    Backward needs only the final (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, kv, blocks):
@@ -190,7 +214,7 @@ def make_attend(mesh, mode):
 
 
 def parallelize(chunk, mesh, mode="ring"):
-    """Swaps every Attention.attend of the chunk for the context-parallel one. Returns the chunk."""
+    """Swaps each Attention.attend of the chunk for the context-parallel one. Returns the chunk."""
     validate(chunk.cfg, mesh.cp, mesh.tp, mode)
     attend = make_attend(mesh, mode)
     for block in chunk.layers.values():
@@ -198,15 +222,20 @@ def parallelize(chunk, mesh, mode="ring"):
     return chunk
 
 
-# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+# ---------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def ulysses_bytes(tokens, head_dim, q_heads, kv_heads, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer, each (cp-1)/cp · tokens · hd · (2q + 2·lcm(kv, cp)) · e."""
-    each = (cp - 1) / cp * tokens * head_dim * (2 * q_heads + 2 * math.lcm(kv_heads, cp)) * elem_bytes
+    """(fwd, bwd) bytes one rank sends per layer.
+
+    Each is (cp-1)/cp · tokens · hd · (2q + 2·lcm(kv, cp)) · e."""
+    each = ((cp - 1) / cp * tokens * head_dim * (2 * q_heads + 2 * math.lcm(kv_heads, cp))
+            * elem_bytes)
     return each, each
 
 
 def allgather_bytes(kv_elements, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer: all-gather K,V, reduce-scatter dK,dV, each (cp-1) · kv · e."""
+    """(fwd, bwd) bytes one rank sends per layer: K,V all-gathered, dK,dV reduce-scattered.
+
+    Each is (cp-1) · kv · e."""
     each = (cp - 1) * kv_elements * elem_bytes
     return each, each

@@ -1,33 +1,31 @@
 """DDP: every rank holds the whole model (or its tp/pp piece) and averages gradients over dp x cp.
 
-Split:       the batch. Each dp rank (and each cp rank, which sees other tokens) gets its own slice.
-Sends:       one all-reduce of the gradients per optimizer step: 2(g-1)/g · 4·N bytes per rank (fp32, N params).
-Overlap:     the gradients live in flat fp32 buckets (--bucket-mb) laid out in reverse creation order, the order in
-             which backward produces them; each parameter's .grad is a view into its bucket, so autograd accumulates
-             straight into what the all-reduce sends: no copy in or out. A bucket's async all-reduce (ReduceOp.AVG
-             on NCCL; sum, then divide, on gloo) starts from an autograd hook the moment its last gradient is ready,
-             while backward continues on earlier layers; every bucket stays in flight until finish_grad_sync waits
-             for them. --no-overlap launches every bucket after backward instead; --bucket-mb 0 puts each parameter
-             in its own bucket, the naive one-all-reduce-per-tensor version.
-Memory:      nothing saved: params, grads and Adam state are replicated (16 B/param with fp32 Adam); the buckets are
-             the gradients, so buckets in flight cost nothing more. Gradient accumulation (sync_grads False) adds
-             each micro-batch into the buckets, and only the last one's backward launches the all-reduces.
-Average, not sum (L7): each rank's loss is a mean over its tokens, so the mean of the rank gradients is the
-gradient of the mean over the global batch, and the learning rate does not depend on the world size.
+Split:    the batch. Each dp rank gets its own slice; each cp rank sees other tokens.
+Sends:    one all-reduce of the fp32 gradients per step: 2(g-1)/g · 4·N bytes per rank.
+Overlap:  gradients live in flat fp32 buckets (--bucket-mb), in the order backward makes them.
+          Each .grad is a view into its bucket, so autograd adds straight into what is sent.
+          A hook starts a bucket's async all-reduce once its last gradient is ready (AVG on NCCL;
+          sum, then divide, on gloo). finish_grad_sync waits for all of them.
+          --no-overlap launches every bucket after backward. --bucket-mb 0: one per tensor.
+Memory:   nothing saved. Params, grads and Adam state are replicated (16 B/param, fp32 Adam).
+          Buckets cost nothing more: they are the gradients. With sync_grads False, micro-batches
+          add into the buckets, and only the last backward launches the all-reduces.
+Average, not sum: each rank's loss is a mean over its tokens. The mean of the rank gradients is
+the gradient of the global batch's mean, so the learning rate does not depend on the world size.
 """
 import torch
 
-import model as M
 from parallel import Piece, global_name, has_tp_partial_grad, tp_shard_of
+from parallel.materialize import materialize
 
 
 def grad_replicas(p, mesh):
-    """How many ranks hold an identical copy of p's gradient after sync (for the global grad norm)."""
+    """How many ranks hold the same copy of p's gradient after sync (for the global grad norm)."""
     return mesh.dp_cp_group.size * (1 if tp_shard_of(p) else mesh.tp_group.size)
 
 
 def sync_tp_partial_grads(params, mesh):
-    """Sequence-parallel norms see only their tp rank's tokens: their grads are partial sums over tp."""
+    """Sequence-parallel norms see only their tp rank's tokens: their grads are partial over tp."""
     for p in params:
         if has_tp_partial_grad(p):
             mesh.tp_group.all_reduce(p.grad)
@@ -49,8 +47,10 @@ class Bucket:
             p.grad = view
 
     def adopt(self, p, view):
-        """Makes p.grad the bucket's view again if something replaced it (an optimizer's zero_grad(set_to_none)
-        lets autograd create a fresh gradient): that gradient is the whole accumulated one, so it is copied in."""
+        """Makes p.grad the bucket's view again if something replaced it.
+
+        zero_grad(set_to_none) lets autograd make a fresh gradient. It holds the whole sum, so it is
+        copied in."""
         if p.grad is not view:
             if p.grad is None:
                 view.zero_()
@@ -88,7 +88,7 @@ class DDP:
             for bucket in self.buckets:
                 for p, view in zip(bucket.params, bucket.views):
                     p.register_post_accumulate_grad_hook(self._hook(bucket, view))
-        self.launched_in_backward = 0  # buckets whose all-reduce started inside backward (tests read it)
+        self.launched_in_backward = 0  # buckets launched inside backward (tests read it)
 
     def _hook(self, bucket, view):
         def on_grad_ready(param):
@@ -127,7 +127,7 @@ class DDP:
         return [(p.grad, grad_replicas(p, self.mesh)) for p in self.params if p.grad is not None]
 
     def owned_pieces(self):
-        """Every param whole; written by dp x cp rank 0 (tp-replicated params: by tp rank 0 of those)."""
+        """Every param whole. dp x cp rank 0 writes them; tp-replicated ones, its tp rank 0."""
         first = self.mesh.dp_cp_group.rank == 0
         return [Piece(global_name(name), p, 0, p.numel(), tuple(p.shape), tp_shard_of(p), 0,
                       first and (tp_shard_of(p) is not None or self.mesh.coord["tp"] == 0))
@@ -136,12 +136,12 @@ class DDP:
 
 def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
     """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
-    M.materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
+    materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
     return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
 
 
-# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+# ---------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def all_reduce_bytes(n_params, group_size, grad_bytes=4):
-    """Bytes one rank sends all-reducing n_params gradients, ring terms: 2(g-1)/g · grad_bytes · n_params."""
+    """Bytes one rank sends to all-reduce n_params gradients: 2(g-1)/g · grad_bytes · n_params."""
     return 2 * (group_size - 1) / group_size * grad_bytes * n_params

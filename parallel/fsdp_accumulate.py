@@ -1,10 +1,12 @@
-"""A layer on FSDP and HSDP (--accumulate unsharded): a step's micro-batch gradients summed locally, unsharded, and
-reduce-scattered once, after the last backward of each unit, instead of once per micro-batch.
+"""A layer on FSDP and HSDP (--accumulate unsharded): micro-batch gradients summed locally.
 
-Sends:    the reduce-scatter's (g-1)/g · N·r bytes once per step instead of M times; the all-gathers do not change.
-Overlap:  as FSDP's: the one reduce-scatter of a unit runs under the next unit's backward.
-Memory:   every unit's flat gradient (reduce dtype, r·N bytes) is kept all step, instead of one shared buffer: the
-          memory FSDP saves on gradients, spent to send fewer bytes (DDP's no_sync, sharded).
+A unit's gradients are summed unsharded over the step's micro-batches. They are reduce-scattered
+once, after the unit's last backward, instead of once per micro-batch.
+
+Sends:    the reduce-scatter's (g-1)/g · N·r bytes once per step, not M times. All-gathers: same.
+Overlap:  as FSDP's: a unit's one reduce-scatter runs under the next unit's backward.
+Memory:   every unit's flat gradient (reduce dtype, r·N bytes) stays all step, not one shared
+          buffer. The memory FSDP saves on gradients buys fewer bytes sent (DDP's no_sync, sharded).
 """
 import torch
 
@@ -25,8 +27,9 @@ def unsharded(cls):
                 torch._foreach_add_([v for v, _ in reached], [g for _, g in reached])
             else:  # the step's first backward of the unit overwrites the sum
                 unit.summed[unit.numel:].zero_()
-                torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
-            if not self.sync_grads:  # more backwards of this unit come this step: reduce once, after the last
+                torch._foreach_copy_(views,
+                                     [v.zero_() if g is None else g for v, g in zip(views, grads)])
+            if not self.sync_grads:  # more backwards of this unit this step: reduce after the last
                 self.summing.add(unit)
                 return None
             self.summing.discard(unit)
@@ -34,7 +37,8 @@ def unsharded(cls):
 
         def finish_grad_sync(self):
             if self.summing:
-                raise RuntimeError("unsharded accumulation: no backward of this step was marked sync_grads")
+                raise RuntimeError(
+                    "unsharded accumulation: no backward of this step was marked sync_grads")
             super().finish_grad_sync()
 
     Unsharded.__name__ = Unsharded.__qualname__ = f"{cls.__name__}Unsharded"

@@ -1,14 +1,17 @@
-"""HSDP: FSDP inside a shard group of K ranks (one server's fast links), DDP across the R = dp/K replicas.
+"""HSDP: FSDP in a shard group of K ranks, DDP across the R = dp/K replicas.
 
-Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), replicated R times
-          (mesh.replicate_group); the batch over all dp x cp ranks.
-Sends:    FSDP's traffic inside the shard group, (K-1)/K · M·((2N-E)·c + N·r) per step (fsdp.py), plus, once per
-          step, one all-reduce of each unit's fp32 gradient shard, summed over the step's micro-batches, across the
-          replicas: 2·(R-1)/R · 4N/K bytes per rank, whatever M. Only that all-reduce, 1/K of DDP's, crosses servers.
-Overlap:  a unit's replica all-reduce is launched as soon as its step gradient shard is complete (the reduce-scatter
-          of its last backward of the step is in, at the end of the next unit's backward), and waited for when the
-          next unit's is launched, one unit later (the last units' in finish_grad_sync): it runs under backward.
-Memory:   16·N/K bytes of model state per rank: K, not dp, sets the saving.
+A shard group is one server: its links are the fast ones.
+
+Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp). It is replicated
+          R times (mesh.replicate_group). The batch goes over all dp x cp ranks.
+Sends:    in the shard group, FSDP's (K-1)/K · M·((2N-E)·c + N·r) per step (fsdp.py).
+          Once per step, each unit's fp32 gradient shard is all-reduced over the replicas.
+          It holds the sum over micro-batches: 2(R-1)/R · 4N/K bytes per rank, whatever M.
+          Only this all-reduce crosses servers. It is 1/K of DDP's.
+Overlap:  a unit's replica all-reduce starts when its step gradient shard is complete. That is at
+          the end of the next unit's backward, when the last reduce-scatter lands. It is waited
+          for one unit later, at the next launch, so it runs under backward.
+Memory:   16·N/K bytes of model state per rank. K, not dp, sets the saving.
 """
 import torch
 
@@ -17,17 +20,19 @@ from parallel.fsdp import FSDP
 
 
 class HSDP(FSDP):
-    """FSDP over the shard group, plus the chain of replica all-reduces through FSDP's two hooks."""
+    """FSDP over the shard group, and a chain of replica all-reduces on its two hooks."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.replica = {}  # unit -> the all-reduce of its gradient shard over the replicas, launched this step
-        self.in_flight = None  # the unit whose all-reduce was launched last: waited for at the next launch
+        self.replica = {}  # unit -> its gradient shard's all-reduce over the replicas, this step
+        self.in_flight = None  # the unit launched last: waited for at the next launch
 
-    def reduce_grads(self, unit, grads):
+    def after_backward(self, unit, grads):
         if unit in self.replica:
-            raise RuntimeError(f"{unit.name}: a backward after the step's last (sync_grads) one, summed over replicas")
-        super().reduce_grads(unit, grads)
+            raise RuntimeError(
+                f"{unit.name}: a backward after the step's last (sync_grads) one, "
+                "summed over replicas")
+        super().after_backward(unit, grads)
 
     def step_grad_ready(self, unit):
         self.wait_in_flight()
@@ -42,8 +47,9 @@ class HSDP(FSDP):
             self.in_flight = None
 
     def finish_step_grads(self, units):
-        """Every reduced unit's all-reduce over the replicas, done: those launched in backward, and the rest (no
-        backward said sync_grads) launched now, in unit order."""
+        """Waits for every reduced unit's all-reduce over the replicas.
+
+        Those backward did not launch (none said sync_grads) start now, in unit order."""
         self.wait_in_flight()
         for unit in units:
             if unit not in self.replica:
@@ -58,15 +64,16 @@ class HSDP(FSDP):
         return super().replicas(meta_param) * self.mesh.replicate_group.size
 
 
-def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32, overlap=True,
-         cls=HSDP):
-    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap, cls=cls,
-                     group=mesh.shard_group)
+def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32,
+         overlap=True, cls=HSDP):
+    return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap,
+                     cls=cls, group=mesh.shard_group)
 
 
-# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+# ---------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def replica_bytes(n_params, shard_size, replicas, grad_bytes=4):
-    """Bytes one rank sends all-reducing its gradient shard over the replicas, once per step whatever the number of
-    micro-batches: 2(R-1)/R · grad_bytes · n_params/K (grad_bytes: the fp32 shard gradient, 4)."""
+    """Bytes one rank sends to all-reduce its gradient shard over the replicas.
+
+    Once per step, whatever M: 2(R-1)/R · grad_bytes · n_params/K. The fp32 shard: 4 bytes."""
     return 2 * (replicas - 1) / replicas * grad_bytes * n_params / shard_size

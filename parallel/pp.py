@@ -1,18 +1,12 @@
 """Pipeline parallel: the layers are split into stages, and micro-batches flow through them.
 
-Split:    the blocks into P·V contiguous chunks balanced by estimated cost (a layer's 2·N_layer + 4·d·T forward FLOPs
-          per token, the head's 2·d·vocab on the last chunk, the embedding's memory on the first), or --pp-split;
-          rank r holds virtual stages r, r+P, ... (V = --pp-virtual), or under zbv stages r and 2P-1-r (a V).
-Sends:    per micro-batch and chunk boundary one activation forward and its gradient backward, b·T·d elements each
-          (b·T/tp·d under sequence parallel), point to point: 2·M·(P·V-1)·b·T·d·bytes per step for the whole
-          pipeline (zbv: 2·M·(2P-2)·..., rank P-1's boundary stays in memory). Shapes come from the config.
-Overlap:  batch_isend_irecv is asynchronous: a send leaves while the next micro-batch computes, and a receive is
-          posted as soon as the peer would have produced it (the schedules, pp_schedule.py).
-Memory:   1/P of the weights, gradients and Adam state. Activations: stage 0 keeps at most P micro-batches in flight
-          under 1F1B (interleaved P + (P-1)/V, GPipe all M), each freed after its backward (zb1, zbv: its W); a
-          chunk's output is freed once sent: backward needs it as its graph's root, not its bytes.
-Bubble:   utilization M/(M+P-1) for GPipe and 1F1B, VM/(VM+P-1) interleaved, zb1 3M/(3M+P-1) and zbv 6M/(6M+P-1).
-Loss:     each micro-batch's loss is its local mean / M, so the step's gradient is one process's.
+Split:    the blocks into P·V chunks by cost (cost_model) or --pp-split. Rank r holds virtual stages
+          r, r+P, ... (V = --pp-virtual); under zbv, r and 2P-1-r (a V).
+Sends:    p2p per micro-batch and boundary: an activation, then its gradient, b·T·d elements each
+          (b·T/tp·d under sp). Per step: 2·M·(P·V-1)·b·T·d (zbv: 2·M·(2P-2)·..., P-1 keeps its own).
+Overlap:  batch_isend_irecv is async: a send leaves while the next micro-batch computes.
+Memory:   1/P of the weights, grads and Adam state; at most P activation sets (1F1B, stage 0).
+Bubble:   utilization M/(M+P-1) (GPipe, 1F1B), VM/(VM+P-1) interleaved; zb1, zbv: pp_schedule.py.
 """
 import copy
 import math
@@ -21,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-import model as M
+import model
 from parallel import pp_schedule as S
 from parallel.mesh import LayoutError
 
@@ -38,14 +32,14 @@ class Stage:
 # ---------------------------------------------------------------- the split
 
 def cost_model(cfg):
-    """(forward FLOPs per token, parameters) of one layer, of the head, of the embedding."""
+    """(FLOPs per token, params) of a layer (2·N_layer + 4·d·T), the head (2·d·vocab), embedding."""
     d, vocab = cfg.d_model, cfg.padded_vocab
-    return {"layer": (M.layer_flops_per_token(cfg), M.layer_param_count(cfg)),
+    return {"layer": (model.layer_flops_per_token(cfg), model.layer_param_count(cfg)),
             "head": (2 * d * vocab, d * vocab + d), "embed": (0, d * vocab)}
 
 
 def min_max_partition(n, parts, cost):
-    """Counts (each >= 1, summing to n) minimizing max_k cost(k, count_k), by dynamic programming."""
+    """Counts (each >= 1, summing to n) minimizing max_k cost(k, count_k). Dynamic programming."""
     best = {(0, 0): (0, [])}  # (parts used, layers used) -> (max cost so far, counts)
     for k in range(parts):
         for used in range(k + 1, n - (parts - k - 1) + 1):
@@ -56,50 +50,55 @@ def min_max_partition(n, parts, cost):
 
 
 def balanced_counts(cfg, parts):
-    """Minimize the slowest chunk's FLOPs; among those splits, the largest chunk's parameter memory."""
+    """Minimizes the slowest chunk's FLOPs, then, among those splits, the largest chunk's memory."""
     c = cost_model(cfg)
 
     def flops(k, m):
-        return m * c["layer"][0] + (c["head"][0] if k == parts - 1 else 0) + (c["embed"][0] if k == 0 else 0)
+        return (m * c["layer"][0] + (c["head"][0] if k == parts - 1 else 0)
+                + (c["embed"][0] if k == 0 else 0))
 
     def memory(k, m):
         if flops(k, m) > slowest:
             return math.inf
-        return m * c["layer"][1] + (c["head"][1] if k == parts - 1 else 0) + (c["embed"][1] if k == 0 else 0)
+        return (m * c["layer"][1] + (c["head"][1] if k == parts - 1 else 0)
+                + (c["embed"][1] if k == 0 else 0))
 
     slowest = min_max_partition(cfg.n_layer, parts, flops)[0]
     return min_max_partition(cfg.n_layer, parts, memory)[1]
 
 
 def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
-    """Layers per virtual stage: balanced by cost, or the given split, checked against the model and the batch."""
+    """Layers per virtual stage, by cost or the given split; checked against model and batch."""
     n, parts = cfg.n_layer, P * V
     if n < parts:
-        raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; the model has {n}")
+        raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; "
+                                  f"the model has {n}")
     try:
         actions_for(schedule, P, n_micro, V, 0)
     except S.DeadlockError as e:  # the simulator found no way to run it
-        raise LayoutError("--pp-schedule", f"{schedule} cannot run M = {n_micro} micro-batches on {P} stages: "
-                                           f"{e}") from None
+        raise LayoutError("--pp-schedule", f"{schedule} cannot run M = {n_micro} micro-batches "
+                                           f"on {P} stages: {e}") from None
     if schedule == "interleaved" and n_micro > P and n_micro % P:
-        raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count M = global-batch / "
-                          f"(micro-batch·dp) = {n_micro} to be a multiple of pp = {P} (or at most {P})")
+        raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count "
+                          f"M = global-batch / (micro-batch·dp) = {n_micro} to be a multiple "
+                          f"of pp = {P} (or at most {P})")
     if not layer_split:
         if schedule == "interleaved" and n % parts:
-            raise LayoutError("--pp-virtual", f"interleaved needs n_layer {n} divisible by pp·V = {P}·{V} "
-                              "(or an explicit --pp-split)")
+            raise LayoutError("--pp-virtual", f"interleaved needs n_layer {n} divisible by "
+                              f"pp·V = {P}·{V} (or an explicit --pp-split)")
         return balanced_counts(cfg, parts)
     counts, shown = list(layer_split), ",".join(map(str, layer_split))
     if len(counts) != parts:
-        raise LayoutError("--pp-split", f"{len(counts)} counts given, pp·V = {P}·{V} = {parts} needed")
+        raise LayoutError("--pp-split",
+                          f"{len(counts)} counts given, pp·V = {P}·{V} = {parts} needed")
     if sum(counts) != n:
-        raise LayoutError("--pp-split", f"counts {shown} sum to {sum(counts)}, the model has {n} layers")
+        raise LayoutError("--pp-split",
+                          f"counts {shown} sum to {sum(counts)}, the model has {n} layers")
     return counts
 
 
 def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
-    """The chunks (GPTs on the meta device) this rank runs, in virtual-stage order. Only the first
-    virtual stage keeps embed_tokens and only the last keeps norm, lm_head and the loss."""
+    """This rank's chunks (meta GPTs) by stage; only the first embeds, the last has the head."""
     P, V, rank = mesh.pp, S.chunks_per_rank(schedule, n_virtual), mesh.coord["pp"]
     counts = layer_counts(full.cfg, P, V, n_micro, layer_split, schedule)
     starts = [sum(counts[:v]) for v in range(P * V)]
@@ -123,18 +122,20 @@ def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
 # ---------------------------------------------------------------- the executor
 
 class PipelineError(RuntimeError):
-    """An action failed on this stage; the message names the stage and the action."""
+    """An action failed on this stage. The message names the stage and the action."""
 
 
 @lru_cache(maxsize=64)
 def actions_for(schedule, P, M, V, rank, train=True):
-    return (S.build(schedule, P, M, V) if train else S.forward_only(P, M, V, schedule in S.VSHAPED))[rank]
+    return (S.build(schedule, P, M, V) if train
+            else S.forward_only(P, M, V, schedule in S.VSHAPED))[rank]
 
 
 class Pipeline:
     """One rank's run of one action list. Tensors live in dicts keyed by (chunk, micro-batch)."""
 
-    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper, activation_dtype):
+    def __init__(self, chunks, mesh, batches, positions, autocast, loss_scale, wrapper,
+                 activation_dtype):
         self.chunks, self.mesh, self.batches, self.autocast = chunks, mesh, batches, autocast
         self.loss_scale, self.wrapper = loss_scale, wrapper
         self.P, self.rank, self.group = mesh.pp, mesh.coord["pp"], mesh.pp_group
@@ -143,24 +144,26 @@ class Pipeline:
         T = batches[0][0].shape[1]  # tokens per sequence on this rank (T/cp under cp)
         self.positions = positions if positions is not None else torch.arange(T, device=self.device)
         self.inputs, self.outputs, self.input_grads, self.alive = {}, {}, {}, set()
-        self.receives, self.sends = {}, []  # (op, chunk, mb) -> (buffer, its Posted batch); Posted sends in flight
+        self.receives, self.sends = {}, []  # (op, chunk, mb) -> (buffer, Posted); Posted in flight
         chunk = chunks[0]  # activations between stages: (b, T/tp under sp, d), in the compute dtype
-        self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model), activation_dtype)
+        self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model),
+                           activation_dtype)
         self.loss = torch.zeros((), device=self.device)
-        self.max_in_flight = 0  # most activation sets (forwards awaiting their backward, or W) alive at once
+        self.max_in_flight = 0  # most activation sets alive at once (forwards awaiting B or W)
 
     def run(self, actions):
-        """Runs the actions; returns the summed local loss (nonzero on the last stage)."""
-        self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}  # a chunk's last B and W sync gradients
-        self.split = any(a.op == "W" for a in actions)  # zb1, zbv: each backward is a B and a later W
+        """Runs the actions. Returns the summed local loss (nonzero on the last stage)."""
+        self.final = {(a.op, a.chunk): a for a in actions if a.op in "BW"}  # last ones sync grads
+        self.split = any(a.op == "W" for a in actions)  # zb1, zbv: each backward is B, later W
         for step in S.batches(actions):
             try:
                 if step[0].op in S.COMPUTE:
-                    self.compute(step[0], self.wait_for_input(step[0]))  # idle while the neighbour is not done
+                    self.compute(step[0], self.wait_for_input(step[0]))  # idle until it arrives
                 else:
                     self.post(step)
             except Exception as e:
-                raise PipelineError(f"pipeline stage {self.rank} failed at {step[0]}: {type(e).__name__}: {e}") from e
+                raise PipelineError(f"pipeline stage {self.rank} failed at {step[0]}: "
+                                    f"{type(e).__name__}: {e}") from e
         for posted in self.sends:
             posted.wait()
         return self.loss
@@ -172,8 +175,7 @@ class Pipeline:
         return S.stage_of(self.rank, chunk, self.P, self.vshape)
 
     def wait_for_input(self, a):
-        """The activation (forward) or output gradient (backward) a neighbour sent, once it has arrived; from
-        this rank's other chunk when the neighbour is that (the V's turn)."""
+        """The activation (F) or output gradient (B) a neighbour sent; at the V, this rank's own."""
         v = self.stage(a.chunk)
         if a.op == "W" or (a.op == "F" and v == 0) or (a.op == "B" and v == self.last):
             return None
@@ -194,7 +196,7 @@ class Pipeline:
         with self.autocast:
             out = self.chunks[a.chunk](x, targets if v == self.last else None, self.positions)
         if v == self.last:
-            out = out / len(self.batches)  # local mean / M: the step sums to the mean over the batch
+            out = out / len(self.batches)  # local mean / M: the step sums to the batch mean
             self.loss += out.detach()
         self.outputs[(a.chunk, a.mb)] = out
         if torch.is_grad_enabled():
@@ -205,10 +207,10 @@ class Pipeline:
             del self.outputs[(a.chunk, a.mb)]
 
     def backward(self, a, received):
-        """The full backward, or under zb1/zbv B: the weights' gradients wait in the chunk's WeightGrads for W."""
+        """The full backward, or B under zb1/zbv: weight gradients wait in WeightGrads for W."""
         key, v = (a.chunk, a.mb), self.stage(a.chunk)
-        self.wrapper.sync_grads = self.final[("B", a.chunk)] == a  # DDP/FSDP reduce once per chunk and step
-        out, x = self.outputs.pop(key), self.inputs.pop(key)
+        self.wrapper.sync_grads = self.final[("B", a.chunk)] == a  # DDP/FSDP: once per chunk
+        out, x = self.outputs.pop(key), self.inputs.pop(key)  # their last references: freed after
         if self.split:
             self.chunks[a.chunk].weight_grads.mb = a.mb
         else:
@@ -219,10 +221,9 @@ class Pipeline:
             torch.autograd.backward(out, received)  # received: d loss / d out, the shape of out
         if v > 0:
             self.input_grads[key] = x.grad  # (b, T, d): sent by the SEND_B that follows
-        # out, x and the graph between them are no longer referenced: freed here
 
     def weight(self, a, received):
-        """W: the weight gradients B deferred; the wrapper syncs a chunk's gradients in its last W."""
+        """W: the weight gradients B deferred. A chunk's last W syncs its gradients."""
         self.wrapper.sync_grads = self.final[("W", a.chunk)] == a
         self.chunks[a.chunk].weight_grads.run(a.mb)
         self.alive.discard((a.chunk, a.mb))
@@ -235,13 +236,14 @@ class Pipeline:
             if a.op == "SEND_F":
                 out = self.outputs[key] if torch.is_grad_enabled() else self.outputs.pop(key)
                 sends.append((out.detach().contiguous(), a.peer))
-                spent += [out] * torch.is_grad_enabled()  # backward needs it only as the root of its graph
+                spent += [out] * torch.is_grad_enabled()  # backward needs its graph, not its bytes
             elif a.op == "SEND_B":
                 sends.append((self.input_grads.pop(key).contiguous(), a.peer))
             else:
-                receives.append((a, torch.empty(self.activation[0], dtype=self.activation[1], device=self.device)))
-        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]), [t for t, _ in sends],
-                        spent)
+                receives.append((a, torch.empty(self.activation[0], dtype=self.activation[1],
+                                                device=self.device)))
+        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]),
+                        [t for t, _ in sends], spent)
         for a, buf in receives:
             self.receives[(a.op, a.chunk, a.mb)] = (buf, posted)
         self.sends = [p for p in self.sends if not p.completed()]
@@ -255,14 +257,13 @@ class Pipeline:
 
 
 class Posted:
-    """One batch_isend_irecv's works (NCCL: one for the batch), the tensors it sends, kept alive until it completes,
-    and the forward outputs whose bytes it then frees. Waits once: gloo blocks on a second wait."""
+    """One batch_isend_irecv: its works and sent tensors. Done, it frees the sent outputs' bytes."""
 
     def __init__(self, works, tensors, spent=()):
         self.works, self.tensors, self.spent, self.done = works, tensors, spent, False
 
     def wait(self):
-        if not self.done:
+        if not self.done:  # waits once: gloo blocks on a second wait
             for w in self.works:
                 w.wait()
             self._finish()
@@ -278,19 +279,18 @@ class Posted:
         self.done, self.tensors, self.spent = True, None, ()
 
 
-def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0, wrapper=None, train=True,
-            runner=Pipeline):
-    """Runs this rank's part of the schedule named on the chunks. Returns (summed local loss, the runner, a Pipeline:
-    its max_in_flight). activation_dtype: of what flows between stages, the compute dtype (the residual stream's)."""
+def execute(chunks, mesh, batches, positions, autocast, activation_dtype, loss_scale=1.0,
+            wrapper=None, train=True, runner=Pipeline):
+    """Runs this rank's part of the chunks' schedule: (summed local loss, the Pipeline)."""
     schedule = chunks[0].pipeline.schedule
     actions = actions_for(schedule, mesh.pp, len(batches), len(chunks), mesh.coord["pp"], train)
-    pipeline = runner(chunks, mesh, batches, positions, autocast, loss_scale, wrapper, activation_dtype)
+    pipeline = runner(chunks, mesh, batches, positions, autocast, loss_scale, wrapper,
+                      activation_dtype)
     return pipeline.run(actions), pipeline
 
 
 def train_step(chunks, wrapper, mesh, batches, positions, autocast, loss_scale, dtype):
-    """Forward and backward of every micro-batch; the summed local loss (nonzero on the last stage). dtype: the
-    compute dtype, which the residual stream, and so every activation sent between stages, carries."""
+    """Forward and backward of each micro-batch: the summed local loss (last stage; 0 elsewhere)."""
     return execute(chunks, mesh, batches, positions, autocast, dtype, loss_scale, wrapper)[0]
 
 
@@ -300,7 +300,7 @@ def eval_step(chunks, wrapper, mesh, batches, positions, autocast, dtype):
         return execute(chunks, mesh, batches, positions, autocast, dtype, train=False)[0]
 
 
-# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+# ---------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def p2p_bytes(sends, tokens, d_model, elem_bytes, seq_shards=1):
     """Bytes a stage sends per step: sends · tokens · d · e / seq_shards (sp)."""

@@ -1,22 +1,20 @@
-"""The backward split of the zero-bubble pipeline schedules (zb1, zbv in pp_schedule.py): a stage's backward runs
-as B, the input gradient the stage before waits for, and later as W, the weight gradients nobody waits for but
-the optimizer, placed by the schedule where the stage would otherwise idle.
+"""The backward split of the zero-bubble schedules (zb1, zbv): B now, W later.
 
-Split:    every weight of a chunk but the embedding's, through the weight_grads hook (parallel/__init__.py) of each
-          layer that owns one (model.Linear, model.RMSNorm and tp's layers): its matmul or gain runs as a Function
-          without an autograd edge to its weight. In B, autograd goes from the stage output to the stage input only;
-          each such Function returns its input gradient and queues a closure holding what its weight gradient needs
-          (the matmul's input and output gradient). W runs the closures of one (chunk, micro-batch) and hands the
-          results to autograd at the weights the forward used: DDP's bucket hooks and FSDP's reduce-scatter then
-          fire as in any backward, once per chunk after its last W. The embedding has no input to differentiate:
-          its gradient stays in stage 0's B.
-Sends:    nothing new: B sends the input gradient, as a full backward did. Under tp, B waits for the reduction of
-          the input gradient at once (the weight-gradient matmuls it hid under now run in W), and W all-gathers a
-          sequence-parallel input again: the same collectives, calls and bytes; the tp ring layer is not used.
-Overlap:  W fills the fill-and-drain bubble (pp_schedule.py); within a stage nothing runs concurrently.
-Memory:   from its B to its W a micro-batch keeps each matmul's input and output gradient, about its activation
-          set: the schedules count a set alive until W. A checkpointed block is recomputed once, in B; W reads
-          the recomputed inputs its closures hold.
+B is the input gradient, which the stage before waits for. W is the weight gradients. Only the
+optimizer waits for those, so the schedule (pp_schedule.py) puts W where the stage would idle.
+
+Split:    every weight of a chunk but the embedding's. That one has no input to differentiate: its
+          gradient stays in stage 0's B. Each layer with a weight (model.Linear, model.RMSNorm,
+          tp's layers) has a weight_grads hook (parallel/__init__.py). Its matmul or gain then
+          runs as a Function with no autograd edge to the weight.
+Sends:    nothing new. B sends the input gradient, as a full backward did. Under tp, B waits at
+          once for the input gradient's reduction: the weight-gradient matmuls it hid under run
+          in W now. W all-gathers a sequence-parallel input again. The same collectives, calls
+          and bytes; the tp ring layer is not used.
+Overlap:  W fills the fill-and-drain bubble. Within a stage nothing runs concurrently.
+Memory:   from B to W a micro-batch keeps each matmul's input and output gradient. That is about
+          its activation set, and the schedules count the set alive until W. A checkpointed block is
+          recomputed once, in B; W reads the recomputed inputs its closures hold.
 """
 import torch
 import torch.nn.functional as F
@@ -26,8 +24,14 @@ from model import compute_dtype
 
 
 class WeightGrads:
-    """One chunk's deferred weight gradients by micro-batch: the store of the weight_grads hook. The executor sets
-    `mb` before each B."""
+    """One chunk's deferred weight gradients, by micro-batch: the store of the weight_grads hook.
+
+    In B, autograd goes from the stage output to the stage input only. Each deferred Function
+    returns its input gradient and queues a closure. The closure holds what the weight gradient
+    needs: the matmul's input and output gradient. W runs the closures of one (chunk, micro-batch).
+    It hands the results to autograd at the weights the forward used. So DDP's bucket hooks and
+    FSDP's reduce-scatter fire as in any backward, once per chunk after its last W.
+    The executor sets `mb` before each B."""
 
     def __init__(self):
         self.mb, self.pending = None, {}
@@ -37,7 +41,7 @@ class WeightGrads:
         self.pending.setdefault(self.mb, []).append((weights, compute))
 
     def run(self, mb):
-        """W: micro-batch mb's weight gradients, accumulated by autograd into the weights (or their FSDP unit)."""
+        """W: micro-batch mb's weight gradients, added by autograd to the weights (or FSDP unit)."""
         weights, grads = [], []
         with torch.no_grad():
             for ws, compute in self.pending.pop(mb):
@@ -61,11 +65,12 @@ class WeightGrads:
 
 
 class DeferredLinear(Function):
-    """y = x · Wᵀ (x: (..., in), W: (out, in)); backward returns dx = dy · W and defers dW = dyᵀ · x."""
+    """y = x · Wᵀ (x: (..., in), W: (out, in)). Backward returns dx = dy · W; dW = dyᵀ · x waits."""
 
     @staticmethod
     def forward(ctx, x, weight, deferred):
-        ctx.deferred, ctx.input_dtype, dtype = deferred, x.dtype, compute_dtype(x)  # autocast's cast, as F.linear's
+        # autocast's cast, as F.linear's
+        ctx.deferred, ctx.input_dtype, dtype = deferred, x.dtype, compute_dtype(x)
         x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)  # (..., out)
@@ -79,7 +84,7 @@ class DeferredLinear(Function):
 
 
 class DeferredScale(Function):
-    """y = w · h (w: (d,), h: (..., d)); backward returns dh = dy · w and defers dw = Σ dy · h."""
+    """y = w · h (w: (d,), h: (..., d)). Backward returns dh = dy · w; dw = Σ dy · h waits."""
 
     @staticmethod
     def forward(ctx, h, weight, deferred):
@@ -96,9 +101,10 @@ class DeferredScale(Function):
 
 
 def apply(chunk):
-    """Defers the weight gradients of a chunk: sets the weight_grads hook of every layer that has one, after tp, cp
-    and checkpointing have swapped its modules and before the data-parallel wrapper wraps their forwards. Returns
-    the chunk's WeightGrads (also `chunk.weight_grads`)."""
+    """Defers a chunk's weight gradients: sets the weight_grads hook of every layer that has one.
+
+    It runs after tp, cp and checkpointing have swapped the modules, and before the data-parallel
+    wrapper wraps their forwards. Returns the chunk's WeightGrads (also `chunk.weight_grads`)."""
     store = WeightGrads()
     for module in chunk.modules():
         if hasattr(module, "weight_grads"):

@@ -1,16 +1,19 @@
 """Pipeline schedules as plain data: for every stage, the ordered list of actions it runs.
 
-A model of P·V virtual stages is spread round-robin over P ranks: rank r holds virtual stages
-r, r+P, r+2P, ... as its local chunks 0, 1, ..., V-1; zbv places V = 2 in a V instead: rank r holds
-stages r and 2P-1-r, so rank P-1 runs stages P-1 and P back to back and rank 0 both ends. A schedule
-is first a compute order per rank (forward F, backward B of micro-batch i on local chunk c; the
-zero-bubble schedules split B into B, the input gradient, and a later W, the weight gradient);
-`with_communication` then adds the sends and receives each compute implies (the executor knows the
-activation shape from the config, so nothing else is exchanged; neighbouring stages on one rank
-exchange nothing). Nothing here touches torch: the executor in pp.py runs the lists,
-and the tests check them (each (chunk, mb) once, forward before backward, sends match receives,
-no deadlock even when a communication batch blocks its stream until every op in it is matched,
-as NCCL's does). bench/pp_draw.py renders the timeline.
+A model of P·V virtual stages is spread round-robin over P ranks. Rank r holds virtual stages r,
+r+P, r+2P, ... as its local chunks 0, 1, ..., V-1. zbv places V = 2 in a V instead: rank r holds
+stages r and 2P-1-r. So rank P-1 runs stages P-1 and P back to back, and rank 0 both ends.
+
+A schedule is first a compute order per rank: F and B of micro-batch i on local chunk c.
+The zero-bubble schedules split B in two: B, the input gradient, and a later W, the weight one.
+`with_communication` then adds the sends and receives each compute implies. The executor knows
+the activation shape from the config, so nothing else is exchanged. Two neighbouring stages on
+one rank exchange nothing.
+
+Nothing here touches torch. The executor in pp.py runs the lists; bench/pp_draw.py draws them.
+The tests check that each (chunk, mb) runs once, forward before backward. Sends match receives.
+Nothing deadlocks, even when a p2p batch blocks its stream until all of it is matched, as NCCL's
+does.
 """
 import bisect
 from typing import NamedTuple
@@ -49,22 +52,24 @@ def place(v, P, vshape=False):
 
 
 def chunks_per_rank(schedule, V=1):
-    """zbv always runs two chunks per rank; the others V (--pp-virtual, interleaved)."""
+    """zbv always runs two chunks per rank; the others run V (--pp-virtual, interleaved)."""
     return 2 if schedule in VSHAPED else V
 
 
 # ---------------------------------------------------------------- compute orders
 
 def gpipe(P, M, V=1):
-    """Every forward, then every backward (in reverse): M activation sets live on every stage."""
+    """Every forward, then every backward in reverse. M activation sets live on every stage."""
     fwd = [Action("F", c, i) for c in range(V) for i in range(M)]
     bwd = [Action("B", c, i) for c in reversed(range(V)) for i in reversed(range(M))]
     return [fwd + bwd for _ in range(P)]
 
 
 def one_f_one_b(P, M, V=1):
-    """PipeDream-flush: stage r runs P-r-1 warmup forwards, then alternates one forward and one
-    backward (steady state), then drains the remaining backwards (cooldown). At most P in flight."""
+    """PipeDream-flush (1F1B): at most P micro-batches in flight.
+
+    Stage r runs P-r-1 warmup forwards. In the steady state it alternates one forward and one
+    backward. The cooldown drains the remaining backwards."""
     if V > 1:
         return interleaved(P, M, V)
     orders = []
@@ -78,11 +83,14 @@ def one_f_one_b(P, M, V=1):
 
 
 def interleaved(P, M, V):
-    """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1, ...
-    (backwards through the chunks in reverse); warmup (P-r-1)·2 + (V-1)·P units, then 1F1B, so rank r keeps up to
-    P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a stage, so the fill and drain shrink V times:
-    bubble (P-1)/(V·M). (A warmup of (P-r-1) + (V-1)·P has the same bubble in simulate() and keeps 1F1B's P sets on
-    rank 0, but measured 10-15% lower utilization in bench/pp_bubble.py: the second P-r-1 forwards are slack.)"""
+    """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1.
+
+    Backwards go through the chunks in reverse. The warmup is (P-r-1)·2 + (V-1)·P units, then
+    1F1B. So rank r keeps up to P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a
+    stage, so the fill and drain shrink V times: the bubble is (P-1)/(V·M).
+    A warmup of (P-r-1) + (V-1)·P has the same bubble in simulate(). It keeps 1F1B's P sets on
+    rank 0, but measured 10-15% lower utilization (bench/pp_bubble.py). The second P-r-1
+    forwards are slack."""
     if V == 1:
         return one_f_one_b(P, M)
     fwd, bwd = [], []
@@ -101,11 +109,13 @@ def interleaved(P, M, V):
 
 
 def zero_bubble_h1(P, M, V=1):
-    """ZB-H1 (Qi et al., 2024): 1F1B's order with each backward split into B, the input gradient the stage
-    before waits for, and W, the weight gradient only the optimizer waits for. Stage r runs each W r
-    micro-batches after its B, so it enters the cooldown with r W's in hand and runs them where 1F1B waits
-    for the next B. At most P activation sets alive on every stage (1F1B: P on stage 0); with F = B = W the
-    bubble is P-1 passes instead of 1F1B's 3(P-1): utilization 3M/(3M+P-1) for M >= P."""
+    """ZB-H1 (Qi et al., 2024): 1F1B's order, each backward split into B and W.
+
+    B is the input gradient the stage before waits for. W is the weight gradient; only the
+    optimizer waits for it. Stage r runs each W r micro-batches after its B. It enters the
+    cooldown with r W's in hand and runs them where 1F1B waits for the next B. At most P
+    activation sets live on every stage (1F1B: P on stage 0). With F = B = W the bubble is P-1
+    passes, not 1F1B's 3(P-1): utilization 3M/(3M+P-1) for M >= P."""
     orders = []
     for r in range(P):
         warm = min(P - r - 1, M)
@@ -118,12 +128,15 @@ def zero_bubble_h1(P, M, V=1):
 
 
 def zero_bubble_v(P, M, V=2):
-    """ZB-V (Qi et al., 2024): two chunks per rank in a V (rank r: stages r and 2P-1-r), B and W split.
-    Warmup: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then P-r rounds of F, B, W on
-    chunk 1, whose backwards start on rank 0 as soon as the V is full. Steady: F B W on chunk 0, then on
-    chunk 1. Cooldown: r pairs of B (chunk 0, chunk 1), P-r of (B, W) on chunk 0, then the W's left. At most
-    2P chunk activation sets alive, 1F1B's P stages' worth; with F = B = W (per chunk) the bubble is P-1
-    chunk passes, half of ZB-H1's: 6M/(6M+P-1) for M >= 2P-2."""
+    """ZB-V (Qi et al., 2024): two chunks per rank in a V, B and W split.
+
+    Rank r holds stages r and 2P-1-r.
+    Warmup: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then P-r rounds of
+    F, B, W on chunk 1. Its backwards start on rank 0 as soon as the V is full.
+    Steady: F B W on chunk 0, then on chunk 1.
+    Cooldown: r pairs of B (chunk 0, chunk 1), P-r of (B, W) on chunk 0, then the W's left.
+    At most 2P chunk activation sets live: 1F1B's P stages' worth. With F = B = W per chunk the
+    bubble is P-1 chunk passes, half of ZB-H1's: 6M/(6M+P-1) for M >= 2P-2."""
     return [_v_rank(P, M, r) for r in range(P)]
 
 
@@ -131,25 +144,29 @@ def _v_rank(P, M, r):
     order, done = [], {(op, c): 0 for op in "FBW" for c in (0, 1)}
 
     def run(*steps):
-        for op, c in steps:  # each skipped once chunk c has no micro-batch left for it
+        for op, c in steps:  # skipped once chunk c has no micro-batch left for it
             if done[(op, c)] < M:
                 order.append(Action(op, c, done[(op, c)]))
                 done[(op, c)] += 1
-    run(*[("F", 0)] * (2 * (P - r) - 1), *[("F", 1), ("F", 0)] * r, *[("F", 1), ("B", 1), ("W", 1)] * (P - r))
+    run(*[("F", 0)] * (2 * (P - r) - 1), *[("F", 1), ("F", 0)] * r,
+        *[("F", 1), ("B", 1), ("W", 1)] * (P - r))
     while done[("B", 0)] < M and (done[("F", 0)] < M or done[("F", 1)] < M):
         run(("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
-    run(*[("B", 0), ("B", 1)] * r, *[("B", 0), ("W", 0)] * (P - r), *[("W", 1)] * M, *[("W", 0)] * M)
+    run(*[("B", 0), ("B", 1)] * r, *[("B", 0), ("W", 0)] * (P - r), *[("W", 1)] * M,
+        *[("W", 0)] * M)
     return order
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb1": zero_bubble_h1,
-             "zbv": zero_bubble_v}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+             "zb1": zero_bubble_h1, "zbv": zero_bubble_v}
 
 
 def theoretical_utilization(P, M, V=1, schedule="1f1b"):
-    """Busy / (busy + bubble) with equal stages and F = B = W (a full backward B + W = 2F):
-    M/(M+P-1); interleaved VM/(VM+P-1); zb1 3M/(3M + max(P-1, 2P-1-M)); zbv, in chunk passes,
-    6M/(6M + max(P-1, 3P-3-M, 4P-1-3M)). Fewer micro-batches than the warmup fills add to the last two."""
+    """Busy / (busy + bubble) with equal stages and F = B = W (a full backward B + W = 2F).
+
+    M/(M+P-1); interleaved VM/(VM+P-1); zb1 3M/(3M + max(P-1, 2P-1-M)).
+    zbv, in chunk passes: 6M/(6M + max(P-1, 3P-3-M, 4P-1-3M)).
+    In the last two, fewer micro-batches than the warmup fills add to the bubble."""
     if schedule == "zb1":
         return 3 * M / (3 * M + max(P - 1, 2 * P - 1 - M))
     if schedule == "zbv":
@@ -163,19 +180,19 @@ def with_communication(orders, P, V, vshape=False):
     """Adds the p2p actions the compute orders imply.
 
     Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts it
-    right after the compute that makes it; the receiver posts its receive before its first compute
-    that starts at or after that tick, so the transfer overlaps whatever the receiver is busy with.
-    Every rank then posts its messages in order of (tick, message), one global order that respects
-    every data dependency, so in-order streams cannot deadlock (tests/pp_deadlock.py verifies it).
+    right after the compute that makes it. The receiver posts it before its first compute that
+    starts at or after that tick. So the transfer overlaps whatever the receiver is busy with.
+    Every rank posts its messages in (tick, message) order. That is one global order, and it
+    respects every data dependency. So in-order streams cannot deadlock (tests/pp_deadlock.py).
     """
     last = P * V - 1
     timeline = simulate(orders, P, V, vshape)
-    gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # gaps[r][k]: comm before compute k
+    gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # [r][k]: p2p before compute k
 
     starts = [[start for start, _, _ in row] for row in timeline]  # increasing on each rank
 
     def gap_for(r, tick):
-        return bisect.bisect_left(starts[r], tick)  # before the first compute starting at or after tick
+        return bisect.bisect_left(starts[r], tick)  # before the first compute starting >= tick
 
     for r in range(P):
         for k, (_, end, a) in enumerate(timeline[r]):
@@ -186,7 +203,7 @@ def with_communication(orders, P, V, vshape=False):
                 (dst, c), kinds = place(v - 1, P, vshape), ("SEND_B", "RECV_B")
             else:
                 continue
-            if dst == r:  # the V's turn: the next stage is this rank's other chunk, nothing is sent
+            if dst == r:  # the V's turn: the next stage is this rank's other chunk, nothing sent
                 continue
             key = (end, r, f"{a.op}{a.chunk}.{a.mb}")  # the same on both ends of the message
             gaps[r][k + 1].append((key, Action(kinds[0], a.chunk, a.mb, dst)))
@@ -203,23 +220,26 @@ def with_communication(orders, P, V, vshape=False):
 
 
 def build(schedule, P, M, V=1):
-    """Every rank's full action list for one optimizer step. Raises DeadlockError if the compute
-    orders cannot run (the simulator refuses the (P, M) pair)."""
+    """Every rank's full action list for one optimizer step.
+
+    Raises DeadlockError if the compute orders cannot run: the simulator refuses the (P, M) pair."""
     V = chunks_per_rank(schedule, V)
     return with_communication(SCHEDULES[schedule](P, M, V), P, V, schedule in VSHAPED)
 
 
 def forward_only(P, M, V=1, vshape=False):
-    """Evaluation: forwards through the chunks, no backward: micro-batch by micro-batch, or down the V
-    and back (all of chunk 0, then chunk 1)."""
+    """Evaluation: forwards through the chunks, no backward.
+
+    Micro-batch by micro-batch, or down the V and back (all of chunk 0, then chunk 1)."""
     order = [Action("F", c, i) for c in range(V) for i in range(M)] if vshape else [
         Action("F", c, i) for i in range(M) for c in range(V)]
     return with_communication([order] * P, P, V, vshape)
 
 
 def batches(actions):
-    """Groups a rank's actions into runnable steps: a compute alone, or a run of
-    consecutive p2p actions, which the executor posts as one batch_isend_irecv."""
+    """Groups a rank's actions into runnable steps: a compute alone, or a run of p2p actions.
+
+    The executor posts each run as one batch_isend_irecv."""
     out = []
     for a in actions:
         if a.op in SENDS + RECVS and out and out[-1][0].op in SENDS + RECVS:
@@ -241,11 +261,13 @@ def dependency(a, v, last):
 
 
 def simulate(orders, P, V, vshape=False, f=1, b=1, w=1):
-    """Start and end tick of every compute when each runs as soon as its rank is free and its input
-    is ready: forward f ticks, input gradient b, weight gradient w; a backward that is not split
-    (no W in the orders) does both, b + w. Returns per rank a list of (start, end, action)."""
+    """Start and end tick of every compute, each run once its rank is free and its input ready.
+
+    A forward takes f ticks, an input gradient b, a weight gradient w. A backward that is not
+    split (no W in the orders) does both: b + w. Returns per rank a list of (start, end, action)."""
     last = P * V - 1
-    ticks = {"F": f, "B": b if any(a.op == "W" for order in orders for a in order) else b + w, "W": w}
+    ticks = {"F": f, "B": b if any(a.op == "W" for order in orders for a in order) else b + w,
+             "W": w}
     finish = {}  # (op, virtual stage, mb) -> end tick
     free, pc = [0] * P, [0] * P
     timeline = [[] for _ in range(P)]
@@ -264,5 +286,6 @@ def simulate(orders, P, V, vshape=False, f=1, b=1, w=1):
                 pc[r] += 1
                 moved = True
         if not moved:
-            raise DeadlockError(f"compute order deadlocks at {[str(orders[r][pc[r]]) for r in range(P)]}")
+            raise DeadlockError(
+                f"compute order deadlocks at {[str(orders[r][pc[r]]) for r in range(P)]}")
     return timeline

@@ -1,18 +1,22 @@
-"""Ring attention: exact causal attention when the sequence is sharded over the cp group (cp.py's `ring`).
+"""Ring attention: exact causal attention on a sequence sharded over cp (cp.py's `ring`).
 
-Split:    rank r holds the queries and the K,V of its sequence chunks (zigzag: chunks r and 2CP-1-r of 2CP).
-Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per layer and rank, with K_r,V_r the local
-          blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|); backward the same again plus CP hops of the fp32 dK,dV
-          accumulator (Hkv heads) that travels with its block and ends back at the block's owner.
-Overlap:  each hop starts before the attention of the block in hand; the dK,dV hop overlaps the next step's work.
-Kernels:  K,V reach every block call with their own Hkv heads: the fused kernels share each kv head among its H/Hkv
-          query heads; the math fallback (fp32 on CUDA) views q as (B, Hkv, H/Hkv·Tq, hd), so its matmuls copy no
-          K,V and sum dK,dV over the group, and takes the query rows in chunks of at most MATH_SCORES fp32 scores.
-          Per (query chunk, key chunk): earlier key chunk = full block, same = causal, later = skipped; under zigzag
-          each step costs every rank half a block (`flops` counts).
-Merge:    online softmax of the blocks' (out_i, lse_i): lse = logaddexp(lse, lse_i), out = out·exp(lse_old - lse) +
-          out_i·exp(lse_i - lse). Backward needs only the final out and lse. cp.py's allgather reuses both.
-Memory:   at most two K,V blocks per rank (in hand, arriving): never the whole sequence, never K,V per query head.
+Split:    rank r holds the queries and K,V of its sequence chunks (zigzag: r and 2CP-1-r of 2CP).
+Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per layer and rank, with
+          K_r,V_r the local blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|). Backward: the same,
+          plus CP hops of the fp32 dK,dV accumulator (Hkv heads). It travels with its block and
+          ends back at the block's owner.
+Overlap:  each hop starts before the attention of the block in hand. The dK,dV hop overlaps the
+          next step's work.
+Kernels:  every block call gets K,V with their own Hkv heads. The fused kernels share each kv head
+          among its H/Hkv query heads. So does the math fallback (fp32 on CUDA): _by_kv_head.
+          Per (query chunk, key chunk): an earlier key chunk is a full block. The same chunk is
+          causal; a later one is skipped. Under zigzag each step costs every rank half a block
+          (`flops` counts).
+Merge:    online softmax of the blocks' (out_i, lse_i). lse = logaddexp(lse, lse_i);
+          out = out·exp(lse_old - lse) + out_i·exp(lse_i - lse). Backward needs only the final
+          out and lse. cp.py's allgather reuses both.
+Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence, never
+          K,V per query head.
 """
 import torch
 
@@ -28,16 +32,17 @@ def has_op(name):
 
 
 def local_chunks(rank, cp, layout="zigzag"):
-    """The sequence chunks (ascending) a cp rank holds. zigzag: 2·cp chunks; contiguous: cp chunks."""
+    """The sequence chunks (ascending) a cp rank holds. zigzag: 2·cp chunks; contiguous: cp."""
     return [rank, 2 * cp - 1 - rank] if layout == "zigzag" else [rank]
 
 
 def plan_blocks(q_chunks, k_chunks):
-    """The attention calls for one (query rank, key rank) pair, in chunk units: [(q_lo, q_hi, k_hi, causal)].
+    """The attention calls of one (query rank, key rank) pair: [(q_lo, q_hi, k_hi, causal)].
 
-    Own block: one causal call (local chunk order is position order). Another rank's block: key chunk j is
-    visible to query chunk i iff k_chunks[j] < q_chunks[i], always a prefix of the keys; consecutive query
-    chunks with the same non-empty prefix form one full call; pairs that causality masks are skipped."""
+    Units are chunks. Own block: one causal call (local chunk order is position order).
+    Another rank's block: query chunk i sees key chunk j iff k_chunks[j] < q_chunks[i].
+    That is always a prefix of the keys. Consecutive query chunks with the same non-empty prefix
+    form one full call. Pairs that causality masks are skipped."""
     if q_chunks == k_chunks:
         return [(0, len(q_chunks), len(k_chunks), True)]
     prefix = [sum(k < q for k in k_chunks) for q in q_chunks]
@@ -52,23 +57,24 @@ def plan_blocks(q_chunks, k_chunks):
     return blocks
 
 
-# ---------------------------------------------------------------- block kernels: q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd)
+# ------------------------------------------ block kernels: q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd)
 
 def _flash_cuda_fwd(q, k, v, causal, scale):
-    out, lse, *aux = _ATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    out, lse, *aux = _ATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                               scale=scale)
     return out, lse, aux[:6]  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
 
 
 def _flash_cuda_bwd(dout, q, k, v, out, lse, causal, scale, aux):
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     return _ATEN._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
+        scale=scale)[:3]
 
 
-# On CPU the fused kernel runs outside any compiled graph, and so do the merges around it in a loop (dynamo skips a
-# loop's frame that breaks): Inductor's C++ for allgather's blocks, forward and backward traced whole, took ~40 s to
-# build on 2 cores for a 64-token test model, and the CPU kernel is an external call in the graph either way. CPU
-# only: on CUDA the flash kernels and their merges compile.
+# CPU only: the fused kernel runs outside any compiled graph. It is an external call in a graph
+# either way, and compiling the code around it is slow. Dynamo then skips the frame of the loop
+# that calls it, so the merges run eagerly too. On CUDA the flash kernels and merges compile.
 @torch.compiler.disable
 def _flash_cpu_fwd(q, k, v, causal, scale):
     out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -77,42 +83,49 @@ def _flash_cpu_fwd(q, k, v, causal, scale):
 
 @torch.compiler.disable
 def _flash_cpu_bwd(dout, q, k, v, out, lse, causal, scale, aux):
-    return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                       scale=scale)
+    return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 def _by_kv_head(x, kv_heads):
-    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads that share a kv head, stacked along the rows (a view when
-    x is contiguous: heads h = kv·H/Hkv + g are adjacent; a chunk of rows is copied)."""
+    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads of each kv head, stacked along rows.
+
+    The math kernel's matmuls then copy no K,V and sum dK,dV over the group. A view when x is
+    contiguous: heads h = kv·H/Hkv + g are adjacent. A chunk of rows is copied."""
     B, H, T, d = x.shape
     return x.reshape(B, kv_heads, H // kv_heads * T, d)
 
 
-MATH_SCORES = 2 ** 26  # fp32 scores one math-kernel call may hold (256 MB): more query rows are taken in chunks
+MATH_SCORES = 2 ** 26  # fp32 scores one math-kernel call may hold (256 MB); more rows: in chunks
 
 
 def _query_chunks(q, k):
-    """Slices of q's rows, each small enough that its (heads x rows x keys) fp32 scores fit in MATH_SCORES."""
+    """Slices of q's rows, each with (heads x rows x keys) fp32 scores that fit in MATH_SCORES."""
     B, H, tq, _ = q.shape
     rows = max(1, MATH_SCORES // (B * H * k.shape[2]))
     return [slice(i, min(i + rows, tq)) for i in range(0, tq, rows)]
 
 
 def _scores(q_rows, k, causal, scale, rows):
-    """q_rows (B, Hkv, G·r, hd): the query rows `rows` of a block, by kv head; k (B, Hkv, Tk, hd) -> fp32 scores
-    (B, Hkv, G·r, Tk), causal per query head (a causal block is a diagonal one: row i sees keys up to i)."""
+    """q_rows (B, Hkv, G·r, hd), k (B, Hkv, Tk, hd) -> fp32 scores (B, Hkv, G·r, Tk).
+
+    q_rows are the query rows `rows` of a block, by kv head. Causal is per query head. A causal
+    block is a diagonal one: row i sees keys up to i."""
     s = (q_rows.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
         B, kv_heads, n, tk = s.shape
         r = rows.stop - rows.start
-        future = torch.arange(tk, device=s.device) > torch.arange(rows.start, rows.stop, device=s.device)[:, None]
-        s = s.view(B, kv_heads, n // r, r, tk).masked_fill(future, float("-inf")).view(B, kv_heads, n, tk)
+        future = (torch.arange(tk, device=s.device)
+                  > torch.arange(rows.start, rows.stop, device=s.device)[:, None])
+        s = (s.view(B, kv_heads, n // r, r, tk).masked_fill(future, float("-inf"))
+             .view(B, kv_heads, n, tk))
     return s
 
 
 def _math_fwd(q, k, v, causal, scale):
-    """Plain attention for the dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA), a chunk of query rows
-    at a time (MATH_SCORES), K,V with their own kv heads."""
+    """Plain attention for dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA).
+
+    It takes a chunk of query rows at a time (MATH_SCORES). K,V keep their own kv heads."""
     B, H, tq, hd = q.shape
     out, lse = torch.empty_like(q), torch.empty(B, H, tq, dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):
@@ -129,31 +142,34 @@ def _math_bwd(dout, q, k, v, out, lse, causal, scale, aux):
     B, H, tq, hd = q.shape
     kv_heads = k.shape[1]
     dq = torch.empty_like(q)
-    dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device), torch.zeros(v.shape, dtype=torch.float32,
-                                                                                    device=q.device)
+    dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=q.device),
+              torch.zeros(v.shape, dtype=torch.float32, device=q.device))
     with torch.autocast(q.device.type, enabled=False):
         for rows in _query_chunks(q, k):
             q_rows = _by_kv_head(q[:, :, rows], kv_heads).float()
             dout_rows = _by_kv_head(dout[:, :, rows], kv_heads).float()
             s = _scores(q_rows, k, causal, scale, rows)
-            p = torch.exp(s - _by_kv_head(lse[:, :, rows, None], kv_heads))  # (B, Hkv, G·r, Tk): the softmax
-            dv += p.transpose(-2, -1) @ dout_rows  # (B, Hkv, Tk, hd): the group summed by the matmul
-            delta = (dout_rows * _by_kv_head(out[:, :, rows], kv_heads).float()).sum(-1, keepdim=True)
+            # (B, Hkv, G·r, Tk): the softmax
+            p = torch.exp(s - _by_kv_head(lse[:, :, rows, None], kv_heads))
+            dv += p.transpose(-2, -1) @ dout_rows  # (B, Hkv, Tk, hd): the matmul sums the group
+            delta = ((dout_rows * _by_kv_head(out[:, :, rows], kv_heads).float())
+                     .sum(-1, keepdim=True))
             ds = p * (dout_rows @ v.float().transpose(-2, -1) - delta)
             dq[:, :, rows] = (ds @ k.float() * scale).view(B, H, -1, hd).to(q.dtype)
             dk += ds.transpose(-2, -1) @ q_rows * scale  # (B, Hkv, Tk, hd)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-KERNELS = {"flash_cuda": (_flash_cuda_fwd, _flash_cuda_bwd), "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd),
-           "math": (_math_fwd, _math_bwd)}
+KERNELS = {"flash_cuda": (_flash_cuda_fwd, _flash_cuda_bwd),
+           "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd), "math": (_math_fwd, _math_bwd)}
 
 
 def pick_kernel(q):
     """The fused kernel that returns the log-sum-exp for this device and dtype, else plain math."""
     hd = q.shape[-1]
     if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
-            and torch.cuda.get_device_capability(q.device) >= (8, 0) and has_op("_scaled_dot_product_flash_attention")):
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)
+            and has_op("_scaled_dot_product_flash_attention")):
         return "flash_cuda"
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and has_op("_scaled_dot_product_flash_attention_for_cpu")
@@ -162,14 +178,17 @@ def pick_kernel(q):
     return "math"
 
 
-# ---------------------------------------------------------------- blocks merged by log-sum-exp (ring and allgather)
+# ------------------------------------------ blocks merged by log-sum-exp (ring and allgather)
 
 def attend_blocks(q, kv, blocks, kernel, out, lse):
-    """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)], merging each
-    block's (out_i, lse_i) into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq). Returns each call's aux."""
+    """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)].
+
+    Each block's (out_i, lse_i) merges into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq).
+    Returns each call's aux."""
     fwd, scale, aux = KERNELS[kernel][0], q.shape[-1] ** -0.5, []
     for qs, ks, causal in blocks:
-        o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
+        o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal,
+                            scale)
         merged = torch.logaddexp(lse[:, :, qs], lse_i)  # (B, H, q rows)
         out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged)[..., None]
                          + o_i.float() * torch.exp(lse_i - merged)[..., None])
@@ -179,12 +198,14 @@ def attend_blocks(q, kv, blocks, kernel, out, lse):
 
 
 def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
-    """The gradients of attend_blocks from the final out and lse: adds into fp32 dq (B, H, Tq, hd), dkv like kv."""
+    """attend_blocks' gradients from the final out and lse, added into fp32 dq (B, H, Tq, hd), dkv.
+
+    dkv is shaped like kv."""
     bwd, scale = KERNELS[kernel][1], q.shape[-1] ** -0.5
     for (qs, ks, causal), a in zip(blocks, aux):
-        dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kv[0][:, :, ks],
-                               kv[1][:, :, ks], out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal,
-                               scale, a)
+        dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
+                               kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs].contiguous(),
+                               lse[:, :, qs].contiguous(), causal, scale, a)
         dq[:, :, qs] += dq_i
         dkv[0, :, :, ks] += dk_i
         dkv[1, :, :, ks] += dv_i
@@ -192,14 +213,14 @@ def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
 
 def block_flops(q, blocks):
     B, H, _, hd = q.shape
-    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd * (0.5 if causal else 1.0)
-               for qs, ks, causal in blocks)
+    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd
+               * (0.5 if causal else 1.0) for qs, ks, causal in blocks)
 
 
 # ---------------------------------------------------------------- the ring
 
 def _ring_blocks(mine, theirs, c):
-    """plan_blocks in rows of the local q and of the K,V block in hand: [(q rows, k rows, causal)]."""
+    """plan_blocks in rows of the local q and the K,V block in hand: [(q rows, k rows, causal)]."""
     return [(slice(q_lo * c, q_hi * c), slice(0, k_hi * c), causal)
             for q_lo, q_hi, k_hi, causal in plan_blocks(mine, theirs)]
 
@@ -242,14 +263,16 @@ class _RingAttentionFn(torch.autograd.Function):
         c = q.shape[2] // len(mine)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_in_flight = None  # (requests, arriving accumulator, the one sent): held here until the hop is waited
+        # (requests, arriving accumulator, the one sent): held until the hop is waited for
+        dkv_in_flight = None
         for step in range(cp):
             src = (rank - step) % cp
             if step < cp - 1:
                 arriving = torch.empty_like(kv)
                 reqs = group.send_recv([(kv, (rank + 1) % cp)], [(arriving, (rank - 1) % cp)])
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, T, hd)
-            attend_blocks_backward(dout, q, kv, out, lse, _ring_blocks(mine, local_chunks(src, cp, layout), c),
+            attend_blocks_backward(dout, q, kv, out, lse,
+                                   _ring_blocks(mine, local_chunks(src, cp, layout), c),
                                    ctx.kernel, ctx.aux[step], dq, dkv)
             if dkv_in_flight:  # add this block's other ranks' contributions, then pass it on
                 for r in dkv_in_flight[0]:
@@ -257,12 +280,13 @@ class _RingAttentionFn(torch.autograd.Function):
                 dkv += dkv_in_flight[1]
             if cp > 1:
                 buffer = torch.empty_like(dkv)
-                dkv_in_flight = (group.send_recv([(dkv, (rank + 1) % cp)], [(buffer, (rank - 1) % cp)]), buffer, dkv)
+                dkv_in_flight = (group.send_recv([(dkv, (rank + 1) % cp)],
+                                                 [(buffer, (rank - 1) % cp)]), buffer, dkv)
             if step < cp - 1:
                 for r in reqs:
                     r.wait()
                 kv = arriving
-        if dkv_in_flight:  # after CP hops our own block's accumulator is back, with every rank's share
+        if dkv_in_flight:  # after CP hops our block's accumulator is back, with every rank's share
             for r in dkv_in_flight[0]:
                 r.wait()
             dkv = dkv_in_flight[1]
@@ -270,8 +294,11 @@ class _RingAttentionFn(torch.autograd.Function):
 
 
 class RingAttention:
-    """attend(q, k, v) for the cp group: q (B, H, T_local, hd), k/v (B, Hkv, T_local, hd) -> (B, H, T_local, hd).
-    kernel: None picks the fused kernel for the device, or force "math". `flops` counts the attention run."""
+    """attend(q, k, v) for the cp group.
+
+    q (B, H, T_local, hd), k/v (B, Hkv, T_local, hd) -> (B, H, T_local, hd).
+    kernel: None picks the fused kernel for the device; "math" forces the fallback.
+    `flops` counts the attention run."""
 
     def __init__(self, group, layout="zigzag", kernel=None):
         self.group, self.layout, self.kernel = group, layout, kernel
@@ -281,9 +308,11 @@ class RingAttention:
         return _RingAttentionFn.apply(q, k.contiguous(), v.contiguous(), self)
 
 
-# -------------------------------------------------------------- traffic formulas (the planner's --code ours uses these)
+# ---------------------------------------------------- traffic formulas (the planner's --code ours)
 
 def ring_bytes(kv_elements, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer: (cp-1) · kv · e each, bwd + cp hops of the fp32 dK,dV: cp · kv · 4."""
+    """(fwd, bwd) bytes one rank sends per layer: (cp-1) · kv · e each.
+
+    Backward adds cp hops of the fp32 dK,dV: cp · kv · 4."""
     forward = (cp - 1) * kv_elements * elem_bytes
     return forward, forward + cp * kv_elements * 4

@@ -1,18 +1,23 @@
-"""A layer on tensor parallel (tp.py) under --sp: its sequence collectives cut into ring hops under the matmuls.
+"""A layer on tensor parallel under --sp: its sequence collectives cut into ring hops under matmuls.
 
-Switched in by apply(chunk) after tp.parallelize; off (--no-overlap, or where train.py keeps it off), tp.py runs
-alone. It changes how the tp modules run, not what they hold: same parameters, same names, same bytes.
-Ring:     rank r sends to r+1 and receives from r-1. An all-gather of t sequence blocks is t-1 hops, each passing on
-          the chunk in hand; a reduce-scatter is t-1 hops of an accumulator, to which each rank adds its share of the
-          block it is bound for. A hop is one async batched p2p, launched before its step's matmuls, waited after
-          them: on a GPU the bytes move on the communication stream while the compute stream multiplies.
-Uses:     column forward: each gathered chunk times every weight while the next travels; row forward: the partial
-          output for one destination block while the last one's accumulator travels; column backward: the input
-          gradient reduce-scattered and the input gathered again in the same hops, the weight gradients under the
-          last; row backward: each chunk of the output gradient times the weight and the saved input as it travels.
-Bytes:    t-1 hops of 1/t of the tensor: (t-1)/t of it per rank, the collective's. The comm layer counts each ring
-          once, as that collective; the hops go through an uncounted twin of the tp Group and are logged with 0 bytes.
-Memory:   per ring, a chunk (1/t of the tensor) arriving while one is in use, on top of what the collective held.
+--sp-ring switches it in: apply(chunk) runs after tp.parallelize and tp_fused.apply. It changes how
+the tp modules run, not what they hold: same parameters, same names, same bytes.
+
+Ring:     rank r sends to r+1 and receives from r-1. An all-gather of t sequence blocks is t-1
+          hops, each passing on the chunk in hand. A reduce-scatter is t-1 hops of an accumulator:
+          each rank adds its share of the block it is bound for. A hop is one async batched p2p,
+          launched before its step's matmuls and waited for after them. On a GPU the bytes move
+          on the communication stream while the compute stream multiplies.
+Uses:     column forward: each gathered chunk times every weight, while the next one travels.
+          Row forward: the partial output for one destination block, while the last accumulator
+          travels. Column backward: the input gradient is reduce-scattered and the input gathered
+          again, in the same hops. The weight gradients run under the last hop. Row backward: each
+          chunk of the output gradient times the weight and the saved input, as it travels.
+Bytes:    t-1 hops of 1/t of the tensor: (t-1)/t of it per rank, the collective's bytes. The comm
+          layer counts each ring once, as that collective. The hops go through an uncounted twin
+          of the tp Group and are logged with 0 bytes.
+Memory:   per ring, one chunk (1/t of the tensor) arrives while one is in use. That is on top of
+          what the collective held.
 """
 import torch
 import torch.nn.functional as F
@@ -20,18 +25,19 @@ from torch.autograd import Function
 
 from model import RMSNorm
 from parallel.comm import Group, Pending
-from parallel.tp import ColumnInput, NormThenEnter, RowParallelLinear
+from parallel.tp import RowParallelLinear
+from parallel.tp_fused import ColumnInput, FusedNormThenEnter
 
 
 class Uncounted:
-    """The counters of a Ring's twin Group: its p2p hops count nothing (the Ring counts the whole collective)."""
+    """The counters of a Ring's twin Group: hops count nothing. The Ring counts the collective."""
 
     def add(self, kind, group, nbytes):
         return None
 
 
 class Requests:
-    """One hop's p2p requests as one handle for comm.Pending, which waits them and records the wait."""
+    """One hop's p2p requests as one handle for comm.Pending, which waits and records the wait."""
 
     def __init__(self, works):
         self.works = works
@@ -42,8 +48,9 @@ class Requests:
 
 
 class Ring:
-    """The tp group as a ring. `start` counts a logical collective, `hop` passes tensors on, `finish` records the
-    collective's end."""
+    """The tp group as a ring.
+
+    `start` counts a logical collective. `hop` passes tensors on. `finish` records its end."""
 
     def __init__(self, group):
         self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
@@ -52,7 +59,9 @@ class Ring:
 
     @torch.compiler.disable
     def start(self, kind, full_nbytes):
-        """Counts one all_gather / reduce_scatter of a `full_nbytes` tensor, as the comm layer would; its log index."""
+        """Counts one all_gather or reduce_scatter of `full_nbytes`, as the comm layer would.
+
+        Returns its log index."""
         if self.size == 1:
             return None
         return self.stats.add(kind, self.group.name, (self.size - 1) / self.size * full_nbytes)
@@ -64,12 +73,13 @@ class Ring:
 
     @torch.compiler.disable
     def hop(self, sends):
-        """Sends each tensor to rank+1 and receives one like it from rank-1: (received tensors, handle to wait)."""
+        """Sends each tensor to rank+1, receives one like it from rank-1: (received, a handle)."""
         received = [torch.empty_like(t) for t in sends]
         self.stats.log.append(("hop", self.group.name, 0))
         index = len(self.stats.log) - 1
         self.stats.timeline.append(("launch", index))
-        works = self.p2p.send_recv([(t, self.next) for t in sends], [(t, self.prev) for t in received])
+        works = self.p2p.send_recv([(t, self.next) for t in sends],
+                                   [(t, self.prev) for t in received])
         return received, Pending(Requests(works), self.stats, index)
 
 
@@ -80,19 +90,23 @@ def block(i, t, n):
 
 
 def input_grad(grads, weights, rows, dtype):
-    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's): this rank's part of the input gradient's block."""
+    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's).
+
+    This rank's part of the input gradient's block."""
     parts = [(g[:, rows] @ w).to(dtype) for g, w in zip(grads, weights)]  # (B, rows, d) each
     return sum(parts[1:], parts[0])
 
 
 def gather_then_multiply(ring, x, weights):
-    """Column forward: x (B, T/t, d), this rank's sequence block -> [x_full · W_jᵀ (B, T, out_j)] for every weight,
-    the sequence gathered hop by hop: the chunk in hand is sent on before it is multiplied."""
+    """Column forward: x (B, T/t, d), this rank's block -> [x_full · W_jᵀ (B, T, out_j)] per weight.
+
+    The sequence is gathered hop by hop. The chunk in hand is sent on before it is multiplied."""
     t, n = ring.size, x.shape[1]
     index, chunk, ys = ring.start("all_gather", t * x.nbytes), x.contiguous(), [None] * len(weights)
     for s in range(t):
         if s < t - 1:
-            (arriving,), hop = ring.hop([chunk])  # rank r-s-1's block (B, T/t, d), while this one is multiplied
+            # rank r-s-1's block (B, T/t, d), while this one is multiplied
+            (arriving,), hop = ring.hop([chunk])
         rows = block(ring.rank - s, t, n)  # whose block is in hand
         for j, w in enumerate(weights):
             y = F.linear(chunk, w)  # (B, T/t, out_j)
@@ -107,10 +121,12 @@ def gather_then_multiply(ring, x, weights):
 
 
 def multiply_then_scatter(ring, h, weight):
-    """Row forward: h (B, T, k) -> this rank's block (B, T/t, d) of Σ_tp h · Wᵀ. Step s computes this rank's share of
-    the block bound for rank r-s-1 while the accumulator of step s-1 travels, then adds the one that arrived."""
+    """Row forward: h (B, T, k) -> this rank's block (B, T/t, d) of Σ_tp h · Wᵀ.
+
+    Step s computes this rank's share of the block bound for rank r-s-1. Meanwhile the
+    accumulator of step s-1 travels. Then it adds the one that arrived."""
     t, r, n = ring.size, ring.rank, h.shape[1] // ring.size
-    acc = F.linear(h[:, block(r - 1, t, n)], weight)  # (B, T/t, d): step 0, the first share of rank r-1's block
+    acc = F.linear(h[:, block(r - 1, t, n)], weight)  # (B, T/t, d): step 0, rank r-1's first share
     index = ring.start("reduce_scatter", t * acc.nbytes)
     for s in range(1, t):
         (arriving,), hop = ring.hop([acc])  # rank r-1's accumulator for block r-s-1
@@ -122,19 +138,24 @@ def multiply_then_scatter(ring, h, weight):
 
 
 def scatter_input_grads(ring, x, grads, weights):
-    """Column backward. grads: dy_j (B, T, out_j) over the whole sequence; x: the saved block (B, T/t, d). Returns
-    this rank's block of Σ_tp Σ_j dy_j · W_j (B, T/t, d), ring-reduce-scattered as in multiply_then_scatter, and
-    dW_j = dy_jᵀ · x_full (out_j, d), x gathered in the same hops, chunk by chunk."""
+    """Column backward. grads: dy_j (B, T, out_j), the whole sequence. x: the saved (B, T/t, d).
+
+    Returns this rank's block of Σ_tp Σ_j dy_j · W_j (B, T/t, d), reduce-scattered on the ring as
+    in multiply_then_scatter. Also returns dW_j = dy_jᵀ · x_full (out_j, d); x is gathered in the
+    same hops, chunk by chunk."""
     t, r, n, dtype = ring.size, ring.rank, x.shape[1], grads[0].dtype
     weights = [w.to(dtype) for w in weights]
-    full = x.new_empty(x.shape[0], t * n, x.shape[2], dtype=dtype)  # x gathered, in the gradients' dtype
-    gather, scatter = ring.start("all_gather", t * x.nbytes), ring.start("reduce_scatter", t * x.nbytes)
+    full = x.new_empty(x.shape[0], t * n, x.shape[2], dtype=dtype)  # x gathered, in grads' dtype
+    gather, scatter = (ring.start("all_gather", t * x.nbytes),
+                       ring.start("reduce_scatter", t * x.nbytes))
     chunk, acc = x, None
     for s in range(t):
-        sends = ([chunk] if s < t - 1 else []) + ([acc] if s > 0 else [])  # x block r-s; accumulator of step s-1
+        # x block r-s; the accumulator of step s-1
+        sends = ([chunk] if s < t - 1 else []) + ([acc] if s > 0 else [])
         received, hop = ring.hop(sends)
         full[:, block(r - s, t, n)] = chunk
-        mine = input_grad(grads, weights, block(r - s - 1, t, n), x.dtype)  # (B, T/t, d) while they travel
+        # (B, T/t, d), while they travel
+        mine = input_grad(grads, weights, block(r - s - 1, t, n), x.dtype)
         if s == t - 1:  # x is whole: the weight gradients run under the last hop
             weight_grads = [g.flatten(0, 1).t() @ full.flatten(0, 1) for g in grads]  # (out_j, d)
         hop.wait()
@@ -148,9 +169,10 @@ def scatter_input_grads(ring, x, grads, weights):
 
 
 def gather_then_grads(ring, grad, h, weight):
-    """Row backward. grad: this rank's block (B, T/t, d) of the output gradient; h: the saved input (B, T, k).
-    Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), accumulated in fp32, the gradient gathered hop
-    by hop: the chunk in hand is sent on before its two matmuls."""
+    """Row backward. grad: this rank's block (B, T/t, d) of the output gradient. h: the saved input.
+
+    h is (B, T, k). Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), summed in fp32.
+    The gradient is gathered hop by hop. The chunk in hand is sent on before its two matmuls."""
     t, n, dtype = ring.size, grad.shape[1], grad.dtype
     weight = weight.to(dtype)
     index, chunk = ring.start("all_gather", t * grad.nbytes), grad.contiguous()
@@ -158,7 +180,8 @@ def gather_then_grads(ring, grad, h, weight):
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for s in range(t):
         if s < t - 1:
-            (arriving,), hop = ring.hop([chunk])  # rank r-s-1's block (B, T/t, d), while this one is used
+            # rank r-s-1's block (B, T/t, d), while this one is used
+            (arriving,), hop = ring.hop([chunk])
         rows = block(ring.rank - s, t, n)
         grad_h[:, rows] = chunk @ weight  # (B, T/t, k)
         grad_w += chunk.flatten(0, 1).t() @ h[:, rows].flatten(0, 1).to(dtype)  # (d, k)
@@ -169,11 +192,13 @@ def gather_then_grads(ring, grad, h, weight):
     return grad_h, grad_w
 
 
-# ---------------------------------------------------------------- the Functions and modules that use the rings
+# -------------------------------------------------------------- the Functions and modules on rings
 
 class RingColumnParallel(Function):
-    """tp.ColumnParallel under --sp with its gathers and reduce-scatter as rings: x, this rank's block (B, T/t, d) ->
-    y_j = x_full · W_jᵀ (B, T, out_j/t) for every weight; only the block is saved."""
+    """tp's column parallel under --sp, its gathers and reduce-scatter as rings.
+
+    x, this rank's block (B, T/t, d) -> y_j = x_full · W_jᵀ (B, T, out_j/t) for every weight.
+    Only the block is saved."""
 
     @staticmethod
     def forward(ctx, x, ring, *weights):
@@ -189,8 +214,10 @@ class RingColumnParallel(Function):
 
 
 class SaveForRing(Function):
-    """Saves RowParallelRing's x and W before it runs (passing x on), into `saved`: a checkpointed block's recompute
-    stops once its last saved tensor is back, so before the ring and its matmuls, as before F.linear's."""
+    """Saves RowParallelRing's x and W into `saved` before it runs, and passes x on.
+
+    A checkpointed block's recompute stops once its last saved tensor is back. Saved here, that
+    is before the ring and its matmuls, as it is before F.linear's."""
 
     @staticmethod
     def forward(ctx, x, weight, saved):
@@ -204,8 +231,10 @@ class SaveForRing(Function):
 
 
 class RowParallelRing(Function):
-    """z = this rank's sequence block of Σ_tp x · Wᵀ: the matmul cut by destination block under the ring
-    reduce-scatter; backward gathers the output gradient the same way."""
+    """z = this rank's sequence block of Σ_tp x · Wᵀ.
+
+    The matmul is cut by destination block under the ring reduce-scatter. Backward gathers the
+    output gradient the same way."""
 
     @staticmethod
     def forward(ctx, x, weight, ring, saved):
@@ -218,14 +247,15 @@ class RowParallelRing(Function):
         return *gather_then_grads(ctx.ring, grad, x, weight), None, None
 
 
-class RingNormThenEnter(NormThenEnter):
-    """tp.NormThenEnter whose column matmuls ride RingColumnParallel."""
+class RingNormThenEnter(FusedNormThenEnter):
+    """tp_fused.FusedNormThenEnter whose column matmuls ride RingColumnParallel."""
 
     def forward(self, x):
         h = RMSNorm.forward(self, x)  # this rank's block (B, T/t, d)
         B, T, d = h.shape
         weights = [r.weight for r in self.readers]
-        return ColumnInput((B, T * self.ring.size, d), RingColumnParallel.apply(h, self.ring, *weights))
+        return ColumnInput((B, T * self.ring.size, d),
+                           RingColumnParallel.apply(h, self.ring, *weights))
 
 
 class RingRowParallelLinear(RowParallelLinear):
@@ -238,10 +268,13 @@ class RingRowParallelLinear(RowParallelLinear):
 
 
 def apply(chunk):
-    """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place. Like torch's parametrize, it
-    swaps each module's class: the parameters, their names and tags stay. Returns the chunk."""
+    """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place.
+
+    Like torch's parametrize, it swaps each module's class: the parameters, their names and tags
+    stay. Returns the chunk."""
     for module in list(chunk.modules()):
-        kind = {NormThenEnter: RingNormThenEnter, RowParallelLinear: RingRowParallelLinear}.get(type(module))
+        kind = {FusedNormThenEnter: RingNormThenEnter,
+                RowParallelLinear: RingRowParallelLinear}.get(type(module))
         if kind is not None and module.sequence_parallel:
             module.__class__, module.ring = kind, Ring(module.group)
     return chunk

@@ -1,41 +1,62 @@
-"""Export a save to a Hugging Face Llama folder: what LlamaForCausalLM and AutoTokenizer load, and --init-from reads.
+"""Export a save to a Hugging Face Llama folder, as LlamaForCausalLM and AutoTokenizer load it.
 
-    python -m saves.export RUN_DIR OUT_DIR              # the newest complete save of a run made in any layout
-    python -m saves.export RUN_DIR OUT_DIR --replace    # OUT_DIR may hold files: it is replaced whole
+--init-from reads the same folder back.
+
+    python -m saves.export RUN_DIR OUT_DIR            # the newest complete save, of any layout
+    python -m saves.export RUN_DIR OUT_DIR --replace  # OUT_DIR may hold files: replaced whole
 
 OUT_DIR gets
-    config.json             the model: its shapes, rope_theta and Llama 3's rope scaling, rms_norm_eps, the true
-                            vocab_size, tie_word_embeddings, and the end-of-text id as bos_token_id and eos_token_id
-    model.safetensors       fp32, transformers' names: the embedding and the head with the true vocabulary's rows (not
-                            the padding to a multiple of 64); a tied model's embedding alone, as save_pretrained does
+    config.json             the model: its shapes, rope_theta and Llama 3's rope scaling,
+                            rms_norm_eps, the true vocab_size, tie_word_embeddings, and the
+                            end-of-text id as bos_token_id and eos_token_id
+    model.safetensors       fp32, transformers' names. The embedding and the head keep the true
+                            vocabulary's rows, not the padding to a multiple of 64. A tied model
+                            has its embedding alone, as save_pretrained does.
     generation_config.json  the end-of-text id, where generation stops
     tokenizer.json, tokenizer_config.json
-                            the run's tokenizer, the one its data was made with (whose ids the model learned): the
-                            tiktoken encoding as a byte-level BPE that splits text into the same tokens
+                            the run's tokenizer, which its data was made with: the tiktoken
+                            encoding as a byte-level BPE that splits text into the same tokens
 
-The parameter names are the Hugging Face ones already (model.py), so the tensors are a rename plus the file format.
-Every file is written into a temporary folder beside OUT_DIR that becomes OUT_DIR only when complete: an interrupted
-or failed export leaves nothing behind, and no file of an older checkpoint (a stale model.safetensors.index.json and
-its shards) is ever left beside the new one, since OUT_DIR must be new or empty, or --replace replaces it whole.
-Each tensor's pieces are checked against their CRC-32 as they are read (load.py). A corrupt save, a save whose model
-config is incomplete or inconsistent (model.config_from_dict) or whose tensors are not that model's, a tokenizer that
-cannot be loaded, or a non-empty OUT_DIR without --replace: one line naming it, exit status 2.
+The parameter names are the Hugging Face ones already (model.py): export is a rename and a format.
+Every file goes into a temporary folder beside OUT_DIR, which becomes OUT_DIR only when complete.
+A failed or interrupted export leaves nothing behind (Ctrl-C, SIGTERM, SIGHUP: exit 128 + the
+signal's number). No file of an older checkpoint is left beside the new one, such as a stale
+model.safetensors.index.json and its shards: OUT_DIR must be new or empty, or --replace replaces
+it whole. One export into OUT_DIR runs at a time. It is locked from the second check to the rename
+(data.files, as training locks a run folder). A second export started meanwhile stops with one
+line, exit 2, changing nothing; of two started together, exactly one wins whole.
+
+Each tensor's pieces are checked against their CRC-32 as they are read (load.py). Exit status 2,
+with one line naming it, for: a corrupt save; a model config that is incomplete or inconsistent
+(model.config_from_dict); tensors that are not that model's (the layer count is checked before any
+model is built); a tokenizer that cannot be loaded; a file that is not regular (a FIFO); or a
+non-empty OUT_DIR without --replace.
 """
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
+from data.files import (
+    Interrupted,
+    atomic_write,
+    fsync_dir,
+    interruptible,
+    lock_folder,
+    make_folders,
+    remove_created,
+    unlock_folder,
+)
 from data.loader import DataError
 from data.tokenizer import EOT, get_tokenizer
 from model import GPT, config_from_dict
 from saves import SaveError
-from saves.files import atomic_write, fsync_dir
-from saves.load import model_tensors
+from saves.load import check_layers, model_tensors
 from saves.write import complete_saves
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -43,9 +64,11 @@ USAGE = "usage: python -m saves.export RUN_DIR OUT_DIR [--replace]"
 
 
 def write_safetensors(path, tensors, dtype=None):
-    """The safetensors format: 8-byte header length, a JSON header, then the raw little-endian bytes.
-    tensors: {name: tensor, or a function returning it that has .shape and .dtype (load.LazyTensor, FirstRows)};
-    the header needs only shapes, so the tensors are then fetched, converted to `dtype` and written one at a time."""
+    """The safetensors format: 8-byte header length, a JSON header, then raw little-endian bytes.
+
+    tensors maps a name to a tensor, or to a function returning it that has .shape and .dtype
+    (load.LazyTensor, FirstRows). The header needs only shapes. So the tensors are then fetched,
+    converted to `dtype` and written one at a time."""
     header, offset = {}, 0
     for name, t in tensors.items():
         out_dtype = dtype or t.dtype
@@ -65,27 +88,32 @@ def write_safetensors(path, tensors, dtype=None):
 
 
 class FirstRows:
-    """The first `rows` rows of a tensor (or of a LazyTensor, read when called), with .shape and .dtype."""
+    """The first `rows` rows of a tensor or LazyTensor (read when called); has .shape and .dtype."""
 
     def __init__(self, tensor, rows):
-        self.tensor, self.shape, self.dtype = tensor, torch.Size([rows, *tensor.shape[1:]]), tensor.dtype
+        self.tensor, self.shape, self.dtype = (tensor, torch.Size([rows, *tensor.shape[1:]]),
+                                               tensor.dtype)
 
     def __call__(self):
         return (self.tensor() if callable(self.tensor) else self.tensor)[:self.shape[0]]
 
 
 def hf_config(cfg, eot=None):
-    """config.json of a model of `cfg`; eot: the end-of-text id (bos and eos), if the tokenizer is known. The RoPE
-    settings are written both as rope_parameters (transformers 5) and as rope_theta and rope_scaling (before)."""
+    """config.json of a model of `cfg`; eot is the end-of-text id (bos and eos), if known.
+
+    The RoPE settings are written twice: as rope_parameters (transformers 5),
+    and as rope_theta and rope_scaling (earlier versions)."""
     scaling = dict(cfg.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False, "mlp_bias": False,
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False,
+        "mlp_bias": False, "hidden_act": "silu", "torch_dtype": "float32",
     }
     if cfg.rope_scaling:
         config["rope_scaling"] = scaling
@@ -94,23 +122,28 @@ def hf_config(cfg, eot=None):
     return config
 
 
-# ---------------------------------------------------------------- the tokenizer, as a Hugging Face fast tokenizer
+# ---------------------------------------------------------------- the tokenizer, as an HF fast one
 
 def byte_alphabet():
-    """Byte-level BPE vocabularies spell each byte as one printable character (GPT-2's convention, which the
-    Hugging Face tokenizers library follows): the printable Latin-1 bytes stand for themselves, the others for
-    chr(256), chr(257), ... in byte order."""
+    """The printable character that spells each byte in a byte-level BPE vocabulary.
+
+    This is GPT-2's convention, which the Hugging Face tokenizers library follows.
+    The printable Latin-1 bytes stand for themselves; the others for chr(256), chr(257), ...
+    in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def bpe_parts(ranks, token):
-    """The parts byte-pair merging leaves of `token` when it may only build tokens ranked below it (merging, as
-    tiktoken does, the adjacent pair whose union ranks lowest): two for a token that is a merge of two others."""
+    """The parts byte-pair merging leaves of `token` when it may only build tokens ranked below it.
+
+    As in tiktoken, each merge joins the adjacent pair whose union ranks lowest.
+    A token that is a merge of two others leaves two parts."""
     parts, limit = [token[i:i + 1] for i in range(len(token))], ranks[token]
     while len(parts) > 1:
-        rank, i = min((ranks.get(a + b, limit), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        rank, i = min((ranks.get(a + b, limit), i)
+                      for i, (a, b) in enumerate(zip(parts, parts[1:])))
         if rank >= limit:
             break
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
@@ -118,10 +151,13 @@ def bpe_parts(ranks, token):
 
 
 def tokenizer_files(enc, seq_len):
-    """{file name: JSON} of a tiktoken Encoding as a Hugging Face fast tokenizer: a byte-level BPE whose ids are the
-    ranks, whose merges are the tokens' last merges in rank order (and ignore_merges: a piece that is a token whole is
-    that token, as in tiktoken), split by the same regex first; the special tokens (end of text) are added tokens.
-    tiktoken has no public accessor for an encoding's ranks, pattern and special tokens: its attributes are read."""
+    """{file name: JSON} of a tiktoken Encoding as a Hugging Face fast tokenizer.
+
+    It is a byte-level BPE whose ids are the ranks, split first by the same regex. Its merges are
+    the tokens' last merges, in rank order. With ignore_merges, a piece that is a whole token is
+    that token, as in tiktoken. The special tokens (end of text) are added tokens.
+    tiktoken has no public accessor for an encoding's ranks, pattern and special tokens,
+    so its attributes are read."""
     ranks, alphabet = enc._mergeable_ranks, byte_alphabet()
     spell = lambda token: "".join(alphabet[b] for b in token)
     merges = []
@@ -129,30 +165,40 @@ def tokenizer_files(enc, seq_len):
         parts = bpe_parts(ranks, token) if len(token) > 1 else []
         if len(parts) == 2:
             merges.append(f"{spell(parts[0])} {spell(parts[1])}")
-    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for text, i in sorted(enc._special_tokens.items(), key=lambda item: item[1])]
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}
+             for text, i in sorted(enc._special_tokens.items(), key=lambda item: item[1])]
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]},
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": {spell(token): rank for token, rank in ranks.items()}, "merges": merges},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                    "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {spell(token): rank for token, rank in ranks.items()},
+                  "merges": merges},
     }
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
               "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
     generation = {"bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token}
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "generation_config.json": generation}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config,
+            "generation_config.json": generation}
 
 
 # ---------------------------------------------------------------- the folder
 
 def check_target(out, replace, keep=()):
-    """OUT_DIR is new, an empty folder, or (replace) a folder to be replaced whole, which must not hold any of the
-    paths `keep` (the run being exported, the current folder); SaveError otherwise."""
+    """SaveError unless OUT_DIR is new, an empty folder, or (replace) a folder to replace whole.
+
+    A folder to replace must not hold any of the paths `keep`:
+    the run being exported, the current folder."""
     if out.exists() and not out.is_dir():
         raise SaveError(f"{out} is a file, not a folder to export into")
     for path in keep:
@@ -160,21 +206,25 @@ def check_target(out, replace, keep=()):
             raise SaveError(f"--replace: {out} holds {path}, which replacing it whole would delete")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not replace:
-        raise SaveError(f"{out} is not empty (it holds {len(held)} entries, such as {held[0]}): an export beside them "
-                        "would mix two checkpoints; export into a new or empty folder, or pass --replace to replace "
-                        "it whole")
+        raise SaveError(f"{out} is not empty (it holds {len(held)} entries, such as {held[0]}): "
+                        "an export beside them would mix two checkpoints; "
+                        "export into a new or empty folder, or pass --replace to replace it whole")
 
 
 def check_tensors(cfg, state_dict, source="the state dict"):
-    """The tensors are exactly those of the model of cfg, with their shapes (SaveError naming `source` if not);
-    returns them in the model's own order (whatever order a save's layout listed them in), so that every layout
-    exports the same bytes."""
+    """The tensors, in the model's own order; SaveError naming `source` if they are not cfg's.
+
+    They must be exactly the tensors of the model of cfg, with its shapes. The order is the model's,
+    whatever order a save's layout listed them in, so every layout exports the same bytes."""
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}  # tied: no lm_head.weight
+        # tied: no lm_head.weight
+        shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}
     for name, shape in shapes.items():
         if name not in state_dict or state_dict[name].shape != shape:
-            found = f"shape {list(state_dict[name].shape)}" if name in state_dict else "no such tensor"
-            raise SaveError(f"{source}: its config's model needs {name} of shape {list(shape)}, it has {found}")
+            found = (f"shape {list(state_dict[name].shape)}" if name in state_dict
+                     else "no such tensor")
+            raise SaveError(f"{source}: its config's model needs {name} of shape {list(shape)}, "
+                            f"it has {found}")
     extra = sorted(set(state_dict) - set(shapes))
     if extra:
         raise SaveError(f"{source} has {extra[0]}, which its config's model has no place for")
@@ -182,19 +232,46 @@ def check_tensors(cfg, state_dict, source="the state dict"):
 
 
 def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the state dict"):
-    """Writes config.json and model.safetensors (fp32) that LlamaForCausalLM.from_pretrained loads, and with `enc`
-    (the run's tiktoken Encoding) the tokenizer and generation config, into OUT_DIR as one step (see the module's
-    docstring). state_dict values may be lazy (load.model_tensors): then one full tensor is in memory at a time.
-    source: where state_dict came from, named in an error."""
+    """Writes a folder LlamaForCausalLM.from_pretrained loads into OUT_DIR, as one step.
+
+    It holds config.json and model.safetensors (fp32). With `enc`, the run's tiktoken Encoding,
+    it holds the tokenizer and generation config too. state_dict values may be lazy
+    (load.model_tensors): then one full tensor is in memory at a time. source is where
+    state_dict came from, named in an error. The module's docstring says the rest."""
     out = Path(out_dir)
     check_target(out, replace)
     tensors = {}
     for name, t in check_tensors(cfg, state_dict, source).items():
-        rows = name in ("embed_tokens.weight", "lm_head.weight")  # the true vocabulary, not the padding
-        tensors[name if name == "lm_head.weight" else "model." + name] = FirstRows(t, cfg.vocab_size) if rows else t
-    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage, old = out.parent / f".{out.name}.export-{os.getpid()}", out.parent / f".{out.name}.replaced-{os.getpid()}"
+        rows = name in ("embed_tokens.weight", "lm_head.weight")  # the true vocabulary, no padding
+        tensors[name if name == "lm_head.weight" else "model." + name] = (
+            FirstRows(t, cfg.vocab_size) if rows else t)
+    try:
+        created = make_folders(out)  # out too: the lock is on the folder itself
+    except OSError as e:
+        raise SaveError(f"cannot create {e.filename or out}: {e.strerror or e}") from None
+    lock = None
+    try:
+        lock = lock_folder(out)
+        if lock is None:
+            raise SaveError(f"{out} is being written by another process (an export into it): "
+                            "wait for it to end, or export into another folder "
+                            "(nothing was changed)")
+        check_target(out, replace)  # again, now that no other export can change it
+        write_folder(cfg, tensors, out, enc, replace)
+    except BaseException:
+        remove_created(created)  # only folders this export made, and only while empty
+        raise
+    finally:
+        unlock_folder(lock)
+
+
+def write_folder(cfg, tensors, out, enc, replace):
+    """Writes the files into a hidden folder beside out, which takes its place when complete.
+
+    An empty out is replaced by one rename. One to be replaced whole is moved aside first,
+    and removed once the new one is in."""
+    stage, old = (out.parent / f".{out.name}.export-{os.getpid()}",
+                  out.parent / f".{out.name}.replaced-{os.getpid()}")
     try:
         stage.mkdir()
         write_safetensors(stage / "model.safetensors", tensors, dtype=torch.float32)
@@ -204,16 +281,14 @@ def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the sta
             with atomic_write(stage / name, "w") as f:
                 f.write(json.dumps(content, indent=2))
         fsync_dir(stage)
-        if out.exists():  # empty, or replaced whole: moved aside, then removed once the new folder is in place
+        if any(out.iterdir()):  # replaced whole: moved aside, removed once the new folder is in
             os.rename(out, old)
-        os.rename(stage, out)
+        os.rename(stage, out)  # onto an empty folder: one step
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -224,6 +299,26 @@ def newest_save(run_dir):
     return run_dir if (run_dir / "complete").exists() else complete_saves(run_dir)[-1]
 
 
+def export(run_dir, out, replace):
+    """python -m saves.export RUN_DIR OUT_DIR [--replace], its checks first.
+
+    SaveError names what is wrong."""
+    check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
+    # any layout, read (and checked) tensor by tensor
+    run_config, state = model_tensors(run_dir, verify=False)
+    where = newest_save(run_dir) / "meta.json"
+    try:
+        cfg = config_from_dict(run_config["model"])
+        enc = get_tokenizer(run_config["tokenizer"], run_config.get("tokenizer_file"))
+    except (KeyError, ValueError) as e:
+        what = f"has no key {e}" if isinstance(e, KeyError) else str(e)
+        raise SaveError(f"{where}: {what}".replace("\n", " ")) from None
+    except DataError as e:
+        raise SaveError(f"{where}: the run's tokenizer: {e}") from None
+    check_layers(cfg, state, where)  # before a model of cfg is built, even on the meta device
+    export_hf(cfg, state, out, enc, replace, source=where)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     replace = "--replace" in argv
@@ -232,23 +327,23 @@ def main(argv=None):
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, out = paths
-    try:
-        check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
-        run_config, state = model_tensors(run_dir, verify=False)  # any layout, read (and checked) tensor by tensor
-        where = newest_save(run_dir) / "meta.json"
-        try:
-            cfg = config_from_dict(run_config["model"])
-            enc = get_tokenizer(run_config["tokenizer"], run_config.get("tokenizer_file"))
-        except (KeyError, ValueError) as e:
-            what = f"has no key {e}" if isinstance(e, KeyError) else str(e)
-            raise SaveError(f"{where}: {what}".replace("\n", " ")) from None
-        except DataError as e:
-            raise SaveError(f"{where}: the run's tokenizer: {e}") from None
-        export_hf(cfg, state, out, enc, replace, source=where)
-    except (SaveError, OSError) as e:  # OSError: a full or unwritable disk; nothing half-written is left
-        print(f"error: {e}" if isinstance(e, SaveError) else f"error: cannot write {out}: {e.strerror or e}",
+    if "" in paths:
+        print(f"error: {'RUN_DIR' if run_dir == '' else 'OUT_DIR'} is an empty path; {USAGE}",
               file=sys.stderr)
         return 2
+    try:
+        with interruptible():  # SIGTERM, SIGHUP: raised here, so the staging folder is removed
+            export(run_dir, out, replace)
+    except SaveError as e:  # bad input: the run folder, the output folder
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or unwritable disk, as training's exit 3; nothing is half-written
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 3
+    except (KeyboardInterrupt, Interrupted) as e:
+        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"error: interrupted by {sig.name}: nothing was written to {out}", file=sys.stderr)
+        return 128 + sig
     print(f"wrote {out}: config.json, model.safetensors, the tokenizer and generation_config.json")
     return 0
 

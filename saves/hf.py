@@ -1,34 +1,42 @@
-"""Starting a run from a Hugging Face Llama folder: `train.py --init-from DIR`. The reader beside export.py's writer.
+"""Starting a run from a Hugging Face Llama folder: `train.py --init-from DIR`.
 
-DIR holds config.json and model.safetensors, or model.safetensors.index.json and the files it names (what
-save_pretrained and `python -m saves.export` write); not both, since which of them is the checkpoint would be a guess.
-Before anything is built, config.json is held against the run's model: every shape field must equal its flag, and
-anything this model cannot be (another model_type, biases, an activation other than SiLU, a RoPE scaling other than
-Llama 3's, a head_dim other than hidden_size / num_attention_heads) is refused with one line naming the field, exit 2;
-so is a field of the wrong JSON type, or a number out of range (a negative or NaN rope_theta, rms_norm_eps or rope
-scaling factor), and a JSON file that is not an object. rope_theta, rms_norm_eps, Llama 3's rope scaling, the vocabulary
-size and tie_word_embeddings, which have no flags, are taken from it. Every tensor the model needs must be there with
-its shape. Then each rank reads its own pieces only, one at a time, through load.load, the path of --resume: a piece
-that lies in one stretch of the file (no tp split, or a split by rows) is read as that byte range; a tp block of
-columns is cut from its full tensor, which is then dropped. The run starts at step 0 with a fresh optimizer. The
-safetensors format is read with plain file reads: an 8-byte header length, a JSON header of {name: dtype, shape,
-[start, end) byte offsets}, then the raw little-endian bytes, the tensors one after another with no byte shared,
-skipped or left over (as the format's own library demands).
+The reader beside export.py's writer. DIR holds config.json and model.safetensors, or
+model.safetensors.index.json and the files it names, as save_pretrained and
+`python -m saves.export` write them. Not both, since which one is the checkpoint would be a guess.
+
+Before anything is built, config.json is held against the run's model. Every shape field must
+equal its flag. Anything this model cannot be is refused with one line naming the field, exit 2:
+another model_type, biases, an activation other than SiLU, a RoPE scaling other than Llama 3's,
+a head_dim other than hidden_size / num_attention_heads. So is a field of the wrong JSON type,
+a number out of range (a negative or NaN rope_theta, rms_norm_eps or rope scaling factor),
+and a JSON file that is not an object. The fields with no flags are taken from it: rope_theta,
+rms_norm_eps, Llama 3's rope scaling, the vocabulary size and tie_word_embeddings.
+Every tensor the model needs must be there, with its shape.
+
+Then each rank reads only its own pieces, one at a time, through load.load, the path of --resume.
+A piece in one stretch of the file (no tp split, or a split by rows) is read as that byte range.
+A tp block of columns is cut from its full tensor, which is then dropped. The run starts at step 0
+with a fresh optimizer. safetensors is read with plain file reads: an 8-byte header length,
+a JSON header of {name: dtype, shape, [start, end) byte offsets}, then the raw little-endian bytes.
+The tensors follow one another with no byte shared, skipped or left over, as the format demands.
 
 What the two sides agree on, and what is converted:
-- names: the model's own, under "model." (lm_head.weight aside), as export.py writes them;
-- RoPE: both rotate the pairs (i, i + head_dim/2) (model.apply_rope), so q_proj and k_proj load as they are, as
-  export.py writes them (a checkpoint in Meta's interleaved layout must first go through transformers' converter).
-  Llama 3's frequency scaling (rope_type "llama3", as every Llama 3.1, 3.2 and 3.3 has) is model.rope_frequencies';
-  it is read from rope_parameters (transformers 5) or rope_scaling (before), which must agree where both are given;
-- vocabulary: the embedding and the head have vocab_size rounded up to a multiple of 64 rows. The run's vocab_size
-  becomes config.json's, which must lie between the run's (the data's, or --vocab-size) and that rounded size, and
-  the file's embedding and head must have exactly that many rows. The rows after them are zero, and their logits take
-  no part in the loss (model.CrossEntropy), so the loss is transformers' on the same batch;
-- tied embeddings (tie_word_embeddings): the model ties them too (ModelConfig.tie_embeddings: lm_head's weight is
-  embed_tokens', and an lm_head.weight in the file is ignored, as transformers does). One tensor cannot be held as
-  two, so a tied checkpoint is refused under --tp, --pp and --dp-mode fsdp/hsdp (one line naming the flag, exit 2);
-  it trains in one process or with --dp-mode ddp (and --cp);
+- names: the model's own, under "model." (lm_head.weight aside), as export.py writes them.
+- RoPE: both rotate the pairs (i, i + head_dim/2) (model.apply_rope), so q_proj and k_proj load
+  as they are. A checkpoint in Meta's interleaved layout must first go through transformers'
+  converter. Llama 3's frequency scaling (rope_type "llama3", in every Llama 3.1, 3.2 and 3.3)
+  is model.rope_frequencies'. It is read from rope_parameters (transformers 5) or rope_scaling
+  (before); where both are given they must agree.
+- vocabulary: the embedding and the head have vocab_size rounded up to a multiple of 64 rows.
+  The run's vocab_size becomes config.json's. It must lie between the run's (the data's, or
+  --vocab-size) and that rounded size. The file's embedding and head must have exactly that many
+  rows. The rows after them are zero, and their logits take no part in the loss
+  (model.CrossEntropy). So the loss is transformers' on the same batch.
+- tied embeddings (tie_word_embeddings): the model ties them too. ModelConfig.tie_embeddings makes
+  lm_head's weight embed_tokens'; an lm_head.weight in the file is ignored, as transformers does.
+  One tensor cannot be held as two, so a tied checkpoint is refused under --tp, --pp and
+  --dp-mode fsdp/hsdp (one line naming the flag, exit 2). It trains in one process, or with
+  --dp-mode ddp (and --cp).
 - dtypes: F32, F16, BF16 and F64 tensors become fp32 master weights.
 """
 import json
@@ -39,80 +47,94 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import model
+from data.files import open_regular, read_text
 from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
 from saves import SaveError
 from saves.load import FileError, cut, load
 from saves.write import global_shape
 
-SAFETENSORS_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-SHAPE_FIELDS = (("num_hidden_layers", "n_layer"), ("hidden_size", "d_model"), ("num_attention_heads", "n_head"),
-                ("num_key_value_heads", "n_kv_head"), ("intermediate_size", "ffn_dim"))
+SAFETENSORS_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "F64": torch.float64}
+SHAPE_FIELDS = (("num_hidden_layers", "n_layer"), ("hidden_size", "d_model"),
+                ("num_attention_heads", "n_head"), ("num_key_value_heads", "n_kv_head"),
+                ("intermediate_size", "ffn_dim"))
 IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved: recomputed from rope_theta
 ROPE_SOURCES = ("rope_parameters", "rope_scaling")  # transformers 5's field, and the one before it
 
 
 def read_json(path):
-    """The JSON object in `path`; SaveError if it cannot be read, is not JSON, or is not an object."""
+    """The JSON object in `path`; SaveError if it is unreadable, not JSON, or not an object."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(read_text(path))
     except OSError as e:
         raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise SaveError(f"--init-from: {path} is not JSON ({e})") from None
     if not isinstance(value, dict):
-        raise SaveError(f"--init-from: {path} is not a JSON object (it holds a {type(value).__name__})")
+        raise SaveError(f"--init-from: {path} is not a JSON object "
+                        f"(it holds a {type(value).__name__})")
     return value
 
 
 def read_header(path):
-    """({tensor name: its header entry}, the byte where the data starts) of a safetensors file, every entry checked
-    against the file's size, and the tensors' byte ranges tiling the data exactly: none overlaps another, no byte
-    between them or after the last belongs to none."""
+    """({tensor name: its header entry}, the byte where the data starts) of a safetensors file.
+
+    Every entry is checked against the file's size. The tensors' byte ranges must tile the data
+    exactly: none overlaps another, and no byte between them or after the last belongs to none."""
     try:
-        with open(path, "rb") as f:
-            size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+        with open_regular(path) as f:
+            size, length = (os.fstat(f.fileno()).st_size,
+                            int.from_bytes(f.read(8), "little"))
             if length > size - 8:
                 raise SaveError(f"--init-from: {path} is truncated or not a safetensors file")
             header = json.loads(f.read(length))
     except OSError as e:
         raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
     except ValueError:
-        raise SaveError(f"--init-from: {path} is not a safetensors file (its header is not JSON)") from None
+        raise SaveError(f"--init-from: {path} is not a safetensors file "
+                        "(its header is not JSON)") from None
     if not isinstance(header, dict):
-        raise SaveError(f"--init-from: {path} is not a safetensors file (its header is not an object)")
+        raise SaveError(f"--init-from: {path} is not a safetensors file "
+                        "(its header is not an object)")
     header.pop("__metadata__", None)
     for name, entry in header.items():
         try:
-            dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            dtype, shape, (start, end) = (entry["dtype"], list(entry["shape"]),
+                                          entry["data_offsets"])
             if not all(is_number(n, integer=True) and n >= 0 for n in (*shape, start, end)):
                 raise ValueError
             numel = math.prod(shape)
         except (KeyError, TypeError, ValueError):
-            raise SaveError(f"--init-from: {path}: the header entry of {name} is malformed") from None
+            raise SaveError(f"--init-from: {path}: "
+                            f"the header entry of {name} is malformed") from None
         if dtype not in SAFETENSORS_TYPES:
-            raise SaveError(f"--init-from: {path}: {name} is {dtype}; readable: {', '.join(SAFETENSORS_TYPES)}")
+            raise SaveError(f"--init-from: {path}: {name} is {dtype}; "
+                            f"readable: {', '.join(SAFETENSORS_TYPES)}")
         if end - start != numel * SAFETENSORS_TYPES[dtype].itemsize or 8 + length + end > size:
             raise SaveError(f"--init-from: {path} is truncated or malformed at tensor {name}")
     expected, previous = 0, None  # where the next tensor must start; the tensor before it
     for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
         start, end = entry["data_offsets"]
         if start < expected:
-            raise SaveError(f"--init-from: {path}: tensors {previous} and {name} overlap (their data_offsets share "
-                            f"bytes {start} to {expected})")
+            raise SaveError(f"--init-from: {path}: tensors {previous} and {name} overlap "
+                            f"(their data_offsets share bytes {start} to {expected})")
         if start > expected:
-            raise SaveError(f"--init-from: {path}: bytes {expected} to {start} of the data, before tensor {name}, "
-                            "belong to no tensor")
+            raise SaveError(f"--init-from: {path}: bytes {expected} to {start} of the data, "
+                            f"before tensor {name}, belong to no tensor")
         expected, previous = end, name
     if 8 + length + expected != size:
-        raise SaveError(f"--init-from: {path} has {size - 8 - length - expected} bytes after its last tensor")
+        raise SaveError(f"--init-from: {path} has {size - 8 - length - expected} bytes "
+                        "after its last tensor")
     return header, 8 + length
 
 
 def check_config(folder, cfg, args):
-    """(config.json, cfg with its vocab_size, rope_theta, rms_norm_eps, rope scaling and tying); SaveError naming the
-    first field this run's model disagrees with, LayoutError naming the flag under which a tied model cannot run."""
+    """(config.json, cfg with its vocab_size, rope_theta, rms_norm_eps, rope scaling and tying).
+
+    SaveError names the first field this run's model disagrees with. LayoutError names the flag
+    under which a tied model cannot run."""
     path = folder / "config.json"
     config = read_json(path)
 
@@ -121,30 +143,36 @@ def check_config(folder, cfg, args):
 
     def positive(field, value, integer=False):
         if not is_number(value, integer) or not math.isfinite(value) or value <= 0:
-            refuse(field, f"is {value!r}; it must be a finite positive {'integer' if integer else 'number'}")
+            refuse(field, f"is {value!r}; "
+                          f"it must be a finite positive {'integer' if integer else 'number'}")
         return value
 
     if config.get("model_type") != "llama":
-        refuse("model_type", f"is {config.get('model_type')!r}; only Llama checkpoints load into this model")
+        refuse("model_type", f"is {config.get('model_type')!r}; "
+                             "only Llama checkpoints load into this model")
     for field, ours in SHAPE_FIELDS:
-        value = config.get(field, config.get("num_attention_heads") if field == "num_key_value_heads" else None)
+        value = config.get(field, config.get("num_attention_heads")
+                           if field == "num_key_value_heads" else None)
         if not is_number(value, integer=True):
             refuse(field, f"is {value!r}; it must be an integer")
         if value != getattr(cfg, ours):
             flag = f"--{ours.replace('_', '-')}"
-            refuse(field, f"is {value}, this run has {flag} {getattr(cfg, ours)} (pass {flag} {value})")
-    if config.get("head_dim") not in (None, cfg.head_dim) or isinstance(config.get("head_dim"), bool):
-        refuse("head_dim", f"is {config['head_dim']!r}; this model's is hidden_size / num_attention_heads = "
-                           f"{cfg.head_dim}")
+            refuse(field, f"is {value}, this run has {flag} {getattr(cfg, ours)} "
+                          f"(pass {flag} {value})")
+    if (config.get("head_dim") not in (None, cfg.head_dim)
+            or isinstance(config.get("head_dim"), bool)):
+        refuse("head_dim", f"is {config['head_dim']!r}; "
+                           f"this model's is hidden_size / num_attention_heads = {cfg.head_dim}")
     vocab = config.get("vocab_size")
     if not is_number(vocab, integer=True) or vocab < 1:
         refuse("vocab_size", f"is {vocab!r}; it must be a positive integer")
     if vocab < cfg.vocab_size:  # the data has ids the checkpoint has no row for: no flag can help
-        refuse("vocab_size", f"is {vocab}, fewer than the {cfg.vocab_size} ids of this run's data (or --vocab-size): "
+        refuse("vocab_size", f"is {vocab}, fewer than the {cfg.vocab_size} ids "
+                             "of this run's data (or --vocab-size): "
                              "prepare the data with the checkpoint's own tokenizer")
     if vocab > cfg.padded_vocab:
-        refuse("vocab_size", f"is {vocab}, this run's model has {cfg.vocab_size} rows padded to {cfg.padded_vocab} "
-                             f"(pass --vocab-size {vocab})")
+        refuse("vocab_size", f"is {vocab}, this run's model has {cfg.vocab_size} rows "
+                             f"padded to {cfg.padded_vocab} (pass --vocab-size {vocab})")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}; this model's MLP is SwiGLU (silu)")
     for field in ("attention_bias", "mlp_bias"):
@@ -157,14 +185,17 @@ def check_config(folder, cfg, args):
         refuse("tie_word_embeddings", f"is {tied!r}; it must be true or false")
     if tied:
         check_tied_layout(path, args)
-    return config, replace(cfg, vocab_size=vocab, rope_theta=float(theta), norm_eps=float(eps), rope_scaling=scaling,
-                           tie_embeddings=True if tied else None)  # None: untied, as a fresh run's
+    return config, replace(cfg, vocab_size=vocab, rope_theta=float(theta), norm_eps=float(eps),
+                           rope_scaling=scaling,
+                           tie_embeddings=True if tied else None)  # None: untied, as a fresh run
 
 
 def rope_settings(config, refuse, positive):
-    """(rope_theta, ModelConfig.rope_scaling or None) of config.json: its rope_parameters, its rope_scaling and its
-    rope_theta, merged key by key ("type" is the older name of "rope_type"); two of them that give one key different
-    values are refused. Without original_max_position_embeddings, Llama 3's scaling takes max_position_embeddings,
+    """(rope_theta, ModelConfig.rope_scaling or None) of config.json.
+
+    Its rope_parameters, rope_scaling and rope_theta are merged key by key ("type" is the older
+    name of "rope_type"). Two of them that give one key different values are refused.
+    Without original_max_position_embeddings, Llama 3's scaling takes max_position_embeddings,
     as transformers does."""
     rope = {}  # key -> (the field it came from, its value)
     given = [(field, config[field]) for field in ROPE_SOURCES if config.get(field) is not None]
@@ -175,72 +206,88 @@ def rope_settings(config, refuse, positive):
         for key, value in values.items():
             key = "rope_type" if key == "type" else key
             if key in rope and not same(rope[key][1], value):
-                refuse(f"{field}.{key}".lstrip("."), f"is {value!r}, but {rope[key][0] or 'rope_theta'} gives "
-                                                      f"{rope[key][1]!r}")
+                refuse(f"{field}.{key}".lstrip("."),
+                       f"is {value!r}, but {rope[key][0] or 'rope_theta'} gives "
+                       f"{rope[key][1]!r}")
             rope.setdefault(key, (field, value))
-    name = {key: f"{field}.{key}".lstrip(".") for key, (field, _) in rope.items()}  # to name a field in an error
+    # to name a field in an error
+    name = {key: f"{field}.{key}".lstrip(".") for key, (field, _) in rope.items()}
     kind = rope.get("rope_type", ("", "default"))[1]
     if kind not in ("default", "llama3"):
-        refuse(name["rope_type"], f"is {kind!r}; this model's RoPE has Llama 3's frequency scaling ('llama3') or none")
+        refuse(name["rope_type"],
+               f"is {kind!r}; this model's RoPE has Llama 3's frequency scaling ('llama3') or none")
     known = {"rope_type", "rope_theta"} | (set(ROPE_SCALING_KEYS) if kind == "llama3" else set())
     for key in sorted(set(rope) - known):
         refuse(name[key], f"is {rope[key][1]!r}; this model's {kind} RoPE has no such setting")
     theta = positive(name.get("rope_theta", "rope_theta"), rope.get("rope_theta", ("", 10000.0))[1])
     if kind == "default":
         return theta, None
-    scaling = {"rope_type": "llama3", **{key: value for key, (_, value) in rope.items() if key in ROPE_SCALING_KEYS}}
+    scaling = {"rope_type": "llama3",
+               **{key: value for key, (_, value) in rope.items() if key in ROPE_SCALING_KEYS}}
     if "original_max_position_embeddings" not in scaling:
         scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
         name["original_max_position_embeddings"] = "max_position_embeddings"
     problem = rope_scaling_problem(scaling)
     if problem:  # a key that is not there is named in the field that chose llama3
         refuse(name.get(problem[0], f"{rope['rope_type'][0]}.{problem[0]}"), problem[1])
-    return theta, {key: float(value) if key in ("factor", "low_freq_factor", "high_freq_factor") else value
-                   for key, value in scaling.items()}
+    return theta, {key: float(value) if key in ("factor", "low_freq_factor", "high_freq_factor")
+                   else value for key, value in scaling.items()}
 
 
 def same(a, b):
-    """Two JSON values that say the same (500000 and 500000.0; NaN and NaN, refused later as out of range)."""
+    """Two JSON values that say the same: 500000 and 500000.0; NaN and NaN (later refused)."""
     return a == b or (is_number(a) and is_number(b) and math.isnan(a) and math.isnan(b))
 
 
 def check_tied_layout(path, args):
-    """A tied model keeps one tensor as both embedding and head: refused (LayoutError naming the flag) under the
-    layouts that hold the two apart."""
-    for apart, flag, why in ((args.tp > 1, "--tp", "tensor parallelism swaps them for two sharded modules"),
+    """A tied model keeps one tensor as both embedding and head.
+
+    The layouts that hold the two apart refuse it: LayoutError naming the flag."""
+    for apart, flag, why in ((args.tp > 1, "--tp",
+                              "tensor parallelism swaps them for two sharded modules"),
                              (args.pp > 1, "--pp", "pipeline stages hold them on different ranks"),
-                             (args.dp_mode != "ddp", "--dp-mode", f"{args.dp_mode} shards them in different units")):
+                             (args.dp_mode != "ddp", "--dp-mode",
+                              f"{args.dp_mode} shards them in different units")):
         if apart:
-            raise LayoutError(flag, f"{path} has tie_word_embeddings true: lm_head is embed_tokens, one tensor, "
-                                    f"which {why}; a tied checkpoint trains in one process or with --dp-mode ddp "
+            raise LayoutError(flag, f"{path} has tie_word_embeddings true: "
+                                    f"lm_head is embed_tokens, one tensor, which {why}; "
+                                    "a tied checkpoint trains in one process or with --dp-mode ddp "
                                     "(--cp too), without --tp or --pp")
 
 
 def read_index(folder):
-    """{tensor name: file} of the folder's checkpoint: model.safetensors.index.json's weight_map, or every tensor of
-    model.safetensors; a folder holding both, or neither, is refused."""
+    """{tensor name: file} of the folder's checkpoint.
+
+    That is model.safetensors.index.json's weight_map, or every tensor of model.safetensors.
+    A folder holding both, or neither, is refused."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
-    if index.is_file() and single.is_file():
-        raise SaveError(f"--init-from: {folder} holds both model.safetensors and model.safetensors.index.json: one of "
-                        "them is left from another checkpoint (transformers reads model.safetensors); remove it")
-    if single.is_file():
+    # exists, not is_file: a FIFO there is named, not taken for no file
+    if index.exists() and single.exists():
+        raise SaveError(f"--init-from: {folder} holds both model.safetensors and "
+                        "model.safetensors.index.json: one of them is left from another checkpoint "
+                        "(transformers reads model.safetensors); remove it")
+    if single.exists():
         header, _ = read_header(single)
         return {tensor: "model.safetensors" for tensor in header}
-    if not index.is_file():
-        raise SaveError(f"--init-from: {folder} has neither model.safetensors nor model.safetensors.index.json")
+    if not index.exists():
+        raise SaveError(f"--init-from: {folder} has neither model.safetensors "
+                        "nor model.safetensors.index.json")
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise SaveError(f"--init-from: {index}: weight_map is {weight_map!r}; it must be an object of tensor names "
-                        "and their files")
+        raise SaveError(f"--init-from: {index}: weight_map is {weight_map!r}; "
+                        "it must be an object of tensor names and their files")
     for tensor, name in weight_map.items():
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise SaveError(f"--init-from: {index} puts {tensor} in {name!r}, not a file in {folder}")
+            raise SaveError(f"--init-from: {index} puts {tensor} in {name!r}, "
+                            f"not a file in {folder}")
     return weight_map
 
 
 class HFWeights:
-    """A Hugging Face folder in the shape load.load reads a save in: path, meta (its files, and "param" as the only
-    kind of tensor: no optimizer state), tensors (the model's names), read(piece, kind)."""
+    """A Hugging Face folder, in the shape in which load.load reads a save.
+
+    It has path; meta (its files, and "param" as the only kind: no optimizer state);
+    tensors (the model's names); and read(piece, kind)."""
 
     def __init__(self, folder, cfg, config):
         self.path = folder
@@ -252,15 +299,15 @@ class HFWeights:
             sources.update({t: (name, entry, start) for t, entry in header.items()})
         for tensor, name in weight_map.items():  # an index and its files must agree
             if sources.get(tensor, (name,))[0] != name:
-                raise SaveError(f"--init-from: {folder}: model.safetensors.index.json puts {tensor} in {name}, "
-                                f"which does not hold it")
+                raise SaveError(f"--init-from: {folder}: model.safetensors.index.json "
+                                f"puts {tensor} in {name}, which does not hold it")
         self.meta = {"files": {name: (folder / name).stat().st_size for name in files},
                      "optimizer": {"kinds": ["param"]}}
         if not cfg.tie_embeddings and "lm_head.weight" not in sources:
-            raise SaveError(f"--init-from: {folder} has no lm_head.weight and config.json's tie_word_embeddings is "
-                            "false")
+            raise SaveError(f"--init-from: {folder} has no lm_head.weight "
+                            "and config.json's tie_word_embeddings is false")
         with torch.device("meta"):  # tied: no lm_head.weight, the embedding is the head
-            shapes = {name: list(p.shape) for name, p in M.GPT(cfg).named_parameters()}
+            shapes = {name: list(p.shape) for name, p in model.GPT(cfg).named_parameters()}
         self.tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
         for name, shape in shapes.items():
             source = name if name == "lm_head.weight" else "model." + name
@@ -270,50 +317,58 @@ class HFWeights:
             padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
                 entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
             if entry["shape"] != shape and not padded_rows:
-                raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, this model needs {shape}")
+                raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, "
+                                f"this model needs {shape}")
             self.tensors[name] = {"shape": shape, "source": source, "file": file,
-                                  "dtype": SAFETENSORS_TYPES[entry["dtype"]], "numel": math.prod(entry["shape"]),
+                                  "dtype": SAFETENSORS_TYPES[entry["dtype"]],
+                                  "numel": math.prod(entry["shape"]),
                                   "offset": start + entry["data_offsets"][0]}
             used.add(source)
         unused = sorted(t for t in set(sources) - used if not t.endswith(IGNORED))
         if unused:
-            raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) this model has no place for, "
-                            f"such as {unused[0]}")
+            raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) "
+                            f"this model has no place for, such as {unused[0]}")
 
     def elements(self, name, first, n):
-        """Elements [first, first + n) of the flattened (row-padded) tensor, in fp32; rows past the file's are 0."""
+        """Elements [first, first + n) of the flat, row-padded tensor, in fp32.
+
+        Rows past the file's are 0."""
         info, out = self.tensors[name], torch.zeros(n, dtype=torch.float32)
         have = max(0, min(n, info["numel"] - first))
         if have:
             raw = torch.empty(have, dtype=info["dtype"])
             try:
-                with open(self.path / info["file"], "rb") as f:
+                with open_regular(self.path / info["file"]) as f:
                     f.seek(info["offset"] + first * raw.element_size())
                     got = f.readinto(raw.view(torch.uint8).numpy())
             except OSError as e:
-                raise FileError(f"cannot read {self.path / info['file']}: {e.strerror or e}", info["file"], 1) from None
+                raise FileError(f"cannot read {self.path / info['file']}: {e.strerror or e}",
+                                info["file"], 1) from None
             if got != have * raw.element_size():
                 raise FileError(f"{self.path / info['file']} is truncated", info["file"], 1)
             out[:have] = raw  # to fp32
         return out
 
     def read(self, piece, kind="param"):
-        """The piece's elements: elements [offset, offset + end - start) of this rank's tp block (load.py's Piece)."""
+        """The piece's elements [offset, offset + end - start) of this rank's tp block (a Piece)."""
         shape = self.tensors[piece.name]["shape"]
         if shape != global_shape(piece):
-            raise SaveError(f"{self.path}: {piece.name} has shape {shape}, this model has {global_shape(piece)}")
+            raise SaveError(f"{self.path}: {piece.name} has shape {shape}, "
+                            f"this model has {global_shape(piece)}")
         dim, rank, _ = piece.tp_shard or (0, 0, 1)
         if dim != 0:  # a block of columns: strided in the file
             full = self.elements(piece.name, 0, math.prod(shape)).view(shape)
             return cut(full, piece)
-        block_start = rank * math.prod(piece.shape)  # a block of rows starts where its first row does
+        block_start = rank * math.prod(piece.shape)  # a block of rows starts at its first row
         return self.elements(piece.name, block_start + piece.offset, piece.end - piece.start)
 
 
 def init_from(folder, cfg, args):
-    """--init-from: (cfg with config.json's vocab_size, rope_theta, rms_norm_eps, rope scaling and tying, the
-    HFWeights to load); (cfg, None) without. args: the run's flags, whose --tp, --pp and --dp-mode decide whether a
-    tied checkpoint can run. Everything is checked here, on every rank alike, before anything is built or written."""
+    """--init-from: (cfg updated from config.json, the HFWeights to load); (cfg, None) without.
+
+    config.json gives vocab_size, rope_theta, rms_norm_eps, rope scaling and tying.
+    args are the run's flags: --tp, --pp and --dp-mode decide whether a tied checkpoint can run.
+    Everything is checked here, on every rank alike, before anything is built or written."""
     if folder is None:
         return cfg, None
     folder = Path(folder)
@@ -324,7 +379,9 @@ def init_from(folder, cfg, args):
 
 
 def start_from(weights, wrapper, opt, rank):
-    """Fills this rank's parameters from the checkpoint (any layout; optimizer state stays fresh); returns step 0."""
+    """Fills this rank's parameters from the checkpoint, in any layout; returns step 0.
+
+    The optimizer state stays fresh."""
     load(weights, wrapper, opt, flag="--init-from")
     if rank == 0:
         print(f"initialized from {weights.path} (step 0, fresh optimizer)", flush=True)

@@ -1,31 +1,54 @@
-"""What a save must be before it is trusted: meta.json's keys and types, plain file names, file sizes, checksums.
+"""What a save must be before it is trusted.
 
-Checksums (format 2): for each piece, the param and each Adam moment carry the zlib.crc32 of their bytes in
-meta.json. write.py computes it over each buffer as it writes it (with --async-save in the writer thread, from the
-CPU snapshot: the training thread pays nothing; zlib releases the GIL while it runs). Cost: about 2.3 GB/s on one
-core (zlib 1.2.13, x86), a second pass over bytes already in memory, no extra I/O: ~0.45 s per GB a rank writes.
-Loading checks every piece it reads: a resume reads each saved byte once on some rank (when resharding reads only
-part of a saved piece, that whole piece is read and checked first, once per rank); export checks the params as it
-streams them; sampling checks the params before it builds the model. A stop after a failure names the newest
-complete save that verifies, each rank reading a share of its files (write.last_good_save).
-CRC-32 catches any burst of up to 32 flipped bits and misses other damage with odds of 2^-32 per piece: a guard
-against disk and copy corruption, not against someone forging a save.
-Format 1 saves (written before checksums) load with the structure and size checks only.
+meta.json's keys, types and bounds, plain file names, file sizes, checksums,
+and a save that agrees with itself.
+
+Checksums (format 3). For each piece, the param and each Adam moment carry in meta.json the
+zlib.crc32 of their bytes. It starts from the CRC-32 of what the bytes are: the tensor's name,
+the kind, the piece's tp block, start and numel (piece_seed). So each piece checks on its own.
+Intact bytes of another piece are refused too (two pieces' offsets and CRCs swapped in
+meta.json). Format 2's CRCs cover the bytes alone. write.py computes each over its buffer as it
+writes it. With --async-save that is in the writer thread, from the CPU snapshot: the training
+thread pays nothing, and zlib releases the GIL while it runs. Cost: about 2.3 GB/s on one core
+(zlib 1.2.13, x86), a second pass over bytes in memory, no extra I/O: ~0.45 s per GB a rank writes.
+
+Loading checks every piece it reads. A resume reads each saved byte once on some rank.
+When resharding reads part of a saved piece, the whole piece is read and checked first,
+once per rank. Export checks the params as it streams them. Sampling checks the params before
+it builds the model. A stop after a failure names the newest complete save that verifies,
+each rank reading a share of its files (write.last_good_save).
+
+CRC-32 catches any burst of up to 32 flipped bits, and misses other damage with odds of 2^-32
+per piece. It guards against disk and copy corruption, not against someone forging a save.
+Format 1 saves (from before checksums) load with the structure and size checks only.
+
+A save agrees with itself: its folder's name (step_NNNNNNN) and its `complete` say the step
+meta.json says. Adam has taken no more steps than training. The loss scale is a finite positive
+fp32 number, 1 without fp16's scaler.
 """
+import json
+import math
+import re
 import zlib
+from pathlib import Path
 
 import torch
 
+from data.files import open_regular, read_text
 from saves import SaveError
 
-FORMAT = 2  # what write.py writes
-FORMATS = (1, 2)  # what load.py reads
+FORMAT = 3  # what write.py writes
+FORMATS = (1, 2, 3)  # what load.py reads
+SAVE = re.compile(r"step_(\d{7})$")  # a save's folder
+MAX_STEP = 2 ** 53  # steps are exact in a float64 (the LR schedule's)
+MAX_SCALE = float(torch.finfo(torch.float32).max)  # the loss scale is an fp32 tensor
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 CHUNK = 64 << 20  # bytes read at a time when verifying whole files
 
-TOP = {"format": int, "step": int, "config": dict, "layout": dict, "scaler": dict, "optimizer": dict, "rng": dict,
-       "files": dict, "tensors": dict}
+TOP = {"format": int, "step": int, "config": dict, "layout": dict, "scaler": dict,
+       "optimizer": dict, "rng": dict, "files": dict, "tensors": dict}
 JSON_NAMES = {int: "an integer", dict: "an object", list: "a list", str: "a string"}
 
 
@@ -34,6 +57,19 @@ def crc32(data, value=0):
     if isinstance(data, torch.Tensor):
         data = data.contiguous().view(torch.uint8).numpy()
     return zlib.crc32(data, value)
+
+
+def piece_seed(name, kind, tp, start, numel):
+    """The CRC-32 a piece's checksum starts from (format 3): what its bytes are.
+
+    So another piece's bytes do not pass."""
+    return zlib.crc32(json.dumps([name, kind, list(tp) if tp else None, start, numel]).encode())
+
+
+def seed_of(meta, name, kind, p):
+    """piece_seed of saved piece p of tensor `name`, or 0 before format 3."""
+    return (piece_seed(name, kind, p["tp"], p["start"], p["numel"])
+            if meta["format"] >= 3 else 0)
 
 
 def corrupt(path, name):
@@ -52,7 +88,7 @@ def _int(x, lo=0, hi=None):
 
 
 def _has(obj, keys, where, prefix, kind=dict):
-    """obj is a `kind` (an object: holding every key); else SaveError naming the key and the file."""
+    """obj is a `kind`, and an object holds every key; else SaveError names the key and file."""
     if not isinstance(obj, kind) or isinstance(obj, bool):
         raise SaveError(f"{where}: {prefix.rstrip('.') or 'the file'} is not {JSON_NAMES[kind]}")
     for key in keys:
@@ -65,12 +101,15 @@ def _bad(where, what):
 
 
 def check_meta(meta, where):
-    """Every key loading reads, with the right type and within bounds: SaveError naming the first that is not."""
+    """Every key loading reads has the right type and is within bounds.
+
+    Else SaveError names the first that is not."""
     _has(meta, TOP, where, "")
     for key, kind in TOP.items():
         _has(meta[key], (), where, key + ".", kind)
     if meta["format"] not in FORMATS:
-        _bad(where, f"format {meta['format']} is not one this code reads ({', '.join(map(str, FORMATS))})")
+        _bad(where, f"format {meta['format']} is not one this code reads "
+                    f"({', '.join(map(str, FORMATS))})")
     _has(meta["config"], ("model", "tokenizer"), where, "config.")
     _has(meta["config"]["model"], (), where, "config.model.")
     _has(meta["scaler"], ("scale", "clean_steps"), where, "scaler.")
@@ -79,9 +118,12 @@ def check_meta(meta, where):
     kinds = meta["optimizer"]["kinds"]
     if kinds not in (["param"], list(KINDS)):
         _bad(where, f"optimizer.kinds is {kinds}, not ['param'] or {list(KINDS)}")
-    if not (_int(meta["step"]) and _int(meta["optimizer"]["step"]) and _int(meta["scaler"]["clean_steps"])
-            and isinstance(meta["scaler"]["scale"], (int, float))):
+    if not (_int(meta["step"]) and _int(meta["optimizer"]["step"])
+            and _int(meta["scaler"]["clean_steps"])
+            and isinstance(meta["scaler"]["scale"], (int, float))
+            and not isinstance(meta["scaler"]["scale"], bool)):
         _bad(where, "step, optimizer.step or the scaler's state is not a number >= 0")
+    _check_agrees(meta, where)
     for rank, state in meta["rng"].items():
         _has(state, (), where, f"rng.{rank}.")
     for name, size in meta["files"].items():
@@ -92,11 +134,42 @@ def check_meta(meta, where):
         _check_tensor(t, kinds, meta, where, f"tensors.{name}.")
 
 
+def _check_agrees(meta, where):
+    """The save says one thing: the step of its folder, its `complete`, its meta.json.
+
+    The numbers are within their bounds too."""
+    step, adam, scaler = meta["step"], meta["optimizer"]["step"], meta["scaler"]
+    if step >= MAX_STEP or adam > step or scaler["clean_steps"] > step:
+        _bad(where, f"optimizer.step {adam} or scaler.clean_steps {scaler['clean_steps']} "
+                    f"is past step {step} (Adam takes at most one step per training step)"
+                    if step < MAX_STEP else f"step {step} is absurd")
+    if meta.get("data_position", step) != step:
+        _bad(where, f"data_position {meta['data_position']!r} is not step {step}")
+    scale, dtype = scaler["scale"], meta["config"].get("train", {}).get("dtype")
+    if (not (math.isfinite(scale) and 0 < scale <= MAX_SCALE)
+            or (dtype not in (None, "fp16") and scale != 1)):
+        _bad(where, f"scaler.scale is {scale!r}; a loss scale is a finite fp32 number > 0, "
+                    f"and 1 without fp16's loss scaler (this save's dtype is {dtype})")
+    folder = Path(where).parent
+    named = SAVE.match(folder.name)
+    if named and int(named.group(1)) != step:
+        _bad(where, f"step is {step}, but its folder is {folder.name}: "
+                    "the folder holds another step's save")
+    try:
+        done = read_text(folder / "complete").strip() if named else ""
+    except (OSError, UnicodeDecodeError):
+        done = ""
+    if done.isdigit() and int(done) != step:
+        _bad(where, f"step is {step}, but {folder / 'complete'} says {done}: "
+                    "the save contradicts itself")
+
+
 def _check_tensor(t, kinds, meta, where, prefix):
     _has(t, ("shape", "dtype", "pieces"), where, prefix)
     _has(t["shape"], (), where, prefix + "shape.", list)
     _has(t["pieces"], (), where, prefix + "pieces.", list)
-    if not all(_int(n) for n in t["shape"]) or not isinstance(t["dtype"], str) or t["dtype"] not in DTYPES:
+    if (not all(_int(n) for n in t["shape"]) or not isinstance(t["dtype"], str)
+            or t["dtype"] not in DTYPES):
         _bad(where, f"{prefix}shape {t['shape']} or dtype {t['dtype']!r} is not a tensor's")
     keys = ("file", "tp", "start", "numel", "offsets") + (("crc32",) if meta["format"] >= 2 else ())
     fields = {"offsets": (None, "a byte offset"), "crc32": (1 << 32, "a CRC-32")}
@@ -111,12 +184,14 @@ def _check_tensor(t, kinds, meta, where, prefix):
         numel = total
         if p["tp"] is not None:
             tp = p["tp"]
-            if not (isinstance(tp, list) and len(tp) == 3 and all(_int(x) for x in tp) and tp[0] < len(t["shape"])
-                    and tp[2] >= 1 and tp[1] < tp[2] and t["shape"][tp[0]] % tp[2] == 0):
+            if not (isinstance(tp, list) and len(tp) == 3 and all(_int(x) for x in tp)
+                    and tp[0] < len(t["shape"]) and tp[2] >= 1 and tp[1] < tp[2]
+                    and t["shape"][tp[0]] % tp[2] == 0):
                 _bad(where, f"{at}tp {tp} is not a [dim, rank, world] block of shape {t['shape']}")
             numel //= tp[2]
         if not (_int(p["start"]) and _int(p["numel"]) and p["start"] + p["numel"] <= numel):
-            _bad(where, f"{at}start {p['start']} and numel {p['numel']} do not fit its block of {numel} elements")
+            _bad(where, f"{at}start {p['start']} and numel {p['numel']} "
+                        f"do not fit its block of {numel} elements")
         for field in keys[4:]:
             hi, what = fields[field]
             _has(p[field], kinds, where, at + field + ".")
@@ -125,8 +200,10 @@ def _check_tensor(t, kinds, meta, where, prefix):
 
 
 def check_files(path, meta):
-    """Every file has the size meta.json records, its pieces tile it (every byte is under one checksum), and every
-    tensor's pieces tile each of its tp blocks (every element has one source)."""
+    """Every file has the size meta.json records, and its pieces tile it.
+
+    So every byte is under one checksum. Every tensor's pieces tile each of its tp blocks,
+    so every element has one source."""
     where = path / "meta.json"
     for name, size in meta["files"].items():
         file = path / name
@@ -150,7 +227,8 @@ def check_files(path, meta):
         numel = 1
         for n in t["shape"]:
             numel *= n
-        if len(worlds) != 1 or len(dims) > 1 or len(blocks) != worlds.pop() or (dims and () in blocks):
+        if (len(worlds) != 1 or len(dims) > 1 or len(blocks) != worlds.pop()
+                or (dims and () in blocks)):
             _bad(where, f"the pieces of {name} do not split it into whole tp blocks")
         for tp, ranges in blocks.items():
             if _gap(ranges, numel // (tp[2] if tp else 1)) is not None:
@@ -158,11 +236,12 @@ def check_files(path, meta):
     for name, ranges in spans.items():
         at = _gap(ranges, meta["files"][name])
         if at is not None:
-            _bad(where, f"the pieces in {name} overlap or leave bytes unaccounted for, at byte {at}")
+            _bad(where, f"the pieces in {name} overlap or leave bytes unaccounted for, "
+                        f"at byte {at}")
 
 
 def _gap(ranges, total):
-    """None if the (start, length) ranges tile [0, total) exactly; else the first position where they do not."""
+    """None if the (start, length) ranges tile [0, total) exactly; else where they first do not."""
     end = 0
     for start, n in sorted(ranges):
         if start != end:
@@ -172,24 +251,26 @@ def _gap(ranges, total):
 
 
 def verify(path, meta, files=None, kinds=None):
-    """Reads the bytes of `files` (default: all) for `kinds` (default: all saved) and checks every piece's CRC-32:
-    SaveError naming the first file that fails. A format 1 save has nothing to check."""
+    """Reads `files` (default: all) for `kinds` (default: all saved); checks every piece's CRC-32.
+
+    SaveError names the first file that fails. A format 1 save has nothing to check."""
     if meta["format"] < 2:
         return
     spans = {}
-    for t in meta["tensors"].values():
+    for name, t in meta["tensors"].items():
         itemsize = DTYPES[t["dtype"]].itemsize
         for p in t["pieces"]:
             if files is None or p["file"] in files:
                 for kind in kinds or meta["optimizer"]["kinds"]:
-                    spans.setdefault(p["file"], []).append((p["offsets"][kind], p["numel"] * itemsize,
-                                                            p["crc32"][kind]))
+                    spans.setdefault(p["file"], []).append(
+                        (p["offsets"][kind], p["numel"] * itemsize, p["crc32"][kind],
+                         seed_of(meta, name, kind, p)))
     for name in sorted(spans):
         try:
-            with open(path / name, "rb") as f:
-                for offset, n, expected in sorted(spans[name]):
+            with open_regular(path / name) as f:
+                for offset, n, expected, seed in sorted(spans[name]):
                     f.seek(offset)
-                    crc, left = 0, n
+                    crc, left = seed, n
                     while left:
                         block = f.read(min(left, CHUNK))
                         if not block:

@@ -1,51 +1,65 @@
 """The run folder (--out) as train.py sees it: one object, asked in the order a run goes.
 
-    folder = RunFolder(out, mesh, device, config, layout, resume=..., keep=..., async_save=...)  # checked, locked
-    step = folder.start(wrapper, opt, scaler, hf_weights)   # the save resumed (any layout), or step 0
-    folder.save(step, wrapper, opt, scaler)                 # every --save-every steps and at the end
-    folder.finish()                                         # the last async save written; the attempt "done"
+    folder = RunFolder(out, mesh, device, config, layout,  # checked, locked
+                       resume=..., keep=..., async_save=...)
+    step = folder.start(wrapper, opt, scaler, hf_weights)  # the save resumed (any layout), or 0
+    folder.save(step, wrapper, opt, scaler)                # every --save-every steps, and the last
+    folder.finish()                                        # last async save written; attempt "done"
 
-One writer at a time: rank 0 holds an exclusive lock on OUT/.lock (flock) from the checks to the end. The kernel
-drops it when the process dies, so a killed run leaves no stale lock; a second run into the same folder, fresh or
---resume, while the first still trains, stops with exit 2 and the holder's pid and host. Before anything is
-written, a fresh run refuses a folder that holds another run's saves, and --resume takes the newest complete save
-whose config matches (model, data, optimization; --steps may grow: the schedule is recomputed). A folder whose
-run was killed before its first save resumes from step 0 under --resume.
-A failure after the start (non-finite loss, a failed save, Ctrl-C) is recorded in OUT/attempts.json and named
-with the newest save that verifies (exit 3).
+One writer at a time. Rank 0 holds an exclusive lock on the folder from the checks to the end:
+data.files.lock_folder, an flock on the folder itself, not on a file in it that could be deleted.
+The kernel drops it when the process dies, so a killed run leaves no stale lock. A second run
+into the same folder while the first still trains, fresh or --resume, stops with exit 2.
+It names the holder's pid and host, which OUT/.lock records once the run starts.
+
+The folder is the run's own. Its files (.lock, attempts.json, metrics.jsonl) are regular files
+or missing: never a link that leads out of it, a FIFO or a folder. It does not lie inside a save
+folder, which its run would delete when it prunes. Before anything is written, a fresh run
+refuses a folder holding another run's saves or attempts (holds_a_run). --resume takes the
+newest complete save whose config matches: model, data, optimization. --steps may grow; the
+schedule is recomputed. A run stopped before its first save (killed, Ctrl-C, a full disk) leaves
+only its own attempts; the same run, fresh or under --resume, starts again from step 0.
+A failure after the start (non-finite loss, a failed save, Ctrl-C) is recorded in
+OUT/attempts.json, and named with the newest save that verifies (exit 3).
 """
-import fcntl
+import hashlib
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
+from data.files import check_own_file, lock_folder, read_text, unlock_folder, write_json
 from parallel.comm import all_reduce_max
 from saves import SaveError, TrainingFailure
 from saves.hf import start_from
 from saves.load import Saved, check_config, resume
 from saves.restarts import Attempts, NonFiniteLoss, stop_run
 from saves.write import (
+    SAVE,
     SaveFailed,
     Saver,
     agree_on_run_id,
-    check_fresh_run_folder,
     complete_saves,
     last_good_save,
     remove_incomplete,
 )
 
+OWN_FILES = (".lock", "attempts.json", "metrics.jsonl")  # what a run writes there besides saves
+
 
 class RunFolder:
     def __init__(self, path, mesh, device, config, layout, resume=None, keep=2, async_save=False):
-        self.path, self.mesh, self.device, self.rank = Path(path), mesh, device, mesh.global_rank
+        self.path, self.mesh, self.device, self.rank = (
+            Path(path), mesh, device, mesh.global_rank)
         self.config, self.layout, self.resuming = config, layout, resume is not None
         self.keep, self.async_save, self.saver, self.step = keep, async_save, None, None
+        self.identity = run_identity(config)
         self.lock = self._lock()
         try:
             self.saved = self._find_save(resume)
-            self.attempts = Attempts(self.path, self.rank, resuming=self.resuming)
+            # this run's attempts, if any
+            self.attempts = Attempts(self.path, self.rank, resuming=True, run=self.identity)
             self.attempts.check()
         except BaseException:
             self.close()
@@ -53,73 +67,89 @@ class RunFolder:
 
     # ---------------------------------------------------------------- before anything is written
     def _lock(self):
-        """Rank 0's exclusive lock on OUT/.lock, agreed on by every rank (an all-reduce): SaveError if another
-        process holds it. A lock file it had to create is removed again if the run stops before it starts."""
-        error, handle = "", None
+        """Rank 0 checks the folder (check_out) and locks it; an all-reduce makes every rank agree.
+
+        SaveError if the folder cannot be this run's, or another process holds it.
+        A folder it had to create is removed again if the run stops before it starts."""
+        problem, handle = "", None
         if self.rank == 0:
-            self.created = [p for p in (self.path, self.path / ".lock") if not p.exists()]
-            self.path.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path / ".lock", "a+")
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the holder writes who it is once it starts
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                handle.close()
-                handle, error = None, holder
-        if all_reduce_max(self.mesh.world_group, float(bool(error)), self.device):
-            raise SaveError(f"--out: {self.path} is in use by a run still writing to it ({error or 'see rank 0'}); "
-                            "wait for it to end, or choose another --out")
+                problem = check_out(self.path)
+                if not problem:
+                    self.created = [] if self.path.exists() else [self.path]
+                    handle = lock_folder(self.path)
+                    if handle is None:
+                        problem = (f"--out: {self.path} is in use by a run still writing to it "
+                                   f"({holder(self.path)}); "
+                                   "wait for it to end, or choose another --out")
+            except OSError as e:  # a name too long for the file system, a file on the way
+                problem = f"--out: cannot create {self.path}: {e.strerror or e}"
+        if all_reduce_max(self.mesh.world_group, float(bool(problem)), self.device):
+            self.lock = handle
+            self.close()
+            raise SaveError(problem
+                            or f"--out: {self.path} cannot be this run's folder (see rank 0)")
         return handle
 
     def _find_save(self, mode):
-        """The validated save to resume from, or None (a fresh run, checked not to take another run's folder)."""
+        """The validated save to resume from, or None.
+
+        None is a fresh run, checked not to take another run's folder."""
         found = complete_saves(self.path)
         if mode is None:
-            check_fresh_run_folder(self.path)  # never another run's folder (the lock file does not count)
+            check_fresh_run_folder(self.path, self.config)  # never another run's folder
             return None
         if not found:
             if mode == "auto" or (self.path / "attempts.json").exists():
+                if another_runs_attempts(self.path, self.config):  # no save: these must be ours
+                    raise SaveError(f"--resume: {self.path} holds another run's attempts.json "
+                                    "and no save to resume; choose another --out")
                 return None  # nothing saved yet: the run starts again from step 0
-            raise SaveError(f"--resume: no complete save in {self.path} (use --resume auto to start fresh)")
+            raise SaveError(f"--resume: no complete save in {self.path} "
+                            "(use --resume auto to start fresh)")
         try:
             saved = Saved(found[-1]).validate()
             planned = {**self.config, "train": {**self.config["train"], "steps": None}}
             mine = saved.meta["config"]
-            check_config({**mine, "train": {**mine.get("train", {}), "steps": None}}, planned, f"{found[-1]} ")
+            check_config({**mine, "train": {**mine.get("train", {}), "steps": None}}, planned,
+                         f"{found[-1]} ")
         except SaveError as e:
             raise SaveError(f"--resume: {e}") from None
         steps = self.config["train"]["steps"]
         if saved.step > steps:
-            raise SaveError(f"--steps: the newest save, {found[-1]}, is at step {saved.step}, past --steps {steps}")
+            raise SaveError(f"--steps: the newest save, {found[-1]}, is at step {saved.step}, "
+                            f"past --steps {steps}")
         if self.rank == 0 and mine["train"]["steps"] != steps:
-            print(f"--steps {steps}: the save's run planned {mine['train']['steps']}; the learning-rate schedule is "
-                  f"recomputed for {steps} steps", flush=True)
+            print(f"--steps {steps}: the save's run planned {mine['train']['steps']}; "
+                  f"the learning-rate schedule is recomputed for {steps} steps", flush=True)
         return saved
 
     # ---------------------------------------------------------------- the run
     def start(self, wrapper, opt, scaler, weights=None):
-        """Loads the save (any layout) or, on a fresh start, the Hugging Face weights; records the attempt. Returns the
-        step to continue from."""
+        """Loads the save (any layout), or the Hugging Face weights on a fresh start.
+
+        It records the attempt, and returns the step to continue from."""
         if self.saved is None and weights is not None:
             self.step = start_from(weights, wrapper, opt, self.rank)
         else:
             self.step = resume(self.saved, wrapper, opt, scaler, self.layout, self.rank)
-        run_id = agree_on_run_id(self.mesh, self.device)  # a barrier too: every rank has read the run folder
+        run_id = agree_on_run_id(self.mesh, self.device)  # a barrier: every rank read the folder
         if self.rank == 0 and self.resuming:
             remove_incomplete(self.path)
         self.created = []  # from here on the folder is this run's
+        # who holds the folder, for a second run's message (atomic: never through a link)
         if self.lock is not None:
-            self.lock.seek(0), self.lock.truncate()
-            self.lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()}))
-            self.lock.flush()
-        if all_reduce_max(self.mesh.world_group, float(not self.attempts.begin(self.step)), self.device):
+            write_json(self.path / ".lock", {"pid": os.getpid(), "host": socket.gethostname(),
+                                             "since": time.ctime()})
+        if all_reduce_max(self.mesh.world_group, float(not self.attempts.begin(self.step)),
+                          self.device):
             why = self.attempts.unwritten
             raise TrainingFailure(f"cannot write {self.path / 'attempts.json'} "
-                                  f"({why.strerror if why else 'on rank 0'}); stopped before training, the newest "
+                                  f"({why.strerror if why else 'on rank 0'}); "
+                                  "stopped before training, the newest "
                                   f"save is {last_good_save(self.path) or 'none'}")
-        self.saver = Saver(self.path, self.mesh, self.device, keep=self.keep, async_save=self.async_save,
-                           run_id=run_id)
+        self.saver = Saver(self.path, self.mesh, self.device, keep=self.keep,
+                           async_save=self.async_save, run_id=run_id)
         return self.step
 
     def progress(self, step):
@@ -127,7 +157,9 @@ class RunFolder:
         self.attempts.progress(step)
 
     def save(self, step, wrapper, opt, scaler):
-        """Saves (sync or async); the seconds training stalled. A failed save stops the run: TrainingFailure."""
+        """Saves, sync or async; returns the seconds training stalled.
+
+        A failed save stops the run: TrainingFailure."""
         header = {"config": self.config, "layout": self.layout, "scaler": scaler.state_dict()}
         try:
             stall = self.saver.save(step, wrapper, opt, header)
@@ -141,14 +173,25 @@ class RunFolder:
         return stop_run(NonFiniteLoss(step, loss, grad_norm), self.saver, self.attempts, self.path)
 
     def interrupted(self):
-        """Ctrl-C: the attempt recorded as interrupted; one line saying where the run stopped. No collective runs
-        (every rank was interrupted wherever it was); an async save in flight is left to the next resume, which
-        removes its temp folder."""
+        """Ctrl-C: records the attempt as interrupted; returns a line saying where the run stopped.
+
+        No collective runs: every rank was interrupted wherever it was. An async save in flight
+        is left to the next resume, which removes its temp folder."""
         if self.saver is not None:
             self.attempts.end(f"interrupted after step {self.step}")
         good = last_good_save(self.path)
         self.close()
         return f"interrupted after step {self.step}; the newest save is {good or 'none'}"
+
+    def hung(self, what):
+        """A collective timed out (`what` names it): records the attempt as failed.
+
+        No collective runs, since a peer does not answer. Returns the line to stop with."""
+        if self.saver is not None:
+            self.attempts.end(f"failed: {what}")
+        good = last_good_save(self.path)
+        self.close()
+        return f"{what}; stopped, the newest save is {good or 'none'}"
 
     def finish(self):
         """Waits for the last async save, records the attempt as done, releases the folder."""
@@ -161,9 +204,8 @@ class RunFolder:
 
     def close(self):
         """Releases the lock; removes what the checks created if the run never started."""
-        if self.lock is not None:
-            self.lock.close()
-            self.lock = None
+        unlock_folder(self.lock)
+        self.lock = None
         for p in reversed(getattr(self, "created", [])):
             if p.is_file():
                 p.unlink(missing_ok=True)
@@ -172,4 +214,96 @@ class RunFolder:
         self.created = []
 
 
-__all__ = ["RunFolder", "SaveError", "TrainingFailure"]
+def check_out(path):
+    """What makes `path` unfit to be a run folder, in one line; "" if nothing.
+
+    It may lie inside a save folder (or a folder named like one). Or a file a run writes there
+    may be a link that leads out of it, a folder or a FIFO."""
+    real = Path(os.path.realpath(path))
+    for inside in (real, *real.parents):
+        if SAVE.match(inside.name) or inside.name.startswith((".tmp_step_", ".del_step_")):
+            return (f"--out: {path} lies in {inside}, a save's folder (or named like one), "
+                    f"which the run in {inside.parent} deletes when it prunes its saves; "
+                    "choose an --out outside it")
+    for name in OWN_FILES:
+        problem = check_own_file(Path(path) / name, path)
+        if problem:
+            return (f"--out: {Path(path) / name} is {problem}: "
+                    "a run writes only its own files in its folder; "
+                    "remove it, or choose another --out")
+    return ""
+
+
+def holder(path):
+    """Who holds the run folder, as its .lock says ("another process" until that run starts)."""
+    if check_own_file(path / ".lock", path):
+        return "another process"
+    try:
+        return read_text(path / ".lock").strip() or "another process"
+    except (OSError, UnicodeDecodeError):
+        return "another process"
+
+
+def run_identity(config):
+    """The run a folder's attempts belong to: a hash of its config, --steps aside.
+
+    The config is model, data and optimization, as --resume compares them.
+    A longer run is the same run."""
+    plain = {**config, "train": {**config.get("train", {}), "steps": None}}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def holds_a_run(path, config=None):
+    """Whether `path` holds another run's work, which a fresh run would prune, mix or overwrite.
+
+    That is a save (any step_* folder), or attempts (attempts.json) not all this run's.
+    This run is the identity of `config`; with config None, any attempts count.
+    A run stopped before its first save holds only its own attempts, so the same run started
+    again takes its folder back. Leftovers of killed saves (.tmp_*, .del_*) hold nothing loadable
+    and do not count. It only reads."""
+    path = Path(path)
+    if any(path.glob("step_*")):
+        return True
+    if not (path / "attempts.json").exists():
+        return False
+    if config is None:
+        return True
+    try:
+        records = json.loads(read_text(path / "attempts.json"))
+    except (OSError, ValueError):
+        return True
+    mine = run_identity(config)
+    return not (isinstance(records, list) and records and
+                all(isinstance(r, dict) and r.get("run") == mine for r in records))
+
+
+def another_runs_attempts(path, config):
+    """Whether attempts.json holds a record that names another run (records from before runs had
+    identities name none, and may be this run's)."""
+    try:
+        records = json.loads(read_text(Path(path) / "attempts.json"))
+    except (OSError, ValueError):
+        return False  # Attempts reads it next, and says what is wrong with it
+    mine = run_identity(config)
+    return isinstance(records, list) and any(isinstance(r, dict) and r.get("run", mine) != mine
+                                             for r in records)
+
+
+def check_fresh_run_folder(run_dir, config=None):
+    """For a run started without --resume: SaveError if run_dir holds another run's work.
+
+    holds_a_run decides. It only reads."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise SaveError(f"{run_dir} is not a folder: choose another --out")
+    if holds_a_run(run_dir, config):
+        found = sorted(p.name for p in run_dir.glob("step_*"))
+        found += ["attempts.json"] * (run_dir / "attempts.json").exists()
+        raise SaveError(f"{run_dir} holds saves of another run "
+                        f"({', '.join(found[:3])}{', ...' * (len(found) > 3)}): "
+                        "pass --resume, or choose another --out")
+
+
+__all__ = ["RunFolder", "SaveError", "TrainingFailure", "check_fresh_run_folder", "holds_a_run"]

@@ -1,24 +1,29 @@
-"""Sharded saves: every rank writes only what it owns (the layout of a save is in saves/__init__.py).
+"""Sharded saves: every rank writes only what it owns. The layout of a save: saves/__init__.py.
 
-A piece is the run of elements [start, start + numel) of the flattened tp block `tp` = [dim, rank, world] of a
-global tensor (of the whole tensor when tp is null): a DDP param, an FSDP shard segment. Adam's state maps like its
-param. Every element has one writer: DDP replicas over dp x cp, HSDP replicas and tp-replicated norms are written
-once, so a save is 12 bytes per parameter in all, whatever the layout. Each buffer's CRC-32 is taken as it is
-written (integrity.py).
-Atomic: the ranks write into RUN/.tmp_step_STEP_ID/, rank 0 merges their indexes into meta.json, writes `complete`,
-then renames the folder to step_STEP; resume ignores anything else and removes it. The newest --keep stay.
---async-save copies the pieces to CPU memory (the stall), then a thread writes them while training goes on; rank
-0's thread waits for every rank's index file, then finalizes. No collective runs off the main thread.
-A save that fails (a full disk: OSError on any rank, in its own write or in rank 0's finalize) stops every rank
-alike: the ranks agree by an all-reduce of a failure code (after the writes, and after rank 0's finalize; for an
-async save, on the training thread at the next save() or wait()), rank 0 removes the temp folder, and every rank
-raises SaveFailed (exit 3) naming the newest save that verifies, which the failed one never touched.
+A piece is the run of elements [start, start + numel) of the flattened tp block
+`tp` = [dim, rank, world] of a global tensor, or of the whole tensor when tp is null.
+It is a DDP param or an FSDP shard segment. Adam's state maps like its param.
+Every element has one writer: DDP replicas over dp x cp, HSDP replicas and tp-replicated norms
+are written once. So a save is 12 bytes per parameter in all, whatever the layout.
+Each buffer's CRC-32 is taken as it is written (integrity.py).
+
+Atomic. The ranks write into RUN/.tmp_step_STEP_ID/. Rank 0 merges their indexes into meta.json,
+writes `complete`, then renames the folder to step_STEP. Resume ignores anything else and
+removes it. The newest --keep saves stay.
+--async-save copies the pieces to CPU memory (the stall); then a thread writes them while
+training goes on. Rank 0's thread waits for every rank's index file, then finalizes.
+No collective runs off the main thread.
+
+A save that fails stops every rank alike: a full disk, an OSError on any rank in its own write
+or in rank 0's finalize. The ranks agree by an all-reduce of a failure code, after the writes
+and after rank 0's finalize. For an async save that is on the training thread, at the next
+save() or wait(). Rank 0 removes the temp folder. Every rank raises SaveFailed (exit 3), naming
+the newest save that verifies; the failed save never touched it.
 """
 import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -27,12 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.files import fsync_dir, read_text, write_json
 from parallel.comm import all_reduce_max
 from saves import SaveError, TrainingFailure
-from saves.files import fsync_dir, write_json
-from saves.integrity import FORMAT, check_files, check_meta, crc32, verify
+from saves.integrity import FORMAT, SAVE, check_files, check_meta, crc32, piece_seed, verify
 
-SAVE = re.compile(r"step_(\d{7})$")
 ADAM = ("exp_avg", "exp_avg_sq")
 
 
@@ -41,20 +45,29 @@ ADAM = ("exp_avg", "exp_avg_sq")
 def complete_saves(run_dir):
     """Complete saves in the run folder, oldest first."""
     run_dir = Path(run_dir)
-    found = [p for p in run_dir.glob("step_*") if SAVE.match(p.name) and (p / "complete").exists()]
+    found = [p for p in run_dir.glob("step_*")
+             if SAVE.match(p.name) and (p / "complete").exists()]
     return sorted(found, key=lambda p: p.name)
 
 
 def remove_incomplete(run_dir):
-    """Saves killed mid-write (.tmp_*), half-deleted ones (.del_*) and folders without `complete` (rank 0)."""
+    """Removes saves killed mid-write (.tmp_*), half-deleted (.del_*), or without `complete`.
+
+    Rank 0 calls it."""
     for p in Path(run_dir).glob("*step_*"):
-        if p.is_dir() and (p.name.startswith((".tmp_", ".del_")) or (SAVE.match(p.name) and
-                                                                      not (p / "complete").exists())):
+        if p.is_symlink():
+            continue  # a link: what it leads to is not this run's to delete
+        if p.is_dir() and (p.name.startswith((".tmp_", ".del_"))
+                           or (SAVE.match(p.name) and not (p / "complete").exists())):
             shutil.rmtree(p, ignore_errors=True)
 
 
 def _retire(path):
-    """Deletes a save folder: renamed first, so that it is never seen half-deleted under its name."""
+    """Deletes a save folder. It is renamed first, so it is never seen half-deleted under its name.
+
+    A link is left alone: what it leads to is not this run's to delete."""
+    if path.is_symlink():
+        return
     trash = path.with_name(f".del_{path.name}_{os.getpid()}")
     try:
         os.replace(path, trash)
@@ -69,30 +82,17 @@ def prune(run_dir, keep):
             _retire(old)
 
 
-def check_fresh_run_folder(run_dir):
-    """For a run started without --resume: SaveError if run_dir holds another run's work (a complete save, any
-    step_* folder, or an attempts.json), which the fresh run would prune, mix with its own or overwrite; returns
-    otherwise. Reads only. Leftovers of killed saves (.tmp_*, .del_*) hold nothing loadable and do not count."""
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise SaveError(f"{run_dir} is not a folder: choose another --out")
-    found = sorted(p.name for p in run_dir.glob("step_*")) + ["attempts.json"] * (run_dir / "attempts.json").exists()
-    if found:
-        raise SaveError(f"{run_dir} holds saves of another run ({', '.join(found[:3])}{', ...' * (len(found) > 3)}): "
-                        "pass --resume, or choose another --out")
-
-
 def last_good_save(run_dir, group=None, device="cpu"):
-    """The newest complete save whose meta.json, sizes and checksums all verify, or None: the save a failed run
-    names to go back to. With `group` every rank of it calls this and reads a share of each save's files (the
-    cost of one rank's part of one save, usually), and one all-reduce per save tried agrees on the answer."""
+    """The newest complete save whose meta.json, sizes and checksums verify, or None.
+
+    A failed run names it to go back to. With `group`, every rank of it calls this and reads
+    a share of each save's files: usually the cost of one rank's part of one save.
+    One all-reduce per save tried agrees on the answer."""
     rank, size = (group.rank, group.size) if group is not None else (0, 1)
     for path in reversed(complete_saves(run_dir)):
         bad = 0.0
         try:
-            meta = json.loads((path / "meta.json").read_text())
+            meta = json.loads(read_text(path / "meta.json"))
             check_meta(meta, path / "meta.json")
             check_files(path, meta)
             verify(path, meta, files=sorted(meta["files"])[rank::size])
@@ -121,7 +121,8 @@ def set_rng_state(state):
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(state["cuda"]), dtype=torch.uint8))
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(state["cuda"]),
+                                                  dtype=torch.uint8))
 
 
 # ---------------------------------------------------------------- writing
@@ -135,42 +136,49 @@ def global_shape(piece):
 
 
 def written_pieces(wrapper, opt, copy):
-    """[(piece, {kind: 1-D CPU tensor})] for the pieces this rank writes; copy: snapshot them (async)."""
+    """[(piece, {kind: 1-D CPU tensor})] for the pieces this rank writes; copy snapshots (async)."""
     out = []
     for piece in wrapper.owned_pieces():
         if not piece.writer:
             continue
-        sources = {"param": piece.param, **({k: opt.state[piece.param][k] for k in ADAM} if opt.state else {})}
-        out.append((piece, {kind: t.detach().reshape(-1)[piece.start:piece.end].to("cpu", copy=copy)
+        sources = {"param": piece.param,
+                   **({k: opt.state[piece.param][k] for k in ADAM} if opt.state else {})}
+        out.append((piece, {kind: t.detach().reshape(-1)[piece.start:piece.end].to("cpu",
+                                                                                  copy=copy)
                             for kind, t in sources.items()}))
     return out
 
 
 def write_rank(folder, rank, pieces, rank_info):
-    """This rank's bytes (if it writes any), with each buffer's CRC-32, then, atomically and last, its index: the
-    sign that it is done."""
+    """Writes this rank's bytes, if any, then its index: atomically and last, the sign it is done.
+
+    Each buffer's CRC-32 starts from what the buffer is (piece_seed)."""
     folder.mkdir(parents=True, exist_ok=True)
     name, index, pos = f"rank{rank:05d}.bin", [], 0
     with open(folder / name, "wb") if pieces else contextlib.nullcontext() as f:
         for piece, tensors in pieces:
-            offsets, crcs = {}, {}
+            offsets, crcs, numel = {}, {}, piece.end - piece.start
             for kind, t in tensors.items():
                 data = t.contiguous().view(torch.uint8).numpy()
                 f.write(data.data)
-                offsets[kind], crcs[kind], pos = pos, crc32(data), pos + data.nbytes
-            index.append({"name": piece.name, "shape": global_shape(piece), "dtype": str(t.dtype).split(".")[1],
-                          "tp": piece.tp_shard, "start": piece.offset, "numel": piece.end - piece.start,
+                seed = piece_seed(piece.name, kind, piece.tp_shard, piece.offset, numel)
+                offsets[kind], crcs[kind], pos = pos, crc32(data, seed), pos + data.nbytes
+            index.append({"name": piece.name, "shape": global_shape(piece),
+                          "dtype": str(t.dtype).split(".")[1],
+                          "tp": piece.tp_shard, "start": piece.offset, "numel": numel,
                           "offsets": offsets, "crc32": crcs})
         if pieces:
             f.flush()
             os.fsync(f.fileno())
-    write_json(folder / f"rank{rank:05d}.json", {"file": name, "bytes": pos, "pieces": index, **rank_info})
+    write_json(folder / f"rank{rank:05d}.json",
+               {"file": name, "bytes": pos, "pieces": index, **rank_info})
 
 
 def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
-    """Rank 0: once every rank's index is there, merge them into meta.json, mark complete, publish, prune.
-    Raises OSError if it cannot (a full disk, an index missing after wait_s); returns None, publishing nothing,
-    once `abort` is set (another rank's part failed), else the published folder."""
+    """Rank 0, once every rank's index is there: merge them into meta.json, mark, publish, prune.
+
+    Returns the published folder. OSError if it cannot: a full disk, or an index missing after
+    wait_s. Once `abort` is set (another rank's part failed) it publishes nothing: None."""
     indexes = [folder / f"rank{r:05d}.json" for r in range(world)]
     deadline = time.time() + wait_s
     while not all(p.exists() for p in indexes):
@@ -186,9 +194,11 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
         if info["bytes"]:
             files[info["file"]] = info["bytes"]
         for p in info["pieces"]:
-            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
-            entry["pieces"].append({"file": info["file"], **{k: p[k] for k in ("tp", "start", "numel", "offsets",
-                                                                                 "crc32")}})
+            entry = tensors.setdefault(p["name"],
+                                       {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
+            entry["pieces"].append({"file": info["file"],
+                                    **{k: p[k] for k in ("tp", "start", "numel", "offsets",
+                                                         "crc32")}})
     write_json(folder / "meta.json", {**header, "rng": rng, "files": files, "tensors": tensors})
     for path in indexes:
         path.unlink()
@@ -198,7 +208,8 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
         os.fsync(f.fileno())
     final = run_dir / f"step_{step:07d}"
     old = final.with_name(f".del_{final.name}_{os.getpid()}")
-    if final.exists():  # saved again after resuming from an older save: the old one goes once the new one is in
+    # saved again after resuming from an older save: the old one goes once the new one is in
+    if final.exists():
         os.replace(final, old)
     try:
         os.replace(folder, final)
@@ -206,24 +217,26 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
         if old.exists():
             os.replace(old, final)
         raise
-    shutil.rmtree(old, ignore_errors=True)  # published: nothing below may fail the save (prune never raises)
-    with contextlib.suppress(OSError):  # the rename is done; an fsync error here only weakens its durability
+    # published: nothing below may fail the save (prune never raises)
+    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the rename is done; an fsync error only weakens durability
         fsync_dir(run_dir)
     prune(run_dir, keep)
     return final
 
 
 class SaveFailed(TrainingFailure):
-    """A save that could not be written (a full disk). Every rank raises it, alike; its temp folder is gone."""
+    """A save that could not be written (a full disk). Each rank raises it; its temp folder goes."""
 
     def __init__(self, step, reason, good):
         super().__init__(f"the save of step {step} failed ({reason}) and was removed; "
-                         + (f"the last good save, {good}, is intact" if good else "there is no earlier save"))
+                         + (f"the last good save, {good}, is intact" if good
+                            else "there is no earlier save"))
         self.step, self.reason, self.good = step, reason, good
 
 
 class Job:
-    """One save in flight: its folder, this rank's outcome (set by the writer), rank 0's finalize outcome."""
+    """One save in flight: its folder, this rank's outcome (the writer's), rank 0's finalize's."""
 
     def __init__(self, folder, step):
         self.folder, self.step, self.thread = folder, step, None
@@ -231,13 +244,15 @@ class Job:
         self.error = self.final_error = self.finish = None
 
 
-ERRNO_SLOT = 1 << 16  # failure code: errno * ERRNO_SLOT + rank + 1, exact in the float32 all-reduce
+ERRNO_SLOT = 1 << 16  # failure code errno * ERRNO_SLOT + rank + 1: exact in a float32 all-reduce
 
 
 class Saver:
-    """save() writes this rank's pieces; synchronously (a barrier, then rank 0 finalizes), or with async_save
-    from a background thread after a CPU snapshot. Returns the seconds training stalled for it. A failed save
-    raises SaveFailed on every rank: in save() itself (sync), or at the next save() or wait() (async)."""
+    """save() writes this rank's pieces and returns the seconds training stalled for it.
+
+    It is synchronous (a barrier, then rank 0 finalizes), or with async_save a background thread
+    writes a CPU snapshot. A failed save raises SaveFailed on every rank: in save() itself (sync),
+    or at the next save() or wait() (async)."""
 
     def __init__(self, run_dir, mesh, device, keep=2, async_save=False, run_id=0):
         self.run_dir, self.mesh, self.device, self.keep = Path(run_dir), mesh, device, keep
@@ -248,14 +263,19 @@ class Saver:
         self.wait()  # one save in flight at a time: its snapshot may not be overwritten
         pieces = written_pieces(wrapper, opt, copy=self.async_save)
         rank_info = {"rng": rng_state()}
-        adam_steps = max((int(s["step"]) for s in opt.state.values()), default=0)  # < step if fp16 skipped some
-        header = {**header, "format": FORMAT, "step": step, "data_position": step, "world": self.mesh.world,
-                  "optimizer": {"step": adam_steps, "kinds": ["param", *ADAM] if opt.state else ["param"]}}
+        # below step if fp16 skipped some
+        adam_steps = max((int(s["step"]) for s in opt.state.values()), default=0)
+        header = {**header, "format": FORMAT, "step": step, "data_position": step,
+                  "world": self.mesh.world,
+                  "optimizer": {"step": adam_steps,
+                                "kinds": ["param", *ADAM] if opt.state else ["param"]}}
         job = Job(self.run_dir / f".tmp_step_{step:07d}_{self.run_id:06x}", step)
-        job.finish = lambda abort=None: finalize(self.run_dir, job.folder, step, self.mesh.world, header, self.keep,
+        job.finish = lambda abort=None: finalize(self.run_dir, job.folder, step, self.mesh.world,
+                                                 header, self.keep,
                                                  1800 if self.async_save else 60, abort)
         if self.async_save:
-            self.job, job.thread = job, threading.Thread(target=self._write, args=(job, pieces, rank_info),
+            self.job, job.thread = job, threading.Thread(target=self._write,
+                                                         args=(job, pieces, rank_info),
                                                          daemon=True)
             job.thread.start()
         else:
@@ -264,10 +284,12 @@ class Saver:
         return time.perf_counter() - t0
 
     def _write(self, job, pieces, rank_info):
-        """This rank's part; then, in an async save's thread on rank 0, the finalize (it waits for every index)."""
+        """Writes this rank's part.
+
+        On rank 0 an async save's thread then waits for every index, and finalizes."""
         try:
             write_rank(job.folder, self.mesh.global_rank, pieces, rank_info)
-        except Exception as e:  # noqa: BLE001 - reported on the training thread, on every rank (_settle)
+        except Exception as e:  # noqa: BLE001 - reported on every rank's training thread (_settle)
             job.error = e
         job.written.set()
         if self.async_save and job.error is None and self.mesh.global_rank == 0:
@@ -283,8 +305,10 @@ class Saver:
             self._settle(job)
 
     def _settle(self, job):
-        """On the training thread of every rank: agree on whether every rank's write worked (a barrier, too), let
-        rank 0 finalize (sync) or wait for its thread to (async), agree on that, and on a failure clean up."""
+        """On every rank's training thread: agree whether each rank's write worked (a barrier too).
+
+        Then rank 0 finalizes (sync), or its thread is waited for (async). The ranks agree on that
+        too, and clean up on a failure."""
         rank = self.mesh.global_rank
         job.written.wait()
         own = job.error
@@ -307,11 +331,12 @@ class Saver:
             shutil.rmtree(job.folder, ignore_errors=True)
         good = last_good_save(self.run_dir, self.mesh.world_group, self.device)
         if own is not None and not isinstance(own, OSError):
-            raise own  # a bug, not the disk: its traceback, on this rank, after the collectives every rank makes
+            # a bug, not the disk: its traceback, on this rank, after every rank's collectives
+            raise own
         raise SaveFailed(job.step, self._reason(agreed, own), good)
 
     def _code(self, error):
-        """0 for no error, else errno * ERRNO_SLOT + rank + 1: the all-reduce's max names one failing rank."""
+        """0 for no error, else errno * ERRNO_SLOT + rank + 1; the all-reduce's max names a rank."""
         if error is None:
             return 0
         number = getattr(error, "errno", None)
@@ -323,7 +348,7 @@ class Saver:
         return int(all_reduce_max(self.mesh.world_group, self._code(error), self.device))
 
     def _reason(self, agreed, own):
-        """What failed, in words: this rank's own error if it is the one agreed on, else the rank and its errno."""
+        """What failed, in words: this rank's error if it was agreed on, else the rank and errno."""
         number, rank = divmod(agreed - 1, ERRNO_SLOT)
         where = f"rank {rank}: " if self.mesh.world > 1 else ""
         if own is not None and agreed == self._code(own):
@@ -333,5 +358,7 @@ class Saver:
 
 
 def agree_on_run_id(mesh, device):
-    """A random id all ranks share (names this attempt's temp folders). The all-reduce is also a barrier."""
+    """A random id all ranks share; it names this attempt's temp folders.
+
+    The all-reduce is also a barrier."""
     return int(all_reduce_max(mesh.world_group, int.from_bytes(os.urandom(3), "little"), device))

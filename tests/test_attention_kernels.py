@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as M
+import model
 from parallel import cp, ring_attention
 from parallel.mesh import Mesh
 
@@ -31,9 +31,9 @@ def reference(q, k, v):
 
 def test_which_kernels_take_grouped_query_kv_as_they_are():
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert M.fused_gqa("cpu", dtype)
-    assert M.fused_gqa("cuda", torch.bfloat16) and M.fused_gqa("cuda", torch.float16)
-    assert not M.fused_gqa("cuda", torch.float32)
+        assert model.fused_gqa("cpu", dtype)
+    assert model.fused_gqa("cuda", torch.bfloat16) and model.fused_gqa("cuda", torch.float16)
+    assert not model.fused_gqa("cuda", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -41,7 +41,7 @@ def test_the_cpu_flash_kernel_runs_grouped_query_attention_in_every_dtype(dtype)
     """With every backend but flash switched off, a math fallback would raise: the fused kernel ran."""
     q, k, v = qkv(dtype)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        out = M.causal_attention(q, k, v)
+        out = model.causal_attention(q, k, v)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -56,9 +56,9 @@ def test_fp32_on_cuda_hands_the_kernel_one_kv_head_per_query_head(monkeypatch):
     q, k, v = qkv(torch.float32)
     expected = reference(q, k, v)
     for takes_gqa, seen in ((True, (2, True)), (False, (8, False))):
-        monkeypatch.setattr(M, "fused_gqa", lambda device_type, dtype, answer=takes_gqa: answer)
+        monkeypatch.setattr(model, "fused_gqa", lambda device_type, dtype, answer=takes_gqa: answer)
         calls.clear()
-        torch.testing.assert_close(M.causal_attention(q, k, v).double(), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model.causal_attention(q, k, v).double(), expected, rtol=0, atol=1e-5)
         assert calls == [seen]
 
 

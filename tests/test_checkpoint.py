@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import model as M
+import model
 import optim
 import sample
 import saves.export
@@ -23,11 +23,12 @@ import saves.write
 import train
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.ranks import run_ranks
 
 ARGS = BASE + ["--peak-tflops", "1", "--keep", "0"]
-CROSS_ENTROPY = M.cross_entropy_loss  # keep every save: the tests resume from older ones
+CROSS_ENTROPY = model.cross_entropy_loss  # keep every save: the tests resume from older ones
 RESUME_LAYOUTS = {  # world -> {name: flags}: 4 steps straight vs 2 + save + resume 2, bitwise (fp32, CPU)
     2: {"ddp": ["--dp", "2"], "fsdp-async": ["--dp-mode", "fsdp", "--async-save"],
         "tp-sp-dropout": ["--tp", "2", "--sp", "--dropout", "0.1"],
@@ -94,7 +95,7 @@ def test_same_layout_resume_is_bitwise(resume_runs, name):
 def test_each_element_is_written_once(resume_runs):
     """The 4D save: one writer per element (dp, cp and tp replicas deduplicated), pieces spread over ranks."""
     saved = saves.load.Saved(resume_runs[0] / "4d" / "step_0000002").validate()
-    full = M.GPT(M.config_from_dict(saved.meta["config"]["model"]))
+    full = model.GPT(model.config_from_dict(saved.meta["config"]["model"]))
     assert set(saved.tensors) == {n for n, _ in full.named_parameters()}
     for name, t in saved.tensors.items():
         covered = torch.zeros(t["shape"], dtype=torch.int32)
@@ -183,8 +184,8 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
     assert most[0] == 1
     tensors = read_safetensors(tmp_path / "model.safetensors")
     config = saves.load.Saved(save).meta["config"]
-    cfg = M.config_from_dict(config["model"])
-    gpt = M.GPT(cfg)
+    cfg = model.config_from_dict(config["model"])
+    gpt = model.GPT(cfg)
     padded = lambda t: torch.cat([t, t.new_zeros(cfg.padded_vocab - len(t), *t.shape[1:])])  # the export: true vocab
     gpt.load_state_dict({k.removeprefix("model."): padded(v) if "embed" in k or "lm_head" in k else v
                          for k, v in tensors.items()})
@@ -249,7 +250,7 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
     assert seen == [True, True] and most[0] == 1, (seen, most)
-    rows = train.read_metrics(metrics)[0]
+    rows = read_metrics(metrics)[0]
     assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
     monkeypatch.setattr(saves.write, "write_rank", write_rank)
     shutil.rmtree(tmp_path / "step_0000004")
@@ -272,7 +273,7 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "step_0000003")
     metrics = tmp_path / "m.jsonl"
     assert run1(fp16 + ["--resume", "--metrics", str(metrics)]) == straight[2:]
-    assert train.read_metrics(metrics)[0][0]["loss_scale"] == 2.0 ** 15
+    assert read_metrics(metrics)[0][0]["loss_scale"] == 2.0 ** 15
 
 
 def snapshot(folder):

@@ -10,10 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
-import model as M
+import model
 import train
 from bench.ckpt_memory import heap_reader, measure_memory
+from metrics import read_metrics
 from parallel import ckpt
+from parallel.materialize import init_weights
 from parallel.mesh import LayoutError
 from tests.layouts import BASE, assert_same_losses
 from tests.ranks import run_ranks
@@ -64,23 +66,24 @@ def test_tp_dropout_recomputes_identically_in_training(runs):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hfu_counts_the_recomputed_layers(policy, runs):
     _, out = runs
-    rows = train.read_metrics(out / f"{policy}.jsonl")[0]
+    rows = read_metrics(out / f"{policy}.jsonl")[0]
     cfg = config.model_config(config.parse_args(_argv(out, [])), 257)
-    ratio = M.flops_per_token(cfg, recomputed_layers=ckpt.recomputed_layers(cfg, policy)) / M.flops_per_token(cfg)
+    recomputed = ckpt.recomputed_layers(cfg, policy)
+    ratio = model.flops_per_token(cfg, recomputed_layers=recomputed) / model.flops_per_token(cfg)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in rows)
     assert (ratio > 1) == (policy not in ("selective",))
 
 
 # ---------------------------------------------------------------- what is stored and what is recomputed
 
-CFG = M.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
+CFG = model.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
 def build(cfg, policy, seed=0):
     with torch.device("meta"):
-        m = M.GPT(cfg)
+        m = model.GPT(cfg)
     ckpt.apply(m, policy)
-    return M.init_weights(m, seed, "cpu")
+    return init_weights(m, seed, "cpu")
 
 
 def stored_hidden_states(cfg, policy):
@@ -88,7 +91,7 @@ def stored_hidden_states(cfg, policy):
     run_layers' forward for backward; weights are not counted."""
     m = build(cfg, policy)
     x = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
-    cos, sin = M.rope_angles(torch.arange(cfg.seq_len), cfg.head_dim, cfg.rope_theta)
+    cos, sin = model.rope_angles(torch.arange(cfg.seq_len), cfg.head_dim, cfg.rope_theta)
     saved, weights = {}, {p.untyped_storage().data_ptr() for p in m.parameters()}
 
     def pack(t):
@@ -103,7 +106,7 @@ def stored_hidden_states(cfg, policy):
 
 @pytest.mark.parametrize("n_layer", [1, 4, 5, 10, 16])
 def test_sqrt_stores_only_segment_boundaries(n_layer):
-    cfg = M.ModelConfig(**{**CFG.__dict__, "n_layer": n_layer})
+    cfg = model.ModelConfig(**{**CFG.__dict__, "n_layer": n_layer})
     c = math.ceil(math.sqrt(n_layer))
     assert stored_hidden_states(cfg, "sqrt") == math.ceil(n_layer / c)
     assert stored_hidden_states(cfg, "full") == n_layer
@@ -177,12 +180,12 @@ def test_recomputed_flops_match_recomputed_layers(policy):
     """The forward work that backward repeats, counted op by op, equals recomputed_layers x one layer's forward
     FLOPs (the HFU term): each checkpointed layer's 7 matmuls and attention, less each segment's final
     down_proj (torch stops recomputing once backward has what it needs). Selective repeats no matmul."""
-    cfg = M.ModelConfig(**{**CFG.__dict__, "n_layer": 5})
+    cfg = model.ModelConfig(**{**CFG.__dict__, "n_layer": 5})
     batch = 2
     base, got = backward_counts(cfg, "none", batch), backward_counts(cfg, policy, batch)
     layers = ckpt.recomputed_layers(cfg, policy)
     tokens = batch * cfg.seq_len
-    layer_flops = M.flops_per_token(cfg, recomputed_layers=1) - M.flops_per_token(cfg)
+    layer_flops = model.flops_per_token(cfg, recomputed_layers=1) - model.flops_per_token(cfg)
     executed = (got.mm_flops - base.mm_flops) + got.attention_flops
     assert executed == pytest.approx(layers * layer_flops * tokens, rel=0.01)  # norm weights: not matmuls
     checkpointed, segments = {"full": (5, 5), "every:2": (3, 3), "sqrt": (5, 2), "segment:3": (5, 2),
@@ -193,7 +196,7 @@ def test_recomputed_flops_match_recomputed_layers(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_recompute_reproduces_dropout(policy):
-    cfg = M.ModelConfig(**{**CFG.__dict__, "dropout": 0.3})
+    cfg = model.ModelConfig(**{**CFG.__dict__, "dropout": 0.3})
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     grads = {}
     for p in ("none", policy):
@@ -211,7 +214,7 @@ def test_peak_memory_falls_from_none_through_sqrt_to_full():
     read = heap_reader(torch.device("cpu"))
     if read is None:
         pytest.skip("needs glibc's mallinfo2 to count allocated bytes")
-    cfg = M.ModelConfig(**{**CFG.__dict__, "n_layer": 9, "d_model": 128, "seq_len": 128})
+    cfg = model.ModelConfig(**{**CFG.__dict__, "n_layer": 9, "d_model": 128, "seq_len": 128})
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     peak = {p: measure_memory(cfg, p, ids[:, :-1], ids[:, 1:], torch.device("cpu"), read)[2]
             for p in ("none", "sqrt", "full")}

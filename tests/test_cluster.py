@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import train
 from bench import cluster
 from bench.cluster import torchrun
 from bench.cluster_net import Net, can_admin_net, namespaces, sh
+from metrics import read_metrics
 from tests.layouts import BASE
 
 needs_net_admin = pytest.mark.skipif(not can_admin_net(), reason="needs root (CAP_NET_ADMIN) for network namespaces")
@@ -26,7 +26,7 @@ STEPS = ["--steps", "3", "--peak-tflops", "1"]
 
 
 def losses(path):
-    return [row["loss"] for row in train.read_metrics(path)[0]]
+    return [row["loss"] for row in read_metrics(path)[0]]
 
 
 @pytest.mark.parametrize("flags", [["--gbit", "-1"], ["--rounds", "0"], ["--timeout", "-5"], ["--steps", "0"]])

@@ -5,15 +5,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as M
+import model
 from parallel import tp
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from tests.ranks import run_ranks
 
 FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
-GQA = M.ModelConfig(n_layer=2, d_model=128, n_head=8, n_kv_head=2, ffn_dim=256, vocab_size=50257, seq_len=256)
+GQA = model.ModelConfig(n_layer=2, d_model=128, n_head=8, n_kv_head=2, ffn_dim=256, vocab_size=50257, seq_len=256)
 
 
 class Recorder(TorchDispatchMode):
@@ -46,13 +47,13 @@ def forward_backward(gpt, dtype, batch=2):
 
 
 def test_one_process_attention_takes_the_kv_heads_as_they_are():
-    rec, _ = forward_backward(M.init_weights(M.GPT(GQA), 0, "cpu"), torch.float32)
+    rec, _ = forward_backward(init_weights(model.GPT(GQA), 0, "cpu"), torch.float32)
     assert rec.kv_heads and set(rec.kv_heads) == {(GQA.n_kv_head, GQA.n_kv_head)}, rec.kv_heads
     assert rec.repeats == 0
 
 
 def test_one_process_bf16_step_has_no_fp32_logits():
-    rec, tokens = forward_backward(M.init_weights(M.GPT(GQA), 0, "cpu"), torch.bfloat16)
+    rec, tokens = forward_backward(init_weights(model.GPT(GQA), 0, "cpu"), torch.bfloat16)
     logits_elements = tokens * GQA.padded_vocab
     assert rec.largest_fp32 * 4 < logits_elements * 2, (rec.largest_fp32, logits_elements)  # bytes: < the bf16 logits
 
@@ -60,9 +61,9 @@ def test_one_process_bf16_step_has_no_fp32_logits():
 def _tp_rank(rank, world):
     mesh = Mesh(rank, world, tp=world)
     with torch.device("meta"):
-        gpt = M.GPT(GQA)
+        gpt = model.GPT(GQA)
     tp.parallelize(gpt, mesh)
-    M.init_weights(gpt, 0, "cpu")
+    init_weights(gpt, 0, "cpu")
     heads, _ = forward_backward(gpt, torch.float32)
     sizes, tokens = forward_backward(gpt, torch.bfloat16)
     return heads.kv_heads, heads.repeats, sizes.largest_fp32, tokens * GQA.padded_vocab // world

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as M
+import model
 import train
 from parallel import cp as CP
 from parallel import ddp
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr, train_losses
@@ -92,9 +93,9 @@ def test_zigzag_balances_causal_attention_flops(attention_runs):
 
 def _comm_rank(rank, world, mode, n_layer):
     """Bytes each mode sends in one forward, then in backward, of a tiny model's cp-local tokens."""
-    cfg = M.ModelConfig(n_layer=n_layer, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
+    cfg = model.ModelConfig(n_layer=n_layer, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
     mesh = Mesh(rank, world, dp=1, cp=world)
-    gpt = M.init_weights(CP.parallelize(M.GPT(cfg), mesh, mode), seed=0, device="cpu")
+    gpt = init_weights(CP.parallelize(model.GPT(cfg), mesh, mode), seed=0, device="cpu")
     x = torch.randint(0, 64, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     [(x_local, y_local)], positions = CP.shard_batches([(x, x)], mesh)
     loss = gpt(x_local, y_local, positions)
@@ -133,16 +134,16 @@ def test_other_modes_send_the_docstring_bytes(mode):
 
 def _grad_rank(rank, world):
     """Step-1 gradients of a cp run, after DDP's sync over dp x cp, against one process on the whole sequence."""
-    cfg = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
+    cfg = model.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=2, ffn_dim=128, vocab_size=64, seq_len=32)
     x = torch.randint(0, 64, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = x[:, :-1], x[:, 1:]
-    whole = M.init_weights(M.GPT(cfg), seed=0, device="cpu")
+    whole = init_weights(model.GPT(cfg), seed=0, device="cpu")
     whole(x, y).backward()
     expected = {name: p.grad for name, p in whole.named_parameters()}
     mesh = Mesh(rank, world, dp=1, cp=world)
     errors = {}
     for mode in CP.MODES:
-        gpt = M.init_weights(CP.parallelize(M.GPT(cfg), mesh, mode), seed=0, device="cpu")
+        gpt = init_weights(CP.parallelize(model.GPT(cfg), mesh, mode), seed=0, device="cpu")
         wrapper = DDP(torch.nn.ModuleList([gpt]), mesh)
         [(x_local, y_local)], positions = CP.shard_batches([(x, y)], mesh)
         gpt(x_local, y_local, positions).backward()

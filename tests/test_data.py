@@ -1,4 +1,5 @@
 """Data pipeline: tokenizer, shard files, prepare (offline and from a local HTTP server), loader."""
+import ast
 import functools
 import http.server
 import json
@@ -115,8 +116,8 @@ def test_prepare_pystdlib(tmp_path):
     assert (train == 256).sum() == len(train_texts) and train[-1] == 256
     # each shard's largest id is recorded (the loader trusts it instead of scanning), and the overall one
     assert meta["max_token_id"] == 256 and data_loader.read_meta(out) == meta
-    assert meta["shards"] == {p.name: {"bytes": p.stat().st_size, "max_token_id": int(read_shard(p).max())}
-                              for p in out.glob("*.bin")}
+    assert meta["shards"] == {p.name: {"bytes": p.stat().st_size, "fingerprint": data_loader.fingerprint(p),
+                                       "max_token_id": int(read_shard(p).max())} for p in out.glob("*.bin")}
 
 
 def test_python_files_of_the_real_stdlib_leave_out_tests():
@@ -127,12 +128,19 @@ def test_python_files_of_the_real_stdlib_leave_out_tests():
                                         for part in p.parts)]
 
 
-def test_prepare_command_line_help_runs_both_ways():
-    for cmd in (["data/prepare.py"], ["-m", "data.prepare"]):
-        out = subprocess.run([sys.executable, *cmd, "--help"], cwd=REPO, capture_output=True,
-                             text=True, timeout=60, check=False)
-        assert out.returncode == 0, out.stderr
-        assert "pystdlib" in out.stdout and "--shards" in out.stdout
+def test_prepare_runs_as_a_module_and_data_imports_no_save_module():
+    """`python -m data.prepare`, with no edit of sys.path; the arrow between the packages points one way: saves/
+    (export, sampling) read data/'s tokenizers, data/ imports nothing of saves/."""
+    out = subprocess.run([sys.executable, "-m", "data.prepare", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "pystdlib" in out.stdout and "--shards" in out.stdout
+    for path in sorted((REPO / "data").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [m for m in names if m.split(".")[0] == "saves"], path.name
+        assert "sys.path" not in path.read_text(), path.name
 
 
 # ---- prepare: downloads from a local HTTP server -----------------------------------------
@@ -187,8 +195,8 @@ def test_prepare_fineweb_downloads_validates_and_skips(server, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         "fineweb_train_000001.bin", "fineweb_val_000000.bin", "meta.json"]
     meta = json.loads((out / "meta.json").read_text())
-    kept = {n: {"bytes": 1024 + 2 * len(shards[n]), "max_token_id": int(shards[n].max())}
-            for n in ("fineweb_val_000000.bin", "fineweb_train_000001.bin")}
+    kept = {n: {"bytes": 1024 + 2 * len(shards[n]), "fingerprint": data_loader.fingerprint(root / n),
+                "max_token_id": int(shards[n].max())} for n in ("fineweb_val_000000.bin", "fineweb_train_000001.bin")}
     assert meta == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256, "train_tokens": 5000,
                     "val_tokens": 3000, "max_token_id": max(r["max_token_id"] for r in kept.values()), "shards": kept}
     name = "fineweb_train_000001.bin"
@@ -246,7 +254,7 @@ def test_prepare_refuses_bad_flags_before_creating_anything(tmp_path, monkeypatc
         assert e.value.code == 2, argv
         assert_one_line(capsys.readouterr().err, *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "locked"] and not any(locked.iterdir())
-    out = subprocess.run([sys.executable, "data/prepare.py", "fineweb10b", "--shards", "0", "--out",
+    out = subprocess.run([sys.executable, "-m", "data.prepare", "fineweb10b", "--shards", "0", "--out",
                           str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and out.stdout == "" and not (tmp_path / "cli").exists(), out  # was: 1, created
     assert_one_line(out.stderr, "--shards")
@@ -346,7 +354,7 @@ def test_prefetch_thread_errors_reach_the_caller(data_dir, monkeypatch):
 def test_loader_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--global-batch 6"):
         make(data_dir, global_batch=6, dp_size=4)
-    with pytest.raises(DataError, match="missing_set not found; run python data/prepare.py"):
+    with pytest.raises(DataError, match="missing_set not found; run python -m data.prepare"):
         make(tmp_path / "missing_set")
     with pytest.raises(DataError, match="seq_len\\+1 = 1001"):
         make(data_dir, seq_len=1000)
@@ -367,9 +375,8 @@ def test_loader_refuses_ids_outside_the_vocabulary(data_dir):
     (data_dir / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100_400}))
     assert make(data_dir, prefetch=False).max_token_id == 100_399  # fits: the largest train id is 100_399
     # a recorded maximum is not trusted: what the loader reads is what it checks
-    path = data_dir / "toy_train_000000.bin"
-    record = {"bytes": path.stat().st_size, "max_token_id": 999_999}
-    (data_dir / "meta.json").write_text(json.dumps({**meta, "shards": {path.name: record}}))
+    records = {p.name: {"bytes": p.stat().st_size, "max_token_id": 999_999} for p in data_dir.glob("*.bin")}
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "shards": records}))
     assert make(data_dir, prefetch=False).max_token_id == 100_399
 
 

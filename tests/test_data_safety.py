@@ -192,7 +192,7 @@ def test_a_fifo_in_the_corpus_is_skipped_and_named_one_refused(tmp_path):
     (corpus / "a.txt").write_text("some text\n")
     os.mkfifo(corpus / "pipe.txt")
     for argv, code, needle in [([corpus], 0, "1 FIFO"), ([corpus / "pipe.txt"], 2, "pipe.txt: not a regular file")]:
-        out = subprocess.run([sys.executable, "data/prepare.py", "text", *map(str, argv), "--out",
+        out = subprocess.run([sys.executable, "-m", "data.prepare", "text", *map(str, argv), "--out",
                               str(tmp_path / f"out{code}")], cwd=REPO, capture_output=True, text=True, timeout=60,
                              check=False)
         err = stderr_lines(out.stderr)

@@ -5,14 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-import model as M
+import model
 import train
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import exit_and_stderr
 from tests.ranks import run_ranks
 
-CFG = M.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
+CFG = model.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 
 
 def _backward_orders(rank, world, bucket_mb):
@@ -24,8 +25,8 @@ def _backward_order(rank, world, overlap, bucket_mb):
     (the embedding's, the first layer's) was produced, i.e. while backward was still running."""
     mesh = Mesh(rank, world)
     with torch.device("meta"):
-        gpt = M.GPT(CFG)
-    M.init_weights(gpt, seed=0, device="cpu")
+        gpt = model.GPT(CFG)
+    init_weights(gpt, seed=0, device="cpu")
     ddp = DDP(nn.ModuleList([gpt]), mesh, bucket_mb=bucket_mb, overlap=overlap)
     seen_at_last_grad = []
     gpt.embed_tokens.weight.register_hook(lambda g: seen_at_last_grad.append(len(mesh.stats.log)))

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import config
-import model as M
+import launch
+import model
 import optim
 import train
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
+from metrics import read_metrics
 from tests.layouts import BASE, assert_same_losses
 from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
@@ -24,8 +26,8 @@ from tests.wrapper_state import full_grads
 def _first_step_and_losses(rank, world, flags, out_dir):
     argv = BASE + ["--out", out_dir, "--metrics", f"{out_dir}/metrics.jsonl"] + flags
     args = config.resolve(argv)
-    mesh = train.start_distributed(args)
-    dp, n_micro = mesh.dp, args.micro_batches
+    mesh = launch.start_distributed(args)
+    dp, n_micro = mesh.dp, args.accum_steps
     folder = prepared_folder(args.data, rank, world)
     cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp,
@@ -45,7 +47,7 @@ def _first_step_and_losses(rank, world, flags, out_dir):
         rows=(loader.rows.start, loader.rows.stop), micro_batches=n_micro,
         calls=calls, bytes=sent, all_gathers=all_gathers,
         launched_in_backward=launched_in_backward, n_buckets=len(getattr(wrapper, "buckets", [])),
-        params=M.param_counts(cfg)[0], dp=dp, shard=mesh.shard_group.size, n_layer=cfg.n_layer,
+        params=model.param_counts(cfg)[0], dp=dp, shard=mesh.shard_group.size, n_layer=cfg.n_layer,
         edge_params=2 * cfg.padded_vocab * cfg.d_model + cfg.d_model)  # fsdp: embedding, norm + head
     result["losses"] = train.main(argv)
     return result
@@ -121,7 +123,7 @@ def test_dp_layout_matches_one_process(name, reference, tmp_path):
         assert r0["all_gathers"] == {"forward": A * units, "backward": A * r0["n_layer"]}
         assert r0["calls"]["reduce_scatter"] == (1 if "unsharded" in flags else A) * units
         assert r0["calls"]["all_gather"] == A * (units + r0["n_layer"])
-    first_row = train.read_metrics(Path(tmp_path) / "metrics.jsonl")[0][0]
+    first_row = read_metrics(Path(tmp_path) / "metrics.jsonl")[0][0]
     assert first_row["comm_gb"] * 1e9 == pytest.approx(sum(want.values()), rel=0.01)
 
     # L9 / L16: the Chrome trace holds the collectives of the profiled steps

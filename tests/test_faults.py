@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
-import model as M
-import saves.files
+import data.files
+import model
 import saves.load
 import saves.restarts
 import saves.write
 import train
+from metrics import read_metrics
 from tests.layouts import BASE, train_losses
 from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet
 from tests.test_save_integrity import exit_of, one_error_line
 
-CROSS_ENTROPY = M.cross_entropy_loss
+CROSS_ENTROPY = model.cross_entropy_loss
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--peak-tflops", "1", "--steps", "8", "--save-every", "2", "--resume", "auto"]
@@ -49,7 +50,7 @@ def workers(agent_pid):
 
 
 def steps_logged(metrics):
-    return [row["step"] for row in train.read_metrics(metrics)[0]] if metrics.exists() else []
+    return [row["step"] for row in read_metrics(metrics)[0]] if metrics.exists() else []
 
 
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
@@ -72,7 +73,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     # the record is written at saves (every 2 steps here), not every step: the killed attempt reached its last save
     assert attempts[0]["reached"] >= 2 and attempts[1]["resumed_from"] >= 2, attempts  # resumed, not restarted
     losses = {}
-    for row in train.read_metrics(metrics)[0]:
+    for row in read_metrics(metrics)[0]:
         losses.setdefault(row["step"], []).append(row["loss"])
     assert sorted(losses) == list(range(1, 9))
     assert all(len(set(again)) == 1 for again in losses.values()), losses  # recomputed steps: bitwise the same
@@ -92,7 +93,7 @@ def failing_loss(monkeypatch, at_call, error=None):
                 raise error
             return loss * float("nan")
         return loss
-    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)  # GPT() takes it as its loss_fn
+    monkeypatch.setattr(model, "cross_entropy_loss", loss_fn)  # GPT() takes it as its loss_fn
     return calls
 
 
@@ -139,8 +140,9 @@ def test_the_attempt_record_is_written_when_something_changes_not_every_step(tmp
                                                                                                         **k)))
     quiet(train.main, ARGS + ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "12", "--save-every", "6"])
     assert len(written) == 4, written
-    assert json.loads((tmp_path / "attempts.json").read_text()) == [
-        {"attempt": 1, "resumed_from": 0, "reached": 12, "status": "done"}]
+    (record,) = json.loads((tmp_path / "attempts.json").read_text())
+    assert record == {"attempt": 1, "resumed_from": 0, "reached": 12, "status": "done", "run": record["run"]}
+    assert len(record["run"]) == 16  # the run's identity: how the same run knows its folder again
 
 
 def test_faults_module_marks_a_finished_attempt_done(tmp_path):
@@ -174,7 +176,7 @@ class FullFile:
 
 
 def full_disk_open(step, name):
-    """An open() for saves.write (the rank files) or saves.files (index files, meta.json) that fails writes to files
+    """An open() for saves.write (the rank files) or data.files (index files, meta.json) that fails writes to files
     named `name` in the temp folder of step's save."""
     def full_open(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)
@@ -214,7 +216,7 @@ def test_a_full_disk_during_a_save_is_exit_3_keeping_the_previous_save(tmp_path,
 
 def _full_disk_rank(rank, world, run, flags, failing_rank, module, name):
     if rank == failing_rank:
-        getattr(saves, module).open = full_disk_open(4, name)
+        {"write": saves.write, "files": data.files}[module].open = full_disk_open(4, name)
     return exit_of(train.main, ARGS + ["--dp-mode", "fsdp", "--out", run, "--steps", "4", "--save-every", "2",
                                        "--keep", "1"] + flags)
 

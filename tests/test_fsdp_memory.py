@@ -12,14 +12,15 @@ import warnings
 import torch
 from torch import nn
 
-import model as M
+import model
 from parallel.fsdp import FSDP
+from parallel.materialize import local_init
 from parallel.mesh import Mesh
 from tests.memory import LiveBytes
 from tests.ranks import run_ranks
 
 # the gradients dominate: a wide model on few tokens (2 rows of 8)
-CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=256, vocab_size=256, seq_len=8)
+CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=256, vocab_size=256, seq_len=8)
 
 
 def live_tensor_bytes():
@@ -47,15 +48,15 @@ def step_peak(fsdp, rank, micro_batches):
 
 def _peaks(rank, world):
     with torch.device("meta"):
-        gpt = M.GPT(CFG)
+        gpt = model.GPT(CFG)
     fsdp = FSDP(nn.ModuleList([gpt]), Mesh(rank, world), Mesh(rank, world).dp_cp_group,
-                lambda name, p, flat=None, out=None: M.local_init(name, p, CFG, 0, flat, out), "cpu")
+                lambda name, p, flat=None, out=None: local_init(name, p, CFG, 0, flat, out), "cpu")
     step_peak(fsdp, rank, 1)  # warm-up: caches (RoPE) made once
     return {a: step_peak(fsdp, rank, a) for a in (1, 4)}
 
 
 def test_accumulating_four_micro_batches_adds_at_most_p_bytes():
-    P = sum(p.numel() for p in M.GPT(CFG).parameters())
+    P = sum(p.numel() for p in model.GPT(CFG).parameters())
     for peaks in run_ranks(_peaks, 2, timeout=120):
         print(f"\nFSDP M=2, P={P} ({4 * P} B fp32): peak of a step, A=1 {peaks[1]} B, A=4 {peaks[4]} B, "
               f"+{peaks[4] - peaks[1]} B")

@@ -4,7 +4,11 @@ sharded), and tied (bf16, 300, sharded) in one process and ddp 2; export -> --in
 identical; a config.json this run disagrees with, a malformed config.json, index or safetensors header is one line
 and exit 2, naming the field."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +17,14 @@ import torch.distributed as dist
 import transformers
 
 import config
+import launch
 import train
 from saves import export
 from saves.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
 from tests.ranks import run_ranks
 
+REPO = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=5000.0)  # theta and eps: not the preset's
 FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--seq-len", "64", "--global-batch", "4",
@@ -63,7 +69,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
     cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
-    mesh = train.start_distributed(run)
+    mesh = launch.start_distributed(run)
     chunks, wrapper = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
     with torch.no_grad():
@@ -243,3 +249,24 @@ def test_a_malformed_checkpoint_is_one_line_and_exit_2_naming_the_field(checkpoi
     shutil.copy(single / "model.safetensors", both)
     assert "holds both model.safetensors and model.safetensors.index.json" in refused(base + [str(both)], capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors"])
+def test_a_fifo_in_the_checkpoint_is_one_line_not_a_hang(checkpoints, tmp_path, name):
+    """Was: --init-from waited forever on a FIFO where config.json (or a file it reads) should be. A child process
+    with a timeout, so that a hang fails the test instead of the suite."""
+    folder = tmp_path / "hf"
+    shutil.copytree(checkpoints["bf16-300-sharded"][0], folder)
+    names = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    name = names[0] if name.startswith("model-") else name
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    argv = FLAGS + ["--steps", "1", "--vocab-size", "300", "--out", str(tmp_path / "out"), "--init-from", str(folder)]
+    try:
+        out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"--init-from waited on a FIFO where {name} should be")
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    assert lines[0] == f"error: --init-from: cannot read {folder / name}: a FIFO, not a regular file", lines
+    assert not (tmp_path / "out").exists()

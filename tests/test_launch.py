@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-import train
 from bench import exits
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.ranks import free_port
 
@@ -36,7 +36,7 @@ exit $status
 
 
 def read_losses(path):
-    return [row["loss"] for row in train.read_metrics(path)[0]]  # the step rows; the run's summary row is not one
+    return [row["loss"] for row in read_metrics(path)[0]]  # the step rows; the run's summary row is not one
 
 
 def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):

@@ -6,17 +6,18 @@ import torch
 from torch import nn
 
 import fp8
-import model as M
+import model
 from parallel import fsdp, pp_bw_split, tp, tp_ring
+from parallel.materialize import local_init
 from parallel.mesh import Mesh
 
-CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=257, seq_len=32)
+CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=257, seq_len=32)
 
 
 def meta_gpt(tp_size=1, sp=False):
     """A meta-device GPT, tp-parallelized over a mesh that only describes its groups (no process group)."""
     with torch.device("meta"):
-        gpt = M.GPT(CFG)
+        gpt = model.GPT(CFG)
     if tp_size > 1:
         tp.parallelize(gpt, Mesh(0, tp_size, tp=tp_size), sequence_parallel=sp)
     return gpt
@@ -70,7 +71,7 @@ def test_the_ring_layer_switches_only_sequence_parallel_modules():
 def test_fp8_all_gather_sets_the_units_gather_hook_and_nothing_else():
     mesh = Mesh()
     wrapper = fsdp.wrap(nn.ModuleList([meta_gpt()]), mesh, torch.device("cpu"),
-                        lambda name, meta, flat=None, out=None: M.local_init(name, meta, CFG, 0, flat, out),
+                        lambda name, meta, flat=None, out=None: local_init(name, meta, CFG, 0, flat, out),
                         compute_dtype=torch.bfloat16)
     before = [dict(vars(u)) for u in wrapper.units]
     fp8.gather_in_fp8(wrapper, mesh.tp_group)

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import model as M
+import model
 import model_config
+from parallel.materialize import init_weights, local_init
+from parallel.tp import VocabParallelCrossEntropy
 from saves.export import export_hf
 
 try:  # transformers is a test requirement; the tests that need it skip without it
@@ -17,13 +19,13 @@ try:  # transformers is a test requirement; the tests that need it skip without 
 except ImportError:
     ROPE_INIT_FUNCTIONS = None
 
-CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=100, seq_len=32)
+CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=100, seq_len=32)
 
 
 def make(cfg=CFG, seed=0):
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
-    return M.init_weights(gpt, seed, "cpu")
+        gpt = model.GPT(cfg)
+    return init_weights(gpt, seed, "cpu")
 
 
 def test_shapes_and_padded_vocab():
@@ -45,8 +47,8 @@ def test_causal_a_later_token_never_changes_earlier_logits():
 
 def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
     gqa = make()
-    mha_cfg = M.ModelConfig(**{**CFG.__dict__, "n_kv_head": CFG.n_head})
-    mha = M.GPT(mha_cfg)
+    mha_cfg = model.ModelConfig(**{**CFG.__dict__, "n_kv_head": CFG.n_head})
+    mha = model.GPT(mha_cfg)
     state = gqa.state_dict()
     hd, repeat = CFG.head_dim, CFG.n_head // CFG.n_kv_head
     for k in list(state):
@@ -62,13 +64,13 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
 def test_llama3_presets_have_the_published_parameter_counts():
     published = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9}
     for name, n in published.items():
-        total, _ = M.param_counts(M.PRESETS[name])
+        total, _ = model.param_counts(model.PRESETS[name])
         assert abs(total - n) / n < 0.002, (name, total)
 
 
 def test_param_counts_match_the_module():
     gpt = make()
-    total, non_embedding = M.param_counts(CFG)
+    total, non_embedding = model.param_counts(CFG)
     assert total == sum(p.numel() for p in gpt.parameters())
     assert total - non_embedding == gpt.embed_tokens.weight.numel()
 
@@ -82,7 +84,7 @@ def test_init_depends_on_seed_and_name_only_and_slices_reproduce_the_full_tensor
     meta = torch.empty(w.shape[0], w.shape[1] // 2, device="meta")
     for rank in range(2):
         meta.tp_shard = (1, rank, 2)
-        torch.testing.assert_close(M.local_init("layers.1.mlp.down_proj.weight", meta, CFG, 3), w.chunk(2, 1)[rank])
+        torch.testing.assert_close(local_init("layers.1.mlp.down_proj.weight", meta, CFG, 3), w.chunk(2, 1)[rank])
 
 
 def test_flops_per_token_matches_torch_flop_counter():
@@ -95,14 +97,14 @@ def test_flops_per_token_matches_torch_flop_counter():
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         gpt(x, x).backward()
     norm_params = (2 * CFG.n_layer + 1) * CFG.d_model
-    expected = (M.flops_per_token(CFG, T) - 6 * norm_params) * B * T
+    expected = (model.flops_per_token(CFG, T) - 6 * norm_params) * B * T
     assert counter.get_total_flops() == expected
 
 
 def test_hfu_adds_one_forward_per_recomputed_layer():
-    base = M.flops_per_token(CFG)
-    full = M.flops_per_token(CFG, recomputed_layers=CFG.n_layer)
-    layer_params = (M.param_counts(CFG)[1] - CFG.d_model - CFG.padded_vocab * CFG.d_model) / CFG.n_layer
+    base = model.flops_per_token(CFG)
+    full = model.flops_per_token(CFG, recomputed_layers=CFG.n_layer)
+    layer_params = (model.param_counts(CFG)[1] - CFG.d_model - CFG.padded_vocab * CFG.d_model) / CFG.n_layer
     assert full - base == CFG.n_layer * (2 * layer_params + 4 * CFG.d_model * CFG.seq_len)
 
 
@@ -115,7 +117,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, fields):
     """The true vocabulary's logits (100 of the 128 rows); tied and scaled, config.json says so."""
     transformers = pytest.importorskip("transformers")
-    cfg = M.ModelConfig(**{**CFG.__dict__, **fields})
+    cfg = model.ModelConfig(**{**CFG.__dict__, **fields})
     gpt = make(cfg)
     export_hf(cfg, dict(gpt.named_parameters()), tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -135,10 +137,10 @@ def test_llama3_rope_frequencies_equal_transformers():
                                           max_position_embeddings=2 * scaling["original_max_position_embeddings"],
                                           rope_scaling=dict(scaling))
         expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-        ours = M.rope_frequencies(head_dim, theta, scaling)
+        ours = model.rope_frequencies(head_dim, theta, scaling)
         torch.testing.assert_close(ours, expected, rtol=3e-7, atol=0)
         assert attention_factor == 1.0
-        plain = M.rope_frequencies(head_dim, theta)
+        plain = model.rope_frequencies(head_dim, theta)
         assert (ours < plain * 0.99).sum() >= head_dim // 4 and ours[0] > plain[0] / scaling["factor"]
 
 
@@ -148,7 +150,7 @@ def test_padded_vocabulary_columns_take_no_part_in_the_loss():
     torch.manual_seed(0)
     logits = (3 * torch.randn(40, 128)).requires_grad_()
     targets = torch.randint(0, 100, (40,))
-    loss = M.CrossEntropy.apply(logits, targets, 0, None, 100)
+    loss = model.CrossEntropy.apply(logits, targets, 100)
     loss.backward()
     real = logits.detach()[:, :100].requires_grad_()
     expected = F.cross_entropy(real, targets)
@@ -156,8 +158,8 @@ def test_padded_vocabulary_columns_take_no_part_in_the_loss():
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(logits.grad[:, :100], real.grad, rtol=1e-5, atol=1e-7)
     assert not logits.grad[:, 100:].any()
-    whole = M.CrossEntropy.apply(logits.detach(), targets)
-    assert M.CrossEntropy.apply(logits.detach(), targets, 0, None, 128) == whole
+    whole = model.CrossEntropy.apply(logits.detach(), targets)
+    assert model.CrossEntropy.apply(logits.detach(), targets, 128) == whole
     assert (whole - expected).abs() > 1e-3  # unmasked, the padding columns' logits would move the loss
     gpt = make()  # vocab_size 100: GPT's own loss is masked too
     x = torch.randint(0, 100, (2, 16))
@@ -172,26 +174,27 @@ def test_vocabulary_shards_mask_their_own_padding():
     logits, targets = 3 * torch.randn(40, 128), torch.randint(0, 100, (40,))
     stats = []  # per shard: (lse, target logit) over its own columns
     for start in range(0, 128, 16):
-        M.CrossEntropy.apply(logits[:, start:start + 16], targets, start,
-                             lambda lse, t: stats.append((lse, t)) or (lse, t), 100)
+        VocabParallelCrossEntropy.apply(logits[:, start:start + 16], targets, start,
+                                        lambda lse, t: stats.append((lse, t)) or (lse, t), 100)
     lse = torch.logsumexp(torch.stack([s[0] for s in stats]), dim=0)
     assert torch.isneginf(stats[7][0]).all() and not torch.isnan(lse).any()
     loss = (lse - sum(s[1] for s in stats)).mean()
     torch.testing.assert_close(loss, F.cross_entropy(logits[:, :100], targets), rtol=1e-6, atol=0)
     shard = logits[:, 96:112].clone().requires_grad_()  # backward with the global statistics: padding gets none
-    M.CrossEntropy.apply(shard, targets, 96, lambda lse, t: (torch.logsumexp(logits[:, :100], 1), t), 100).backward()
+    combine = lambda lse, t: (torch.logsumexp(logits[:, :100], 1), t)
+    VocabParallelCrossEntropy.apply(shard, targets, 96, combine, 100).backward()
     assert shard.grad[:, :4].abs().sum() > 0 and not shard.grad[:, 4:].any()
 
 
 def test_a_tied_head_is_the_embedding_one_parameter_through_init():
     """One Parameter after materializing on the meta device, listed once; its gradient is the sum of the head's and
     the embedding's (an untied model with the same weights)."""
-    tied_cfg = M.ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    tied_cfg = model.ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
     tied = make(tied_cfg)
     assert tied.lm_head.weight is tied.embed_tokens.weight
     assert "lm_head.weight" not in dict(tied.named_parameters())
-    assert M.param_counts(tied_cfg)[0] == sum(p.numel() for p in tied.parameters())
-    untied = M.GPT(CFG)
+    assert model.param_counts(tied_cfg)[0] == sum(p.numel() for p in tied.parameters())
+    untied = model.GPT(CFG)
     untied.load_state_dict({**tied.state_dict(), "lm_head.weight": tied.embed_tokens.weight.detach().clone()})
     x = torch.randint(0, 100, (2, 16))
     tied(x, x).backward()
@@ -211,21 +214,21 @@ def test_a_tied_head_is_the_embedding_one_parameter_through_init():
     (lambda d: d.update(layers=6), "model.layers is not a field")])
 def test_a_saved_model_config_must_be_complete_and_consistent(edit, message):
     saved = dict(CFG.__dict__)
-    assert M.config_from_dict(saved) == CFG
+    assert model.config_from_dict(saved) == CFG
     for name in model_config.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
         del saved[name]
-    assert M.config_from_dict(saved) == CFG
+    assert model.config_from_dict(saved) == CFG
     edit(saved)
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        M.config_from_dict(saved)
+        model.config_from_dict(saved)
 
 
 def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):
     """Every layer and micro-batch of a step reuses cos/sin; new positions or a new dtype make them again."""
     calls = []
-    angles = M.rope_angles
-    monkeypatch.setattr(M, "rope_angles", lambda *a: calls.append(1) or angles(*a))
-    gpt = M.init_weights(M.GPT(CFG), 0, "cpu")
+    angles = model.rope_angles
+    monkeypatch.setattr(model, "rope_angles", lambda *a: calls.append(1) or angles(*a))
+    gpt = init_weights(model.GPT(CFG), 0, "cpu")
     x = torch.randint(0, CFG.vocab_size, (2, 16))
     positions = torch.arange(16)
     gpt(x)
@@ -243,9 +246,9 @@ def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):
 def test_norm_and_swiglu_gradients_are_exact():
     x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: M.ScaledRMSNorm.apply(x, w, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w: model.ScaledRMSNorm.apply(x, w, 1e-5), (x, w))
     gate, up = torch.randn(2, 8, dtype=torch.float64, requires_grad=True), torch.randn(2, 8, dtype=torch.float64)
-    assert torch.autograd.gradcheck(M.SwiGLU.apply, (gate, up.requires_grad_()))
+    assert torch.autograd.gradcheck(model.SwiGLU.apply, (gate, up.requires_grad_()))
 
 
 def saved_bytes(fn, *inputs):
@@ -262,8 +265,8 @@ def saved_bytes(fn, *inputs):
 
 
 def test_a_bf16_norm_keeps_only_its_input_and_one_fp32_scale_per_row():
-    norm = M.RMSNorm(64, 1e-5).to(torch.bfloat16)
+    norm = model.RMSNorm(64, 1e-5).to(torch.bfloat16)
     x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     assert saved_bytes(lambda x, w: norm(x), x, norm.weight) == 8 * 4  # 1/rms per row; x itself, no copy
     gate, up = (torch.randn(8, 64, requires_grad=True) for _ in range(2))
-    assert saved_bytes(M.SwiGLU.apply, gate, up) == 0  # silu(gate) is recomputed in backward, not kept
+    assert saved_bytes(model.SwiGLU.apply, gate, up) == 0  # silu(gate) is recomputed in backward, not kept

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import config
+import launch
 import train
 from bench import plan as P
 from parallel.mesh import infer_dp
@@ -88,7 +89,7 @@ def parse(world, flags, micro, accum, rank=0):
     lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                    shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
                    V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,
-                   overlap=not args.no_overlap, accumulate=args.accumulate)
+                   overlap=args.overlap, accumulate=args.accumulate)
     return args, cfg, lay, args.global_batch
 
 
@@ -97,7 +98,7 @@ def parse(world, flags, micro, accum, rank=0):
 def measure(rank, world, flags, micro, accum):
     """{axis: bytes this rank sent in one step}, and its peak memory in bytes."""
     args, cfg, lay, batch = parse(world, flags, micro, accum, rank)
-    mesh = train.start_distributed(args)
+    mesh = launch.start_distributed(args)
     run = train.prepare(args, cfg, mesh)
     wrapper, opt = run.wrapper, run.opt
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))

@@ -12,15 +12,17 @@ import pytest
 import torch
 
 import config
-import model as M
+import model
 import train
 from bench import pp_draw
 from bench.plan_layout import in_flight
 from bench.pp_bubble import TimedPipeline
 from config import UsageError
+from metrics import read_metrics
 from parallel import pp
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr
 from tests.pp_deadlock import check_no_deadlock
@@ -100,10 +102,10 @@ def test_the_timeline_command_draws_every_stage_and_the_utilization(capsys):
 # ---------------------------------------------------------------- the split and its bad inputs
 
 def meta_gpt(n_layer=8, **kw):
-    cfg = M.ModelConfig(**{**dict(n_layer=n_layer, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=100,
+    cfg = model.ModelConfig(**{**dict(n_layer=n_layer, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=100,
                                   seq_len=32), **kw})
     with torch.device("meta"):
-        return M.GPT(cfg)
+        return model.GPT(cfg)
 
 
 def fake_mesh(P, rank, dp=1):
@@ -194,7 +196,7 @@ def _train_many(rank, world, runs, folder):
         metrics = f"{folder}/run{i}.jsonl"
         losses = train.main(a + ["--eval-every", "10", "--eval-batches", "1", "--metrics", metrics,
                                  "--out", f"{folder}/run{i}"])
-        out.append((losses, train.read_metrics(metrics)[0][-1]["val_loss"] if rank == 0 else None))
+        out.append((losses, read_metrics(metrics)[0][-1]["val_loss"] if rank == 0 else None))
     return out
 
 
@@ -272,15 +274,15 @@ def test_pipeline_composed_with_other_axes_matches_one_process(name, composed_lo
 
 # ---------------------------------------------------------------- the executor's records and failures
 
-TINY = M.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)
+TINY = model.ModelConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)
 
 
 def tiny_pipeline(mesh, schedule, n_micro, virtual=1):
     with torch.device("meta"):
-        full = M.GPT(TINY)
+        full = model.GPT(TINY)
     chunks = pp.split(full, mesh, n_micro, schedule, virtual)
     for chunk in chunks:
-        M.init_weights(chunk, 0, "cpu")
+        init_weights(chunk, 0, "cpu")
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50, (1, 16), generator=gen), torch.randint(0, 50, (1, 16), generator=gen))
                for _ in range(n_micro)]

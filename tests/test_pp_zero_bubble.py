@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-import model as M
+import model
 from bench import pp_draw
 from parallel import ckpt, pp, pp_bw_split
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import exit_and_stderr
 from tests.ranks import run_ranks
 from tests.test_pp import argv, fake_mesh, meta_gpt
 
-TINY8 = M.ModelConfig(n_layer=8, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)
+TINY8 = model.ModelConfig(n_layer=8, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)
 
 
 # ---------------------------------------------------------------- pure
@@ -92,13 +93,13 @@ def one_step(mesh, schedule, n_micro, policy="none"):
     """One step of an 8-layer tiny pipeline, DDP over dp: (this rank's gradients by global name, its Pipeline's
     peak activation sets, DDP buckets launched inside backward / buckets, block forward calls)."""
     with torch.device("meta"):
-        full = M.GPT(TINY8)
+        full = model.GPT(TINY8)
     chunks, calls = pp.split(full, mesh, n_micro, schedule), []
     for chunk in chunks:
         ckpt.apply(chunk, policy)
         if schedule in S.SPLIT_BACKWARD:
             pp_bw_split.apply(chunk)
-        M.init_weights(chunk, 0, "cpu")
+        init_weights(chunk, 0, "cpu")
         for block in chunk.layers.values():
             block.register_forward_pre_hook(lambda *_: calls.append(1))  # again when checkpointing recomputes
     wrapper = DDP(torch.nn.ModuleList(chunks), mesh)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import config
-import model as M
+import launch
+import model
 import train
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
@@ -28,7 +29,7 @@ STEPS = 3
 def _dtypes_and_losses(rank, world, flags):
     """({point: dtypes seen}, the global loss of each step) of a few bf16 steps of train.py's own step."""
     run = config.resolve(BF16 + flags)
-    mesh = train.start_distributed(run)
+    mesh = launch.start_distributed(run)
     folder = prepared_folder(run.data, rank, world)
     cfg = config.model_config(run, 257)
     trainer = train.prepare(run, cfg, mesh)
@@ -44,9 +45,9 @@ def _dtypes_and_losses(rank, world, flags):
         for name, module in chunk.named_modules():
             if name.endswith("embed_tokens"):
                 module.register_forward_hook(lambda m, i, o: seen.setdefault("embedding", set()).add(str(o.dtype)))
-            elif isinstance(module, M.Block):
+            elif isinstance(module, model.Block):
                 module.register_forward_hook(record("block"))
-            elif isinstance(module, M.RMSNorm):
+            elif isinstance(module, model.RMSNorm):
                 module.register_forward_hook(record("norm"))
     loader = TokenLoader(folder, "train", cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp,
                          prefetch=False)

@@ -3,6 +3,8 @@ trains, fresh or --resume, exits 2 (the lock dies with its holder, so a killed r
 --steps, a full disk at the start, Ctrl-C, and flags that would do nothing are one line each; a run that wrote no save
 restarts from step 0 under --resume; a longer --steps continues a finished run."""
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +15,10 @@ from pathlib import Path
 import pytest
 
 import saves.restarts
+import saves.run
 import saves.write
 import train
-from tests.test_checkpoint import ARGS, quiet
+from tests.test_checkpoint import ARGS, quiet, snapshot
 from tests.test_faults import full_disk_open
 from tests.test_save_integrity import exit_of, one_error_line
 
@@ -155,3 +158,186 @@ def test_an_async_save_on_a_full_disk_that_takes_the_attempt_record_too_is_one_l
     assert one_error_line(err) == (f"error: the save of step 4 failed (No space left on device) and was removed; the "
                                    f"last good save, {out / 'step_0000002'}, is intact")
     assert not list(out.glob(".tmp_*")) and [p.name for p in out.glob("step_*")] == ["step_0000002"]
+
+
+# ---------------------------------------------------------------- the run folder is the run's own
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run folder with one save (step 2): each test changes a copy."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    quiet(train.main, RUN + ["--steps", "2", "--out", str(out)])
+    return out
+
+
+@pytest.fixture
+def copied(saved_run, tmp_path):
+    shutil.copytree(saved_run, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".lock", "attempts.json"])
+def test_a_run_file_that_is_a_link_out_of_the_folder_is_refused(copied, tmp_path, name):
+    """Was: --resume appended its metrics to the file a metrics.jsonl link points at (exit 0); a .lock link's target
+    was truncated and overwritten; an attempts.json link's records were read as the run's."""
+    outside = tmp_path / "outside"
+    shutil.copy(copied / name, outside)  # something a run could read or append to without failing
+    before = outside.read_bytes()
+    (copied / name).unlink()
+    (copied / name).symlink_to(outside)
+    code, err = exit_of(train.main, RUN + ["--steps", "3", "--out", str(copied), "--resume"])
+    assert code == 2 and one_error_line(err) == (f"error: --out: {copied / name} is a link to {outside}, outside "
+                                                 f"{copied}: a run writes only its own files in its folder; remove "
+                                                 "it, or choose another --out"), err
+    assert outside.read_bytes() == before and (copied / name).is_symlink()
+
+
+@pytest.mark.parametrize("kind", ["folder", "FIFO"])
+def test_a_lock_that_is_a_folder_or_a_fifo_is_one_line(tmp_path, kind):
+    """Was: IsADirectoryError, and for a FIFO 'Illegal seek', tracebacks."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").mkdir() if kind == "folder" else os.mkfifo(out / ".lock")
+    what = "a folder" if kind == "folder" else "a FIFO"
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out)])
+    assert code == 2 and one_error_line(err) == (f"error: --out: {out / '.lock'} is {what}, not a regular file: a "
+                                                 "run writes only its own files in its folder; remove it, or choose "
+                                                 "another --out"), err
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize("inside", ["step_0000002/mine", "step_0000002", ".tmp_step_0000004_abcdef/mine"])
+def test_an_out_inside_another_runs_save_folder_is_refused(copied, inside):
+    """Was: trained, and was deleted with that save when its run next pruned its saves."""
+    out = copied / inside
+    before = files_in(copied)
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out)])
+    save = copied / inside.split("/")[0]
+    assert code == 2 and one_error_line(err) == (f"error: --out: {out} lies in {save}, a save's folder (or named like "
+                                                 f"one), which the run in {copied} deletes when it prunes its saves; "
+                                                 "choose an --out outside it"), err
+    assert files_in(copied) == before
+
+
+def files_in(folder):
+    """Every file under folder, with its size and mtime (a folder's own mtime aside: --out's write probe creates and
+    removes a file in the nearest folder that exists)."""
+    return {k: v for k, v in snapshot(folder).items() if not (folder / k).is_dir()}
+
+
+def test_deleting_the_lock_file_lets_no_second_writer_in(tmp_path):
+    """Was: the lock was an flock on OUT/.lock; once that file was deleted, a second run locked a new one and trained
+    into the same folder."""
+    out = tmp_path / "run"
+    first = start_slow_run(out)
+    try:
+        (out / ".lock").unlink(missing_ok=True)
+        code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out), "--resume"])
+        assert code == 2, err
+        assert one_error_line(err).startswith(f"error: --out: {out} is in use by a run still writing to it ("), err
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+
+
+def test_a_fresh_run_stopped_before_its_first_save_starts_again_under_the_same_command(tmp_path):
+    """Was: Ctrl-C a few seconds into a fresh run, then the same command: refused as another run's folder, though it
+    held only this run's attempts.json and no save. Another run's command is still refused."""
+    out = tmp_path / "run"
+    first = start_slow_run(out)
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=120) == 130
+    assert not any(out.glob("step_*")) and len(json.loads((out / "attempts.json").read_text())) == 1
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--lr", "1e-3", "--out", str(out)])
+    assert code == 2 and "holds saves of another run (attempts.json): pass --resume" in one_error_line(err), err
+    assert len(quiet(train.main, RUN + ["--steps", "2", "--out", str(out)])) == 2  # --steps aside, the same run
+    attempts = json.loads((out / "attempts.json").read_text())
+    assert [a["status"] for a in attempts] == [attempts[0]["status"], "done"]
+    assert attempts[0]["status"].startswith("interrupted after step") and attempts[0]["run"] == attempts[1]["run"]
+
+
+def test_holds_a_run_tells_this_runs_attempts_from_another_runs(tmp_path):
+    config = {"model": {"n_layer": 1}, "train": {"lr": 1.0, "steps": 5}}
+    assert not saves.run.holds_a_run(tmp_path / "missing", config)
+    assert not saves.run.holds_a_run(tmp_path, config)
+    records = [{"attempt": 1, "resumed_from": 0, "reached": 3, "status": "running",
+                "run": saves.run.run_identity({**config, "train": {"lr": 1.0, "steps": 9}})}]
+    (tmp_path / "attempts.json").write_text(json.dumps(records))
+    assert not saves.run.holds_a_run(tmp_path, config)  # this run's, another --steps
+    assert saves.run.holds_a_run(tmp_path)  # without a config: any attempts count (a default --out's choice)
+    assert saves.run.holds_a_run(tmp_path, {**config, "train": {"lr": 2.0, "steps": 5}})
+    (tmp_path / "attempts.json").write_text(json.dumps([{k: v for k, v in records[0].items() if k != "run"}]))
+    assert saves.run.holds_a_run(tmp_path, config)  # a record of before identities: another run's, as before
+    (tmp_path / "attempts.json").write_text(json.dumps(records))
+    (tmp_path / "step_0000002").mkdir()
+    assert saves.run.holds_a_run(tmp_path, config)
+
+
+def test_a_metrics_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
+    """--metrics naming a FIFO: open() would wait for a reader forever. train.py opens its metrics through
+    data.files.open_append, which refuses it; a child process with a timeout, so that a hang fails the test."""
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    try:
+        out = subprocess.run([sys.executable, "train.py", *RUN, "--steps", "1", "--out", str(tmp_path / "run"),
+                              "--metrics", str(fifo)], cwd=REPO, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("train.py waited on a FIFO given as --metrics")
+    assert out.returncode == 2, out.stderr
+    line = one_error_line(out.stderr)
+    assert "--metrics" in line and "FIFO" in line, line
+
+
+def test_links_in_a_run_folder_are_never_deleted_through(tmp_path):
+    """A leftover .tmp_step_* link and a linked save: resume's cleanup and pruning leave them, and what they lead
+    to, alone (prune used to rename a linked save to .del_*, and then fail to delete it)."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    for name in ("killed", "saved"):
+        (outside / name).mkdir(parents=True)
+        (outside / name / "complete").write_text("1\n")
+    run.mkdir()
+    (run / ".tmp_step_0000009_abcdef").symlink_to(outside / "killed")
+    (run / "step_0000001").symlink_to(outside / "saved")
+    for step in (2, 3):
+        (run / f"step_000000{step}").mkdir()
+        (run / f"step_000000{step}" / "complete").write_text(f"{step}\n")
+    saves.write.remove_incomplete(run)
+    saves.write.prune(run, keep=1)
+    assert sorted(p.name for p in run.iterdir()) == [".tmp_step_0000009_abcdef", "step_0000001", "step_0000003"]
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
+        "killed", "killed/complete", "saved", "saved/complete"]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--data", "--metrics"])
+def test_an_empty_path_flag_is_one_line(tmp_path, monkeypatch, flag):
+    """Was: --out '' trained into the current folder, --data '' on the default corpus, --metrics '' into the default
+    file, each silently. (--data's refusal is data/'s; --out's and --metrics' are config.py's to make.)"""
+    monkeypatch.chdir(tmp_path)
+    argv = RUN + ["--steps", "1"] + (["--out", str(tmp_path / "run")] if flag != "--out" else []) + [flag, ""]
+    code, err = exit_of(train.main, argv)
+    assert code == 2 and one_error_line(err).startswith(f"error: {flag}: "), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_whose_name_is_too_long_is_one_line(tmp_path):
+    """Was: OSError: [Errno 36] File name too long, a traceback (config.check_writable's exists(), then the run
+    folder's mkdir: saves.run names the flag)."""
+    out = tmp_path / ("x" * 300) / "run"
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out)])
+    assert code == 2 and one_error_line(err).startswith("error: --out: ") and "File name too long" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_auto_refuses_another_runs_attempts_without_a_save(tmp_path):
+    """A folder that holds no save but another run's attempts.json: --resume auto used to start at
+    step 0 there and append to that run's records."""
+    out = tmp_path / "run"
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out), "--resume", "auto"])
+    assert code == 0, err
+    for step in out.glob("step_*"):
+        shutil.rmtree(step)  # that run's saves gone, its attempts.json left
+    other = RUN + ["--steps", "1", "--lr", "1e-3", "--out", str(out), "--resume", "auto"]
+    code, err = exit_of(train.main, other)
+    assert code == 2 and "holds another run's attempts.json and no save" in one_error_line(err), err
+    code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out), "--resume", "auto"])
+    assert code == 0, err  # the same run takes its folder back

@@ -8,8 +8,11 @@ import json
 import pytest
 
 import config
+import machine
+import memory
 import train
 from bench import compare
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.test_save_integrity import exit_of, one_error_line
 
@@ -51,7 +54,7 @@ def test_every_run_ends_with_one_summary_line_that_compare_reads(in_tmp, capsys)
     run(FLAGS + ["--out", "b", "--ckpt", "full", "--eval-every", "3"])
     done = [line for line in printed.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and " val " in done[0] and "peak memory" in done[0] and done[0].endswith("in a"), printed
-    rows, summaries = train.read_metrics(in_tmp / "a" / "metrics.jsonl")
+    rows, summaries = read_metrics(in_tmp / "a" / "metrics.jsonl")
     assert len(rows) == 3 and len(summaries) == 1
     assert summaries[0]["loss"] == rows[-1]["loss"] and summaries[0]["val_loss"] == rows[-1]["val_loss"]
     assert summaries[0]["flags"]["steps"] == 3 and "out" not in summaries[0]["flags"]
@@ -68,7 +71,7 @@ def test_cpu_metrics_have_no_mfu_and_count_the_tensors(in_tmp):
     peaks = {}
     for policy in ("none", "full"):
         run(flags + ["--out", policy, "--ckpt", policy])
-        rows = train.read_metrics(in_tmp / policy / "metrics.jsonl")[0]
+        rows = read_metrics(in_tmp / policy / "metrics.jsonl")[0]
         assert all(r["mfu"] is None and r["hfu"] is None for r in rows)
         peaks[policy] = rows[-1]["mem_gb"]
     assert 0 < peaks["full"] < 0.5 * peaks["none"] < 0.5, peaks
@@ -86,16 +89,16 @@ def test_the_memory_check_counts_what_a_step_holds(in_tmp, extra):
     same run: never below it, and close (it refuses no run that fits by much)."""
     argv = FLAGS + ["--n-layer", "8", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "128", "--out", "r"]
     run(argv + extra)
-    measured = train.read_metrics(in_tmp / "r" / "metrics.jsonl")[0][-1]["mem_gb"] * 1e9
+    measured = read_metrics(in_tmp / "r" / "metrics.jsonl")[0][-1]["mem_gb"] * 1e9
     resolved = config.resolve(argv + extra)
-    estimate = sum(config.step_bytes(config.model_config(resolved, 257), resolved).values())
+    estimate = sum(memory.step_bytes(config.model_config(resolved, 257), resolved).values())
     assert measured <= estimate <= 1.25 * measured, (measured, estimate)
 
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(in_tmp, monkeypatch):
     """--model 1b on a 24 GB machine: 24 GB of model state alone passed the old check (against 25.3 GB), and the
     kernel killed the run 14 minutes later. A step's whole estimate, with a margin, refuses it at once."""
-    monkeypatch.setattr(config, "device_memory", lambda run: (24e9, "a 24 GB machine"))
+    monkeypatch.setattr(machine, "device_memory", lambda run: (24e9, "a 24 GB machine"))
     code, err = exit_of(train.main, ["--model", "1b", "--device", "cpu", "--out", "big", "--micro-batch", "1",
                                      "--global-batch", "8", "--seq-len", "512"])
     assert code == 2 and "a step needs about" in one_error_line(err) and "of a 24 GB machine" in err, err

@@ -8,23 +8,27 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-import model as M
+import model
 import sample
 import saves.export
 import saves.load
+import saves.run
 import saves.write
 import train
 from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet, run1, snapshot
 
-CROSS_ENTROPY = M.cross_entropy_loss
+CROSS_ENTROPY = model.cross_entropy_loss
 SAVE = "step_0000002"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,7 @@ def test_a_stop_names_a_last_good_save_that_verifies(tmp_path, monkeypatch, caps
             damage(tmp_path / "step_0000004" / "rank00000.bin", 100, os.urandom(16))
             return loss * float("nan")
         return loss
-    monkeypatch.setattr(M, "cross_entropy_loss", loss_fn)
+    monkeypatch.setattr(model, "cross_entropy_loss", loss_fn)
     code, err = exit_of(train.main, ARGS + ["--micro-batch", "8", "--out", str(tmp_path), "--steps", "6",
                                             "--save-every", "2", "--resume", "auto"])
     assert code == 3, err
@@ -235,23 +239,23 @@ def test_check_fresh_run_folder_refuses_another_runs_folder_and_writes_nothing(b
         (run / REFUSED[case]).mkdir(parents=True)
     before = snapshot(run)
     with pytest.raises(saves.SaveError) as error:
-        saves.write.check_fresh_run_folder(run)
+        saves.run.check_fresh_run_folder(run)
     assert str(error.value).startswith(f"{run} holds saves of another run (") and \
         str(error.value).endswith("): pass --resume, or choose another --out"), error.value
     assert "\n" not in str(error.value) and snapshot(run) == before
 
 
 def test_check_fresh_run_folder_accepts_a_new_empty_or_unrelated_folder(tmp_path):
-    assert saves.write.check_fresh_run_folder(tmp_path / "new") is None
+    assert saves.run.check_fresh_run_folder(tmp_path / "new") is None
     assert not (tmp_path / "new").exists()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / ".tmp_step_0000001_abcdef").mkdir()  # a killed save's leftover: nothing loadable
     before = snapshot(tmp_path)
-    assert saves.write.check_fresh_run_folder(tmp_path) is None
+    assert saves.run.check_fresh_run_folder(tmp_path) is None
     assert snapshot(tmp_path) == before
     (tmp_path / "file").write_text("")
     with pytest.raises(saves.SaveError, match="is not a folder: choose another --out"):
-        saves.write.check_fresh_run_folder(tmp_path / "file")
+        saves.run.check_fresh_run_folder(tmp_path / "file")
 
 
 def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, monkeypatch):
@@ -282,8 +286,84 @@ def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, m
     monkeypatch.setattr(saves.export, "atomic_write", filling)
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert saves.export.main([str(run / SAVE), str(out)]) == 2
+    assert saves.export.main([str(run / SAVE), str(out)]) == 3  # a failed write, as training's
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "No space left" in err and "\n" not in err, err
     left = [p.name for p in out.iterdir()] if out.exists() else []
     assert left == [], left  # no truncated model.safetensors, no config.json, no temporary file
+
+
+# ---------------------------------------------------------------- a save that contradicts itself
+
+def test_a_save_copied_over_another_steps_folder_is_refused(run):
+    """Was: step_0000002 copied whole over step_0000004 resumed silently at step 2, from the folder of step 4."""
+    shutil.copytree(run / SAVE, run / "step_0000004")
+    assert resume_fails(run) == f"error: --resume: {run / 'step_0000004' / 'meta.json'}: step is 2, but its folder " \
+                                "is step_0000004: the folder holds another step's save"
+
+
+def test_a_complete_marker_that_names_another_step_is_refused(run):
+    (run / SAVE / "complete").write_text("7\n")
+    assert resume_fails(run) == f"error: --resume: {run / SAVE / 'meta.json'}: step is 2, but " \
+                                f"{run / SAVE / 'complete'} says 7: the save contradicts itself"
+
+
+def swap_pieces(meta, a, b):
+    """Two same-sized pieces' offsets and CRC-32s swapped: each still names intact bytes, another piece's."""
+    pa, pb = meta["tensors"][a]["pieces"][0], meta["tensors"][b]["pieces"][0]
+    for key in ("offsets", "crc32"):
+        pa[key], pb[key] = pb[key], pa[key]
+
+
+def test_pieces_that_point_at_each_others_bytes_are_refused(run, tmp_path, capsys):
+    """Was: the CRC-32 covered the bytes alone, so two same-sized pieces' offsets and CRCs swapped in meta.json loaded
+    each piece's weights into the other. Each CRC now starts from what its piece is."""
+    a, b = "layers.0.input_layernorm.weight", "layers.1.input_layernorm.weight"
+    edit_meta(run, lambda meta: swap_pieces(meta, a, b))
+    data = run / SAVE / "rank00000.bin"
+    assert resume_fails(run) == f"error: --resume: {data} is corrupt: its bytes do not match their CRC-32 in meta.json"
+    with pytest.raises(saves.SaveError, match="is corrupt"):
+        saves.load.Saved(run / SAVE).validate().verify()
+    assert saves.write.last_good_save(run) is None
+    capsys.readouterr()
+    assert saves.export.main([str(run), str(tmp_path / "hf")]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {data} is corrupt: its bytes do not match their " \
+                                                      "CRC-32 in meta.json"
+
+
+ABSURD = {"a loss scale of -1e308": (lambda m: m["scaler"].update(scale=-1e308), "scaler.scale is -1e+308"),
+          "an infinite loss scale": (lambda m: m["scaler"].update(scale=float("inf")), "scaler.scale is inf"),
+          "a loss scale without fp16": (lambda m: m["scaler"].update(scale=2.0), "scaler.scale is 2.0"),
+          "an optimizer step of 10^30": (lambda m: m["optimizer"].update(step=10 ** 30),
+                                         f"optimizer.step {10 ** 30} or scaler.clean_steps 0 is past step 2"),
+          "clean steps past the step": (lambda m: m["scaler"].update(clean_steps=10 ** 30), "is past step 2"),
+          "a data position of another step": (lambda m: m.update(data_position=5), "data_position 5 is not step 2")}
+
+
+@pytest.mark.parametrize("case", list(ABSURD))
+def test_absurd_numbers_in_a_saves_metadata_are_one_line(run, case):
+    """Was: loaded, and trained on (a loss scale of -1e308 became -inf in the fp32 scaler)."""
+    edit, needle = ABSURD[case]
+    edit_meta(run, edit)
+    line = resume_fails(run)
+    assert line.startswith(f"error: --resume: {run / SAVE / 'meta.json'}: ") and needle in line, line
+
+
+def test_a_fifo_where_meta_json_should_be_is_one_line_not_a_hang(run, tmp_path):
+    """Was: --resume, sample.py and export waited forever on it. Child processes with a timeout, so that a hang fails
+    the test instead of the suite."""
+    meta = run / SAVE / "meta.json"
+    meta.unlink()
+    os.mkfifo(meta)
+    expected = f"error: --resume: cannot read {meta}: a FIFO, not a regular file"
+    commands = {"--resume": ["train.py", *ARGS, "--micro-batch", "8", "--steps", "3", "--out", str(run), "--resume"],
+                "sample": ["sample.py", "--run", str(run), "--max-new-tokens", "2"],
+                "export": ["-m", "saves.export", str(run), str(tmp_path / "hf")]}
+    for name, argv in commands.items():
+        try:
+            out = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} waited on a FIFO where meta.json should be")
+        assert out.returncode == 2 and one_error_line(out.stderr) == expected.replace(
+            "--resume: ", "--resume: " if name == "--resume" else ""), (name, out.stderr)
+    assert not (tmp_path / "hf").exists()

@@ -61,7 +61,8 @@ PLAIN = {  # each parallelism: the file holding its plain algorithm, what a read
     "tensor parallel": "parallel/tp.py", "pipeline parallel": "parallel/pp.py",
     "context parallel": "parallel/cp.py", "activation checkpointing": "parallel/ckpt.py",
 }
-LAYERS = ("parallel/tp_ring.py", "parallel/pp_bw_split.py", "parallel/fsdp_accumulate.py", "fp8.py")  # a flag's
+LAYERS = ("parallel/tp_fused.py", "parallel/tp_ring.py", "parallel/pp_bw_split.py", "parallel/fsdp_accumulate.py",
+          "parallel/compiled.py", "fp8.py")  # each switched in by a flag or a mode
 BUDGET = {"FSDP": 345}  # lines a reader reads for one parallelism's plain path: 300, and FSDP's unit (a flat buffer
 # cut into shards), gather-and-free with its prefetch both ways, the reduce-scatter, and the shard-to-global map that
 # saves and the gradient norm read
@@ -152,3 +153,84 @@ def test_launchers_call_python_modules_not_console_scripts_the_venv_may_not_own(
             assert not called, f"{name} calls the {script} script: {called}"
     assert "-m torch.distributed.run" in (REPO / "Makefile").read_text()
     assert "-m torch.distributed.run" in (REPO / "train.sbatch").read_text()
+
+
+ENTRY_BUDGET = {"train.py": 300, "model.py": 325}  # the build, the step, the loop, main; the model and its math
+
+
+@pytest.mark.parametrize("path", list(ENTRY_BUDGET))
+def test_the_entry_files_fit_in_a_readers_head(path):
+    n = len((REPO / path).read_text().splitlines())
+    assert n <= ENTRY_BUDGET[path], f"{path}: {n} lines > {ENTRY_BUDGET[path]}"
+
+
+TOP_LEVEL = {"train.py", "model.py", "model_config.py", "config.py", "machine.py", "memory.py", "launch.py",
+             "metrics.py", "optim.py", "fp8.py", "sample.py", "compare.py", "dry_run.py"}
+
+
+def test_the_top_level_holds_only_files_a_reader_looks_for_by_name():
+    found = {p.name for p in PYTHON if p.parent == REPO}
+    assert found <= TOP_LEVEL, f"new top-level files: {sorted(found - TOP_LEVEL)}"
+
+
+def folder_imports():
+    """{top-level folder: the top-level folders its files import}, tests excluded."""
+    folders = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()} - {"tests"}
+    arrows = {f: set() for f in folders}
+    for path in PYTHON:
+        rel = path.relative_to(REPO).parts
+        if rel[0] in folders:
+            arrows[rel[0]] |= {m.split(".")[0] for m in imported_modules(path) if m} & folders - {rel[0]}
+    return arrows
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    arrows = folder_imports()
+    assert "parallel" in arrows and "data" in arrows, arrows
+    back = sorted((a, b) for a in arrows for b in arrows[a] if a in arrows.get(b, ()))
+    assert not back, f"folders that import each other: {back}"
+
+
+SYMBOLS = set("NLdfTbMegPVEKRtc")  # the README's symbols (N parameters, M micro-batches, ...)
+
+
+def test_no_module_alias_shadows_a_symbol_of_the_notes():
+    shadowing = [f"{p.relative_to(REPO)}: import {a.name} as {a.asname}" for p in PYTHON
+                 for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
+                 for a in node.names if a.asname in SYMBOLS]
+    assert not shadowing, shadowing
+
+
+CORE = [p for p in PYTHON if p.parent == REPO or p.relative_to(REPO).parts[0] in ("parallel", "data", "saves")]
+
+
+def sentence_lengths(paths):
+    """Words per sentence of every module, class and function docstring in the files."""
+    lengths = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        for doc in filter(None, map(ast.get_docstring, nodes)):
+            text = re.sub(r"\s+", " ", doc)
+            lengths += [len(s.split()) for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+    return lengths
+
+
+def prose_figures():
+    """(mean words per docstring sentence in parallel/, share of the core's lines over 100 columns)."""
+    lengths = sentence_lengths([p for p in PYTHON if p.relative_to(REPO).parts[0] == "parallel"])
+    lines = [line for p in CORE for line in p.read_text().splitlines()]
+    return sum(lengths) / len(lengths), sum(len(line) > 100 for line in lines) / len(lines)
+
+
+def test_one_plain_voice():
+    """Short sentences in the field's words, lines within 100 columns (python tests/test_structure.py
+    prints both figures)."""
+    words, wide = prose_figures()
+    assert words <= 15, f"parallel/ docstring sentences average {words:.1f} words"
+    assert wide <= 0.05, f"{wide:.1%} of the core's lines pass 100 columns"
+
+
+if __name__ == "__main__":
+    words, wide = prose_figures()
+    print(f"parallel/ docstring sentences: {words:.1f} words on average; core lines over 100 columns: {wide:.1%}")

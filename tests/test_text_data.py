@@ -191,7 +191,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
             code, err = e.code, capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("error: ") and "\n" not in err and needle in err, (argv, err)
         assert not out.exists(), argv  # nothing written
-    cli = subprocess.run([sys.executable, "data/prepare.py", "text", str(tmp_path / "nothing"), "--out", str(out)],
+    cli = subprocess.run([sys.executable, "-m", "data.prepare", "text", str(tmp_path / "nothing"), "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     err = messages(cli.stderr)
     assert cli.returncode == 2 and err.startswith("error: empty corpus") and "\n" not in err, cli
@@ -229,7 +229,7 @@ def test_a_run_on_text_data_samples_with_its_tokenizer(corpus, bpe_file, tmp_pat
 
 
 def test_prepare_text_help_runs():
-    out = subprocess.run([sys.executable, "data/prepare.py", "text", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "data.prepare", "text", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=False, env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0 and "--tokenizer" in out.stdout and "--text-key" in out.stdout, out
 

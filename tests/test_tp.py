@@ -14,18 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as M
+import model
 import train
-from parallel import tp, tp_ring
+from parallel import tp, tp_fused, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
+from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
 from tests.ranks import run_ranks
 
 FAST = ["--peak-tflops", "1"]  # skip the CPU matmul-rate measurement
-CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
+CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
 LAYOUTS = {  # name: (world, flags)
     "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
@@ -46,16 +47,7 @@ def _argv(out_dir, flags):
 
 
 def _train(rank, world, argv):
-    """--no-overlap turns tp's overlap off too: train.py passes overlap=not args.no_overlap to tp.parallelize; the
-    patch makes it so in this rank's run whether or not it does."""
-    if "--no-overlap" not in argv:
-        return train.main(argv)
-    parallelize = tp.parallelize
-    tp.parallelize = partial(parallelize, overlap=False)
-    try:
-        return train.main(argv)
-    finally:
-        tp.parallelize = parallelize
+    return train.main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +84,13 @@ def test_tp_layout_matches_one_process(name, runs):
 def _sharded_mlp_rank(rank, world):
     mesh = Mesh(rank, world, tp=world)
     torch.manual_seed(0)
-    full = M.MLP(CFG)  # the same weights on every rank
+    full = model.MLP(CFG)  # the same weights on every rank
     x = torch.randn(2, CFG.seq_len, CFG.d_model, requires_grad=True)
     upstream = torch.randn(2, CFG.seq_len, CFG.d_model)
     (full(x) * upstream).sum().backward()
     with torch.device("meta"):
-        mlp = M.MLP(CFG)
-    readers = tp.parallelize_mlp(mlp, CFG, mesh.tp_group, sequence_parallel=False)
+        mlp = model.MLP(CFG)
+    tp.parallelize_mlp(mlp, CFG, mesh.tp_group, sequence_parallel=False)
     dims = {name: p.tp_shard[0] for name, p in mlp.named_parameters()}  # 0: column-, 1: row-parallel
     mlp.to_empty(device="cpu")
     with torch.no_grad():
@@ -106,7 +98,7 @@ def _sharded_mlp_rank(rank, world):
             p.copy_(full.get_parameter(name).chunk(world, dims[name])[rank])
     x_local = x.detach().clone().requires_grad_()
     mesh.stats.reset()
-    y = mlp(tp.enter_tp(x_local, mesh.tp_group, False, readers))  # f with gate/up column, down row, g
+    y = mlp(tp.EnterTP.apply(x_local, mesh.tp_group, False))  # f, gate/up column, down row, g
     forward_calls = dict(mesh.stats.calls)
     mesh.stats.reset()
     (y * upstream).sum().backward()
@@ -144,12 +136,13 @@ class VocabWatcher(TorchDispatchMode):
 
 def _tp_gpt(mesh, cfg, sequence_parallel, seed=0, overlap=True):
     with torch.device("meta"):
-        m = M.GPT(cfg)
+        m = model.GPT(cfg)
     if mesh.tp > 1:
-        tp.parallelize(m, mesh, sequence_parallel=sequence_parallel, overlap=overlap)
+        tp.parallelize(m, mesh, sequence_parallel=sequence_parallel)
+        tp_fused.apply(m, overlap=overlap)  # as train.py
         if sequence_parallel and overlap:
-            tp_ring.apply(m)  # as train.py: --sp's collectives as ring hops
-    return M.init_weights(m, seed, "cpu")
+            tp_ring.apply(m)  # as train.py with --sp-ring: --sp's collectives as ring hops
+    return init_weights(m, seed, "cpu")
 
 
 def _vocab_loss_rank(rank, world):

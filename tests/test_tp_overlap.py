@@ -1,4 +1,4 @@
-"""Tensor parallel's communication overlap (parallel/tp.py, parallel/tp_ring.py), read from the collective layer.
+"""Tensor parallel's communication overlap (parallel/tp_fused.py, parallel/tp_ring.py), read from the collective layer.
 
 A TorchDispatchMode records every matmul and every p2p send of one forward and backward, each stamped with how many
 entries the comm layer's timeline (launches and waits) had then, so a collective's window (launch to wait) holds
@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as M
-from parallel import ckpt, has_tp_partial_grad, tp, tp_ring, tp_shard_of
+import model
+from parallel import ckpt, has_tp_partial_grad, tp, tp_fused, tp_ring, tp_shard_of
+from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
 from tests.ranks import run_ranks
 
-CFG = M.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
+CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
 B = 2
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 Event = namedtuple("Event", "kind at storages shape")  # at: len(timeline) when it ran
@@ -45,12 +46,13 @@ class Recorder(TorchDispatchMode):
 
 def _gpt(mesh, sp, overlap, policy="none"):
     with torch.device("meta"):
-        m = M.GPT(CFG)
-    if mesh.tp > 1:  # overlap is parallelize's default: passed only to turn it off
-        tp.parallelize(m, mesh, sequence_parallel=sp, **({} if overlap else {"overlap": False}))
+        m = model.GPT(CFG)
+    if mesh.tp > 1:  # as train.py builds it; the ring as with --sp-ring
+        tp.parallelize(m, mesh, sequence_parallel=sp)
+        tp_fused.apply(m, overlap=overlap)
         if sp and overlap:
             tp_ring.apply(m)
-    return M.init_weights(ckpt.apply(m, policy), 0, "cpu")
+    return init_weights(ckpt.apply(m, policy), 0, "cpu")
 
 
 def _ids():

@@ -1,6 +1,7 @@
 """train.py on one process: the loss falls, fp16 skips overflowing steps, resume is bitwise exact,
 a kill during a save leaves the previous checkpoint, and every bad input is one line with exit status 2."""
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -11,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as M
+import model
 import optim
 import saves.load
 import saves.write
 import train
+from metrics import read_metrics
 from tests.layouts import BASE
 from tests.ranks import free_port
 
@@ -45,7 +47,7 @@ def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatc
     metrics = tmp_path / "m.jsonl"
     run(["--steps", "4", "--dtype", "fp16", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4",
          "--metrics", str(metrics), "--out", str(tmp_path)])
-    rows = train.read_metrics(metrics)[0]
+    rows = read_metrics(metrics)[0]
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert [r["loss_scale"] for r in rows] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
     assert rows[1]["grad_norm"] == float("inf")
@@ -158,7 +160,7 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     proc = subprocess.run([sys.executable, "train.py", "--model", "nope"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --model: unknown preset 'nope'; choose from " + ", ".join(
-        M.PRESETS)
+        model.PRESETS)
 
 
 def test_a_layout_error_is_found_before_the_process_group_forms(tmp_path):
@@ -193,3 +195,26 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_saves(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and err.count("\n") == 0 and "--resume" in err and str(tmp_path) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing pruned, nothing written
+
+
+def test_a_full_disk_under_the_metrics_is_one_line_exit_3(tmp_path):
+    """The metrics file cannot grow (RLIMIT_FSIZE, what a full disk does to a write): one line naming
+    --metrics, exit 3, not a traceback; the rows written before it stay."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "data.prepare", "text", str(REPO / "README.md"), "--out", str(data)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("{}\n" * 1000)  # rows of an earlier run, under the limit
+    limit = metrics.stat().st_size + 2000  # room for a few rows, not for ten
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    proc = subprocess.run([sys.executable, "train.py", *BASE, "--data", str(data), "--steps", "10", "--out",
+                           str(tmp_path / "run"), "--metrics", str(metrics), "--save-every", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: --metrics: cannot write {metrics}: File too large"), line
+    rows = [r for r in read_metrics(metrics)[0] if r]
+    assert rows and all(r["step"] == i + 1 for i, r in enumerate(rows))
