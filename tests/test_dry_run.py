@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world, flags); every layout's global batch gives each dp r
     "hsdp": (256, ["--dp-mode", "hsdp", "--dp-shard", "8"]),
     "tp": (64, ["--tp", "8"]),
     "tp sp": (64, ["--tp", "4", "--sp"]),
+    "tp sp ring": (64, ["--tp", "4", "--sp", "--sp-ring"]),
     "tp sp ckpt selective": (64, ["--tp", "4", "--sp", "--ckpt", "selective"]),
     "fp8 fsdp tp": (128, ["--dtype", "fp8", "--tp", "2", "--dp-mode", "fsdp", "--fp8-all-gather"]),
     "pp 1f1b": (64, PP),
