@@ -12,7 +12,9 @@ MARGIN = 0.10  # of the device's memory kept free: fragmentation, NCCL's buffers
 def step_bytes(cfg, run):
     """{part: bytes} one rank holds at a step's peak.
 
-    model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded.
+    model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded;
+                    --accumulate unsharded adds every unit's flat gradient, unsharded, in the
+                    reduce dtype, which it keeps all step.
     weights in use  FSDP's two gathered units, or autocast's copy of the stage's weights.
     activations     what backward keeps per layer and token, in the compute dtype: the norms' inputs
                     and outputs, q, k, v, attention's output, the MLP's gate, up and product. A
@@ -42,7 +44,9 @@ def step_bytes(cfg, run):
     if run.pp > 1:
         sets = run.accum_steps if run.pp_schedule == "gpipe" else min(run.pp, run.accum_steps)
     vocab = cfg.padded_vocab / run.tp
-    return {"model state": 16 * stage / shard,
+    r = 4 if run.reduce_dtype == "fp32" else 2
+    summed = r * stage if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
+    return {"model state": 16 * stage / shard + summed,
             "weights in use": 2 * e * block if run.dp_mode != "ddp" else e * stage * (e < 4),
             "activations": sets * tokens * kept,
             "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,

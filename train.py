@@ -9,6 +9,7 @@ step depends only on (seed, step), and the loss is the mean over all its tokens,
 trains the same model as one process.
 """
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import config
+import dry_run
 import fp8
 import launch
 import metrics
@@ -275,6 +277,8 @@ def train(run):
 
 def main(argv=None):
     """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C."""
+    if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # rehearse on fake GPUs instead
+        sys.exit(dry_run.main(argv))
     return launch.run_or_exit(lambda: train(config.resolve(argv)))
 
 

@@ -1,0 +1,241 @@
+"""The rehearsal tier (dry_run.py): every layout family's CUDA path at a realistic world size, on fake GPUs.
+
+Each layout rehearses two steps of its first, a middle and its last pipeline stage's rank 0 with NCCL's semantics
+(the fake process group, FakeTensorMode on cuda:LOCAL_RANK), on whatever torch is installed: a CUDA build without a
+GPU or a CPU build. Asserted per rank: the step ran; no op touched a CPU tensor or read a value back to the host;
+every collective passed NCCL's tensor rules; the bytes each group sent equal the parallel modules' traffic formulas
+at the full world size (bench/plan.py's code="ours", the formulas tests/test_plan_measured.py holds to gloo runs at
+2 and 4 ranks); the peak memory is memory.step_bytes's within MEMORY_BOUND. Layouts run in two processes, each
+family once however many tests read it (-k runs only the chosen ones).
+"""
+import io
+import time
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import config
+import dry_run
+import train
+from bench import plan as P
+from parallel.comm import ALL_GATHER
+from parallel.mesh import infer_dp
+from parallel.pp_schedule import chunks_per_rank
+from tests.ranks import run_ranks
+
+# 1B's width (d 2048, 32 heads of 64, 8 kv heads, ffn 8192) in 4 layers, a 32k vocabulary, 2k tokens a sequence
+MODEL = ["--model", "1b", "--n-layer", "4", "--vocab-size", "32768", "--seq-len", "2048", "--micro-batch", "1"]
+GPU = dry_run.GPUS["h100"]
+PP = ["--n-layer", "8", "--pp", "4", "--global-batch", "64"]  # 4 stages of 2 layers, 4 micro-batches at dp 16
+LAYOUTS = {  # name: (world, flags); every layout's global batch gives each dp rank 2 micro-batches unless set
+    "ddp": (64, []),
+    "ddp fp16": (64, ["--dtype", "fp16"]),
+    "fsdp": (128, ["--dp-mode", "fsdp"]),
+    "fsdp ckpt full": (128, ["--dp-mode", "fsdp", "--ckpt", "full"]),
+    "fsdp unsharded": (128, ["--dp-mode", "fsdp", "--accumulate", "unsharded"]),
+    "hsdp": (256, ["--dp-mode", "hsdp", "--dp-shard", "8"]),
+    "tp": (64, ["--tp", "8"]),
+    "tp sp": (64, ["--tp", "4", "--sp"]),
+    "tp sp ring": (64, ["--tp", "4", "--sp", "--sp-ring"]),
+    "tp sp ckpt selective": (64, ["--tp", "4", "--sp", "--ckpt", "selective"]),
+    "fp8 fsdp tp": (128, ["--dtype", "fp8", "--tp", "2", "--dp-mode", "fsdp", "--fp8-all-gather"]),
+    "pp 1f1b": (64, PP),
+    "pp gpipe": (64, PP + ["--pp-schedule", "gpipe"]),
+    "pp interleaved": (64, PP + ["--pp-schedule", "interleaved", "--pp-virtual", "2"]),
+    "pp zb1": (64, PP + ["--pp-schedule", "zb1"]),
+    "pp zbv": (64, PP + ["--pp-schedule", "zbv"]),
+    "cp ring": (64, ["--cp", "4"]),
+    "cp ulysses": (64, ["--cp", "4", "--cp-mode", "ulysses"]),
+    "cp allgather": (64, ["--cp", "4", "--cp-mode", "allgather"]),
+    "4d": (512, ["--dp-mode", "fsdp", "--tp", "4", "--sp", "--cp", "4", "--cp-mode", "allgather", "--pp", "4",
+                 "--global-batch", "32"]),
+}
+WHOLE_MODEL_BOUND = 0.15  # |memory.step_bytes / measured peak - 1| without pp (measured: -11% .. +7%)
+PIPELINE_BOUND = 0.35  # the same for a pipeline's fullest stage: the model averages the stages (measured: to -32%)
+
+
+def plan(name):
+    """(train.py's flags, the world size, the stages to rehearse, the coordinates of the rank in each) of a layout.
+    The stages: the first, a middle and the last, whose shapes differ (the embedding's, the layers', the head's).
+    The rank: dp and cp rank 0, or under fsdp and hsdp the last of the shard group, which holds the units' 1-D
+    tails (the norms, whose gradients sp all-reduces over tp): the busiest rank of each group."""
+    world, flags = LAYOUTS[name]
+    flat = config.parse_args(MODEL + flags)
+    dp = infer_dp(world, flat.tp, flat.pp, flat.cp, flat.dp)
+    batch = [] if "--global-batch" in flags else ["--global-batch", str(2 * dp)]
+    at = dict(dp=dp - 1, cp=flat.cp - 1) if flat.dp_mode != "ddp" else None
+    return MODEL + batch + flags, world, sorted({0, flat.pp // 2, flat.pp - 1}), at
+
+
+def _rehearse(rank, world, names):
+    """{name: ([Report], CPU seconds)} of every world-th layout."""
+    out = {}
+    for name in names[rank::world]:
+        t0 = time.process_time()
+        try:
+            flags, size, stages, at = plan(name)
+            out[name] = dry_run.rehearse(flags, size, GPU, stages=stages, at=at), time.process_time() - t0
+        except Exception:  # noqa: BLE001 - reported by that layout's tests
+            out[name] = traceback.format_exc(), 0.0
+    return out
+
+
+@pytest.fixture(scope="module")
+def rehearsed(request):
+    """{name: [Report per rehearsed stage]} for the layouts the selected tests read, in two processes."""
+    chosen = [n for n in LAYOUTS if any(item.module is request.module and getattr(item, "callspec", None)
+                                        and item.callspec.params.get("name") == n for item in request.session.items)]
+    out = {}
+    for part in run_ranks(_rehearse, 2, args=(chosen,), timeout=900, init=False):
+        out.update(part)
+    print(f"\nrehearsed {len(chosen)} layouts in {sum(s for _, s in out.values()):.0f} CPU seconds: "
+          + ", ".join(f"{name} {s:.1f}" for name, (_, s) in out.items()))
+    return {name: r for name, (r, _) in out.items()}
+
+
+def reports(rehearsed, name):
+    if isinstance(rehearsed[name], str):
+        pytest.fail(f"{name} did not rehearse:\n{rehearsed[name]}")
+    return rehearsed[name]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_step_runs_on_cuda_by_nccls_rules(name, rehearsed):
+    """No failure; no CPU tensor, no host read, every collective CUDA, dense, contiguous, on this rank's device, in
+    one dtype and evenly split (dry_run.Rules)."""
+    for r in reports(rehearsed, name):
+        assert not r.failure, r.failure
+        assert not r.violations, r.violations
+        assert sum(r.launches[-1].values()) > 0
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_bytes_per_step_equal_the_formulas_at_full_world_size(name, rehearsed):
+    """Per axis (tp, cp, pp, dp), the busiest rehearsed stage sends what the traffic formulas say. fp8's amax
+    reductions (all_reduce_max: a few floats per layer) are left out, as the formulas leave them."""
+    rs = reports(rehearsed, name)
+    sent = {axis: max(sum(b for (group, kind), (_, b) in r.steps[-1].items()
+                          if AXIS[group] == axis and kind != "all_reduce_max") for r in rs)
+            for axis in ("tp", "cp", "pp", "dp")}
+    want = predicted_bytes(rs[0].run)
+    print(f"\n{name}: sent {sent}, formulas {want}")
+    for axis in sent:
+        assert sent[axis] == pytest.approx(want[axis], rel=1e-6, abs=1.0), (axis, sent, want)
+
+
+AXIS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp", "shard": "dp", "replicate": "dp"}
+
+
+def predicted_bytes(run):
+    """bench/plan.py's bytes per axis for the run, in its dtypes: activations and gathered units in the compute
+    dtype (fp8: units in 1 byte), gradients in the reduce dtype (fp32)."""
+    cfg = dry_run.model_config(run)
+    e = 4 if run.dtype == "fp32" else 2
+    lay = P.Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
+                   shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch, ckpt=run.ckpt,
+                   schedule=run.pp_schedule, V=chunks_per_rank(run.pp_schedule, run.pp_virtual), cp_mode=run.cp_mode,
+                   sp=run.sp, overlap=run.overlap, accumulate=run.accumulate, fp8=run.fp8_all_gather)
+    return P.comm_bytes(cfg, lay, cfg.seq_len, run.global_batch, w_bytes=e, g_bytes=4, a_bytes=e, code="ours")
+
+
+def memory_error(r):
+    return sum(r.expected.values()) / r.peak - 1
+
+
+HELD_UNITS = pytest.mark.xfail(strict=True, reason=(
+    "FSDP on module hooks (60b448d) holds about 5 gathered units at the peak under --ckpt full: "
+    "1.24 GB against memory.step_bytes' 0.90 (1 unit and 0.97 GB before it)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=HELD_UNITS) if n == "fsdp ckpt full" else n
+                                  for n in LAYOUTS])
+def test_peak_memory_is_the_memory_models(name, rehearsed):
+    """The peak against memory.step_bytes: every stage within WHOLE_MODEL_BOUND without pp; under pp the model is one
+    number for every stage (their mean, roughly), so the fullest stage is held to PIPELINE_BOUND and the others are
+    printed (test_every_pipeline_stage_is_the_memory_models holds them, once the model is per stage)."""
+    rs = reports(rehearsed, name)
+    for r in rs:
+        print(f"\n{name} stage {r.coord['pp']}: measured {r.peak / 1e9:.3f} GB, step_bytes "
+              f"{sum(r.expected.values()) / 1e9:.3f} GB ({memory_error(r):+.1%}); "
+              + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in r.parts.items() if v))
+    if rs[0].run.pp == 1:
+        assert abs(memory_error(rs[0])) <= WHOLE_MODEL_BOUND
+    else:
+        assert abs(memory_error(max(rs, key=lambda r: r.peak))) <= PIPELINE_BOUND
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="memory.step_bytes is one number for every pipeline stage (issue 32, item 3)"))
+    for n in LAYOUTS if "--pp" in LAYOUTS[n][1]])
+def test_every_pipeline_stage_is_the_memory_models(name, rehearsed):
+    assert all(abs(memory_error(r)) <= WHOLE_MODEL_BOUND for r in reports(rehearsed, name))
+
+
+# ---------------------------------------------------------------- the rules themselves
+
+def _broken_collectives(rank, world):
+    """Rank 3 of 8 issues what NCCL refuses and the fake process group accepts; returns what Rules saw."""
+    with dry_run.FakeGPUs(GPU, 8), dry_run.FakeWorld(3, 8), dry_run.FakeCUDA():
+        rules = dry_run.Rules(torch.device("cuda:3"))
+        x = torch.zeros(8, 4, device="cuda:3")
+        with rules:
+            dist.all_reduce(torch.zeros(8))  # a CPU tensor
+            dist.all_reduce(x.t())  # not contiguous
+            dist.all_reduce(torch.zeros(8, device="cuda:2"))  # another rank's device
+            dist.all_to_all_single(torch.zeros(6, 4, device="cuda:3"), torch.zeros(6, 4, device="cuda:3"))  # 6 / 8
+            ALL_GATHER(torch.zeros(64, device="cuda:3"), torch.zeros(8, device="cuda:3", dtype=torch.bfloat16))
+            torch.zeros(3)  # a CPU tensor made in the step
+            try:
+                x.sum().item()  # a host read: fake tensors have no value to give
+            except Exception:  # noqa: BLE001 - FakeTensorMode refuses it after Rules has seen it
+                pass
+    return rules.violations
+
+
+def test_the_rules_catch_what_nccl_refuses_and_the_fake_backend_accepts():
+    seen = " | ".join(run_ranks(_broken_collectives, 1, init=False)[0])
+    for what in ("on a CPU tensor", "non-contiguous", "not this rank's cuda:3", "does not split evenly",
+                 "mixes torch.bfloat16, torch.float32", "made a CPU tensor", "a host read"):
+        assert what in seen, (what, seen)
+
+
+def _leaves_torch_as_it_was(rank, world):
+    """What a rehearsal changes for its duration, before and after one: torch.cuda's answers, SDPA, and whether the
+    CUDA guard or hooks are the shim's (a fake CUDA backward cannot tell: on a CPU build it aborts the process)."""
+    lib = dry_run.shim()
+
+    def state():
+        return [getattr(torch.cuda, name) for name in ("is_available", "get_device_properties", "set_device")] + [
+            F.scaled_dot_product_attention, lib.dry_run_gpu_installed()]
+    before = state()
+    dry_run.rehearse(MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
+    return before == state(), before[-1]
+
+
+def test_a_rehearsal_leaves_torch_as_it_found_it():
+    assert run_ranks(_leaves_torch_as_it_was, 1, init=False)[0] == (True, 0)
+
+
+def test_the_command_line_exit_codes(tmp_path):
+    """0 when every rank fits; 2 with one line naming the flag when one does not, or for a bad flag."""
+    small = MODEL + ["--n-layer", "2", "--global-batch", "16", "--world", "8", "--dry-run"]
+    assert run_ranks(_main, 1, args=(small,), init=False)[0] == (0, "")
+    code, err = run_ranks(_main, 1, args=(small + ["--micro-batch", "16", "--global-batch", "128", "--seq-len", "8192",
+                                                   "--gpu", "a100-40gb"],), init=False)[0]
+    assert code == 2 and err.startswith("error: --ckpt: rank 0") and err.count("\n") == 1, err
+    code, err = run_ranks(_main, 1, args=(small + ["--gpu", "tpu"],), init=False)[0]
+    assert code == 2 and err.startswith("error: --gpu: unknown GPU 'tpu'"), err
+
+
+def _main(rank, world, args):
+    """train.py's exit status and what it wrote to stderr."""
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()) as err:
+        try:
+            train.main(args)
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return 0, err.getvalue()
