@@ -48,7 +48,6 @@ import launch
 import memory
 import model
 import optim
-import train
 from config import UsageError
 from data.loader import DataError, read_meta
 from parallel import fsdp
@@ -94,15 +93,16 @@ def parse_args(argv):
     return args, rest + ["--no-compile"]
 
 
-def main(argv=None):
-    """train.py --dry-run. Exit 0; 2 for bad flags or a rank that does not fit (naming the flag
-    to change); 3 when the step breaks a rule a GPU run would fail on."""
+def main(argv, training):
+    """train.py --dry-run of `training` (train.py's module: its prepare and train_step). Exit 0;
+    2 for bad flags or a rank that does not fit (naming the flag to change); 3 when the step
+    breaks a rule a GPU run would fail on."""
     try:
         args, train_argv = parse_args(sys.argv[1:] if argv is None else argv)
         gpu = GPUS[args.gpu]
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
-        reports = rehearse(train_argv, args.world, gpu, per_node, show=True)
+        reports = rehearse(training, train_argv, args.world, gpu, per_node, show=True)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -175,9 +175,10 @@ class Report:
         return "--dp-mode" if self.run.dp_mode == "ddp" else "--tp"
 
 
-def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=False):
+def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None, show=False):
     """[Report] of one rank per pipeline stage (or per stage in `stages`), one after the other:
-    the stage's rank 0, or its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...})."""
+    the stage's rank 0, or its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}).
+    training: train.py's module, whose prepare and train_step run."""
     env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": str(per_node)}
     with FakeGPUs(gpu, per_node):
@@ -189,13 +190,13 @@ def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=Fals
         reports = []
         for stage in range(layout.pp) if stages is None else stages:
             rank = mesh.rank_of(pp=stage, **(at or {}))
-            reports.append(rehearse_rank(train_argv, rank, world, per_node, gpu))
+            reports.append(rehearse_rank(training, train_argv, rank, world, per_node, gpu))
             if show:
                 print(reports[-1].describe(), flush=True)
         return reports
 
 
-def rehearse_rank(train_argv, rank, world, per_node, gpu):
+def rehearse_rank(training, train_argv, rank, world, per_node, gpu):
     """One rank's Report (inside FakeGPUs)."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
            "LOCAL_WORLD_SIZE": str(per_node)}
@@ -205,7 +206,7 @@ def rehearse_rank(train_argv, rank, world, per_node, gpu):
         cfg = model_config(run)
         report = Report(rank, run.device, gpu, run, expected=memory.step_bytes(cfg, run))
         try:
-            rehearse_steps(run, cfg, report)
+            rehearse_steps(training, run, cfg, report)
         except Exception as e:  # noqa: BLE001 - what stopped it, and where, is the report
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             report.failure = f"{type(e).__name__}: {first} ({where(e)})"
@@ -226,15 +227,15 @@ def model_config(run):
     return cfg
 
 
-def rehearse_steps(run, cfg, report):
-    """train.prepare, then STEPS of train.train_step on random tokens, all on fake CUDA tensors."""
-    with FakeCUDA(), Ledger() as ledger, no_initial_values():
+def rehearse_steps(training, run, cfg, report):
+    """training.prepare, then STEPS of training.train_step on random tokens, on fake CUDA."""
+    with FakeCUDA(), Ledger() as ledger, no_initial_values(training):
         mesh = launch.start_distributed(run)
         for group in vars(mesh).values():  # the fake backend stands in for NCCL: means are AVG
             if isinstance(group, Group):
                 group.native_mean = True
         report.coord = mesh.coord
-        trainer = train.prepare(run, cfg, mesh)
+        trainer = training.prepare(run, cfg, mesh)
         ledger.know(trainer, cfg, run)
         rules = Rules(torch.device(run.device))
         for step in range(STEPS):
@@ -244,7 +245,7 @@ def rehearse_steps(run, cfg, report):
                 y = torch.randint(0, cfg.vocab_size, x.shape, device=run.device)
             mesh.stats.reset()
             with rules:
-                train.train_step(trainer, x, y, lr(run, step), run.grad_clip)
+                training.train_step(trainer, x, y, lr(run, step), run.grad_clip)
             ledger.step_done(trainer)
             report.steps.append(per_group(mesh.stats))
             report.launches.append(rules.launches)
@@ -253,15 +254,15 @@ def rehearse_steps(run, cfg, report):
 
 
 @contextmanager
-def no_initial_values():
+def no_initial_values(training):
     """train.build draws no initial values: fake tensors hold none, and drawing them tile by tile
     on the CPU (parallel/materialize.local_init) would take most of the rehearsal."""
-    draw = train.local_init
-    train.local_init = lambda name, param, cfg, seed, flat=None, out=None: out
+    draw = training.local_init
+    training.local_init = lambda name, param, cfg, seed, flat=None, out=None: out
     try:
         yield
     finally:
-        train.local_init = draw
+        training.local_init = draw
 
 
 def lr(run, step):

@@ -278,7 +278,7 @@ def train(run):
 def main(argv=None):
     """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C."""
     if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # rehearse on fake GPUs instead
-        sys.exit(dry_run.main(argv))
+        sys.exit(dry_run.main(argv, sys.modules[__name__]))
     return launch.run_or_exit(lambda: train(config.resolve(argv)))
 
 

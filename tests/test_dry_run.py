@@ -78,7 +78,7 @@ def _rehearse(rank, world, names):
         t0 = time.process_time()
         try:
             flags, size, stages, at = plan(name)
-            out[name] = dry_run.rehearse(flags, size, GPU, stages=stages, at=at), time.process_time() - t0
+            out[name] = dry_run.rehearse(train, flags, size, GPU, stages=stages, at=at), time.process_time() - t0
         except Exception:  # noqa: BLE001 - reported by that layout's tests
             out[name] = traceback.format_exc(), 0.0
     return out
@@ -146,13 +146,7 @@ def memory_error(r):
     return sum(r.expected.values()) / r.peak - 1
 
 
-HELD_UNITS = pytest.mark.xfail(strict=True, reason=(
-    "FSDP on module hooks (60b448d) holds about 5 gathered units at the peak under --ckpt full: "
-    "1.24 GB against memory.step_bytes' 0.90 (1 unit and 0.97 GB before it)"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=HELD_UNITS) if n == "fsdp ckpt full" else n
-                                  for n in LAYOUTS])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_peak_memory_is_the_memory_models(name, rehearsed):
     """The peak against memory.step_bytes: every stage within WHOLE_MODEL_BOUND without pp; under pp the model is one
     number for every stage (their mean, roughly), so the fullest stage is held to PIPELINE_BOUND and the others are
@@ -212,7 +206,7 @@ def _leaves_torch_as_it_was(rank, world):
         return [getattr(torch.cuda, name) for name in ("is_available", "get_device_properties", "set_device")] + [
             F.scaled_dot_product_attention, lib.dry_run_gpu_installed()]
     before = state()
-    dry_run.rehearse(MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
+    dry_run.rehearse(train, MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
     return before == state(), before[-1]
 
 
