@@ -9,7 +9,7 @@ collective and sends nothing. It runs the real config.resolve, train.prepare and
 train.train_step on fake CUDA tensors (FakeTensorMode: shapes, dtypes and devices, no data), on
 random tokens of the model's vocabulary.
 What it proves, per rank: the step fits the GPU (the peak of the live CUDA storages, in parts,
-beside the memory model, memory.step_bytes); it touches no CPU tensor and reads nothing back to
+beside the memory model, memory.stage_bytes); it touches no CPU tensor and reads nothing back to
 the host; every collective obeys NCCL's rules (CUDA, dense, contiguous, this rank's device, one
 dtype, sizes that split evenly over the group); and what each group sends (parallel/comm.py).
 What it cannot: compiled graphs (it runs eagerly), kernels and their speed, numerics (no value
@@ -134,7 +134,7 @@ class Report:
     coord: dict = field(default_factory=dict)
     peak: int = 0  # bytes: the most live CUDA storage at once over the steps
     parts: dict = field(default_factory=dict)  # {part: bytes} at that moment
-    expected: dict = field(default_factory=dict)  # memory.step_bytes: the memory model's parts
+    expected: dict = field(default_factory=dict)  # memory.stage_bytes: the memory model's parts
     steps: list = field(default_factory=list)  # per step {(group, kind): [calls, bytes]} (comm.py)
     launches: list = field(default_factory=list)  # per step Counter {c10d op: launches}, p2p each
     violations: list = field(default_factory=list)  # the rules a GPU run would break, and where
@@ -156,7 +156,7 @@ class Report:
                  + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in self.parts.items() if v) + ")",
                  f"  {'fits' if self.peak <= self.usable else 'does NOT fit'} in "
                  f"{1 - memory.MARGIN:.0%} of the {self.gpu.memory / 1e9:.1f} GB of an "
-                 f"{self.gpu.name}; the memory model (memory.step_bytes) says "
+                 f"{self.gpu.name}; the memory model (memory.stage_bytes) says "
                  f"{estimate / 1e9:.3g} GB ({estimate / self.peak - 1:+.0%})"
                  + ("; train.py's memory check refuses to start above that 90%"
                     if estimate > self.usable else ""),
@@ -204,7 +204,8 @@ def rehearse_rank(training, train_argv, rank, world, per_node, gpu):
     with FakeWorld(rank, world):
         run = config.resolve(train_argv, environ=env)
         cfg = model_config(run)
-        report = Report(rank, run.device, gpu, run, expected=memory.step_bytes(cfg, run))
+        pp_rank = rank // (run.tp * run.cp) % run.pp
+        report = Report(rank, run.device, gpu, run, expected=memory.stage_bytes(cfg, run, pp_rank))
         try:
             rehearse_steps(training, run, cfg, report)
         except Exception as e:  # noqa: BLE001 - what stopped it, and where, is the report

@@ -1,53 +1,115 @@
-"""The memory one rank holds at the peak of a training step, estimated from the shapes.
+"""The memory one rank holds at the peak of a training step, estimated from the shapes, per stage.
 
-Used before a run starts (config.check_fits): a step that would not fit the device less MARGIN is
-refused, naming the flag that moves the largest part.
+One model of this code serves three readers: the check before a run starts (config.check_fits
+refuses a step over the device's memory less MARGIN), the dry run's expected column, and the
+planner (bench/planner). The fake-CUDA rehearsal measures what it misses (tests/test_dry_run.py).
 """
+from functools import lru_cache
+
 import model
 from parallel import ckpt
+from parallel import pp_schedule as S
+from parallel.pp import layer_counts
 
-MARGIN = 0.10  # of the device's memory kept free: fragmentation, NCCL's buffers, the CUDA context
+# What fake tensors cannot see, kept free of every device: the CUDA context and NCCL's buffers
+# (about 1-2 GB on an H100), and the caching allocator's fragmentation.
+MARGIN = 0.10
 
 
 def step_bytes(cfg, run):
-    """{part: bytes} one rank holds at a step's peak.
+    """{part: bytes} of the fullest pipeline stage (every rank's, without pp)."""
+    stages = [stage_bytes(cfg, run, rank) for rank in range(run.pp)]
+    return max(stages, key=lambda parts: sum(parts.values()))
+
+
+def stage_bytes(cfg, run, pp_rank):
+    """{part: bytes} one rank of pipeline rank `pp_rank` holds at its step's peak.
 
     model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded;
-                    --accumulate unsharded adds every unit's flat gradient, unsharded, in the
-                    reduce dtype, which it keeps all step.
-    weights in use  FSDP's two gathered units, or autocast's copy of the stage's weights.
-    activations     what backward keeps per layer and token, in the compute dtype: the norms' inputs
-                    and outputs, q, k, v, attention's output, the MLP's gate, up and product. A
-                    checkpointed layer keeps its input; one layer is remade at a time. A pipeline
-                    stage keeps up to P micro-batches' sets (GPipe: M).
-    logits          the logits and their gradient, and one fp32 chunk of the loss.
+                    --accumulate unsharded keeps every unit's flat gradient all step too.
+    weights in use  FSDP: the largest unit gathered, with its flat gradient (its backward); under
+                    pp the stage's units stay gathered all step. DDP under autocast: the matmul
+                    weights' compute-dtype copies, which each micro-batch in flight saves.
+    activations     per layer and token in the compute dtype: the norms' inputs and outputs, q, k,
+                    v, attention's output, the MLP's gate, up and product. A checkpointed layer
+                    keeps its input, and one layer is remade at a time. As many sets as the
+                    schedule keeps in flight.
+    logits          on the last stage: the logits of each set in flight, their gradient, one fp32
+                    chunk of the loss.
     token ids       the step's inputs and targets.
     """
     e = 4 if run.dtype == "fp32" else 2
-    d, f, params = cfg.d_model, cfg.ffn_dim, model.param_counts(cfg)[0]
-    sh = run.tp if run.sp else 1  # the residual stream's split under sequence parallel
+    r = 4 if run.reduce_dtype == "fp32" else 2
+    d, f, t = cfg.d_model, cfg.ffn_dim, run.tp
+    sh = t if run.sp else 1  # the residual stream's split under sequence parallel
     shard = {"ddp": 1, "fsdp": run.dp * run.cp, "hsdp": (run.dp_shard or 1) * run.cp}[run.dp_mode]
-    stage = params / (run.tp * run.pp)
-    block = model.layer_param_count(cfg) / run.tp
+    chunks, first, last = stage_layout(cfg, run, pp_rank)
+    block = model.layer_param_count(cfg) / t
+    embed, head = cfg.padded_vocab * d / t, (cfg.padded_vocab * d + d) / t
+    params = sum(chunks) * block + first * embed + last * head  # this rank's, after tp
+    unit = max([block] + [embed] * first + [head] * last)  # FSDP's largest unit
     tokens = run.micro_batch * cfg.seq_len / run.cp
     kv = 2 * d * cfg.n_kv_head / cfg.n_head  # k and v per token
-    per_token = e * (4 * d / sh + (4 * d + kv + 3 * f) / run.tp) + 8 / sh
-    layers = -(-cfg.n_layer // run.pp)
+    per_layer = e * (4 * d / sh + (4 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
-    if kind in ("none", "selective"):
-        kept = layers * per_token
-    else:  # boundaries, and one layer remade at a time
-        kept = layers * e * d / sh + per_token
     if kind == "selective":
-        kept -= layers * e * (2 * d / sh + f / run.tp)
-    sets = 1
-    if run.pp > 1:
-        sets = run.accum_steps if run.pp_schedule == "gpipe" else min(run.pp, run.accum_steps)
-    vocab = cfg.padded_vocab / run.tp
-    r = 4 if run.reduce_dtype == "fp32" else 2
-    summed = r * stage if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
-    return {"model state": 16 * stage / shard + summed,
-            "weights in use": 2 * e * block if run.dp_mode != "ddp" else e * stage * (e < 4),
-            "activations": sets * tokens * kept,
-            "logits": 2 * e * tokens * vocab + 4 * min(tokens, 2 ** 25 / vocab) * vocab,
+        per_layer -= e * (2 * d / sh + f / t)
+    checkpointed = kind not in ("none", "selective")
+    kept = e * d / sh if checkpointed else per_layer  # what a layer of a set in flight keeps
+    sets, last_sets = sets_in_flight(run, pp_rank, tuple(chunks))
+    vocab = cfg.padded_vocab / t
+    if run.dp_mode == "ddp":  # autocast's copies (none in fp32), one per set in flight
+        in_use = e * (block * sets + head * last * last_sets) * (e < 4)
+    elif run.pp > 1:
+        in_use = e * params + r * unit
+    else:
+        in_use = e * unit + r * unit
+    summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
+    return {"model state": 16 * params / shard + summed,
+            "weights in use": in_use,
+            "activations": tokens * (sets * kept + per_layer * checkpointed),
+            "logits": last * (e * tokens * vocab * (last_sets + 1) + 4 * loss_chunk(tokens, vocab)),
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
+
+
+def loss_chunk(tokens, vocab):
+    """Elements of the loss's fp32 chunk (model.loss_chunks)."""
+    return min(tokens, 2 ** 25 / vocab) * vocab
+
+
+def stage_layout(cfg, run, pp_rank):
+    """(layers of each of this rank's chunks, holds the embedding, holds the head)."""
+    if run.pp == 1:
+        return [cfg.n_layer], True, True
+    V = S.chunks_per_rank(run.pp_schedule, run.pp_virtual)
+    counts = layer_counts(cfg, run.pp, V, run.accum_steps, run.pp_split, run.pp_schedule)
+    stages = [S.stage_of(pp_rank, c, run.pp, run.pp_schedule in S.VSHAPED) for c in range(V)]
+    return [counts[v] for v in stages], 0 in stages, len(counts) - 1 in stages
+
+
+def sets_in_flight(run, pp_rank, chunks):
+    """(the most layer-sets alive at once, the most micro-batches alive on the head's chunk).
+
+    A micro-batch's forward through a chunk keeps that chunk's layers' activations until its
+    backward (under zb1 and zbv: its W). Counted from the schedule's own action list."""
+    if run.pp == 1:
+        return chunks[0], 1
+    return schedule_peak(run.pp_schedule, run.pp, run.accum_steps, run.pp_virtual, pp_rank, chunks)
+
+
+@lru_cache(maxsize=256)
+def schedule_peak(schedule, P, M, V, rank, chunks):
+    actions = S.build(schedule, P, M, V)[rank]
+    split = any(a.op == "W" for a in actions)
+    vshape, end = schedule in S.VSHAPED, P * len(chunks) - 1
+    last_chunk = next((c for c in range(len(chunks)) if S.stage_of(rank, c, P, vshape) == end),
+                      None)
+    alive, peak, head_peak = set(), 0, 0
+    for a in actions:
+        if a.op == "F":
+            alive.add((a.chunk, a.mb))
+        elif a.op == ("W" if split else "B"):
+            alive.discard((a.chunk, a.mb))
+        peak = max(peak, sum(chunks[c] for c, _ in alive))
+        head_peak = max(head_peak, sum(c == last_chunk for c, _ in alive))
+    return peak, max(head_peak, 1)
