@@ -12,7 +12,7 @@ SHARDS ?= $(NGPU)
 CORE   := test_config test_model test_mesh test_comm test_layers test_structure test_attention_kernels \
           test_ddp test_fsdp test_tp test_cp test_pp test_ckpt test_train
 
-.PHONY: install install-dev train sample test test-core bench lint clean
+.PHONY: install install-dev train sample test test-core bench bench-quick lint clean
 
 $(VENV)/.run: requirements.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -54,8 +54,14 @@ test: install-dev
 test-core: install-dev
 	$(PY) -m pytest -q $(addprefix tests/,$(addsuffix .py,$(CORE)))
 
+# Every bench script this machine can run, a line as each starts and ends, tables into bench/results (about 18 minutes
+# on 2 quiet CPU cores, 4 more as root for the emulated cluster); bench-quick: each at smoke-test sizes, into
+# out/bench-quick (about 5 minutes).
 bench: install-dev data/pystdlib/meta.json
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
+
+bench-quick: install-dev data/pystdlib/meta.json
+	$(PY) -m bench.run_all --quick
 
 lint: install-dev
 	$(PY) -m ruff check .

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 
 import model as M
 import train
+from bench.ranks import run_ranks
 from parallel import cp as CP
 from parallel import ddp
 from parallel.ddp import DDP
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr, train_losses
-from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS = ((8, 2), (8, 8), (4, 1))  # (H, Hkv): GQA, plain, and fewer kv heads than cp ranks

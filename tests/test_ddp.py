@@ -7,10 +7,10 @@ from torch import nn
 
 import model as M
 import train
+from bench.ranks import run_ranks
 from parallel.ddp import DDP
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import exit_and_stderr
-from tests.ranks import run_ranks
 
 CFG = M.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 

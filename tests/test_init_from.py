@@ -14,10 +14,10 @@ import transformers
 
 import config
 import train
+from bench.ranks import run_ranks
 from saves import export
 from saves.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
-from tests.ranks import run_ranks
 
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=5000.0)  # theta and eps: not the preset's

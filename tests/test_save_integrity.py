@@ -20,7 +20,7 @@ import saves.export
 import saves.load
 import saves.write
 import train
-from tests.ranks import run_ranks
+from bench.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet, run1, snapshot
 
 CROSS_ENTROPY = M.cross_entropy_loss

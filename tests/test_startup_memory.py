@@ -7,10 +7,10 @@ import torch
 from torch.nn import ModuleList
 
 import model as M
+from bench.ranks import run_ranks
 from parallel import ddp, fsdp, tp
 from parallel.mesh import Mesh
 from tests.memory import LiveBytes
-from tests.ranks import run_ranks
 
 BLOCK_8B = M.ModelConfig(n_layer=1, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=512, seq_len=64)
 TILE_BYTES = M.INIT_TILE ** 2 * 4

@@ -16,8 +16,8 @@ import optim
 import saves.load
 import saves.write
 import train
+from bench.ranks import free_port
 from tests.layouts import BASE
-from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
