@@ -10,7 +10,7 @@ import torch
 import model as M
 from bench import common, run_all
 from bench.labs import collective_bandwidth as collectives
-from bench.labs import loader_stall, mfu_sweep, pp_bubble, precision, prepare_speed
+from bench.labs import loader_stall, mfu_sweep, pp_bubble, pp_draw, precision, prepare_speed
 from bench.vs_torch import measure as vs_torch
 
 
@@ -184,6 +184,17 @@ def test_run_all_quick_runs_each_smoke_test_and_says_where_its_tables_went(tmp_p
     assert "[1/2] run_all_table: ok in " in out and " s -> small.md" in out
     assert "[2/2] gpu: ok in " in out and " s -> smoke.md" in out and "cluster" not in out
     assert sorted(p.name for p in results.glob("*.md")) == ["INDEX.md", "small.md", "smoke.md"]
+
+
+@pytest.mark.parametrize("flags,named", [(["--pp", "20000", "--microbatches", "20000"], "--pp"),
+                                         (["--microbatches", "257"], "--microbatches"),
+                                         (["--schedule", "interleaved", "--virtual", "9"], "--virtual")])
+def test_pp_draw_refuses_a_drawing_too_large_to_read_in_one_line(flags, named, capsys):
+    """--pp 20000 --microbatches 20000 simulated for hours; a drawing is read on a screen: its bounds are stated."""
+    assert pp_draw.main(flags) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {named}: at most ") and err.count("\n") == 1 and out == "", err
+    assert pp_draw.main(["--pp", str(pp_draw.MAX_P), "--microbatches", "8"]) == 0  # the bounds themselves draw
 
 
 def test_run_all_refuses_what_it_cannot_run_in_one_line(capsys):

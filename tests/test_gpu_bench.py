@@ -130,6 +130,14 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().out and not (tmp_path / "gpu.md").exists()
 
 
+@pytest.mark.parametrize("flags", [["--steps", "-3"], ["--steps", "0"], ["--budget-s", "-5"], ["--budget-s", "nan"]])
+def test_bad_flags_are_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, flags):
+    assert gpu.main(["--smoke", "--out", str(tmp_path), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {flags[0]}: ") and err.count("\n") == 1 and out == "", (out, err)
+    assert not (tmp_path / "gpu.md").exists()
+
+
 # ---------------------------------------------------------------- where it writes, the planner's factors
 
 def test_it_writes_only_into_out(smoke_run):

@@ -242,6 +242,9 @@ def test_measured_factors_replace_ours_and_drop_their_ranges(tmp_path, capsys):
     (["--factors", "missing.json", "--code", "ours"], "--factors: cannot read"),
     (["--factors", "missing.json"], "--factors: measured factors describe this repository's code"),
     (["--mem-margin", "1"], "--mem-margin"),
+    (["--vocab-size", str(10 ** 20)], "--vocab-size: invalid integer in [1, 4194304]"),  # was a traceback
+    (["--n-layer", str(10 ** 20)], "--n-layer: invalid integer in [1, 4096]"),  # was a search that never ended
+    (["--seq-len", str(10 ** 300)], "--seq-len: invalid integer in [1, 4194304]"),
 ])
 def test_cli_refuses_with_one_line_exit_2_and_prints_nothing_else(argv, named, capsys):
     assert P.main(["--gpus", "8"] + argv) == 2

@@ -16,7 +16,6 @@ deadline it is killed, and its row keeps the steps it finished ("stopped at the 
 MIN_START_S left, else its row says skipped. Each finished section is written at once: a kill keeps what ran.
 No GPU and no --smoke: says so and exits 0.
 """
-import argparse
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from bench.gpu import checks as gpu_checks
 from bench.gpu import factors as gpu_factors
 from bench.gpu.hf import transformers
 from bench.gpu.runs import model_cfg, run_hf, run_ours
+from config import OneLineParser, UsageError, nonnegative_float, positive_int
 
 GPU_RUNS = [("small", {"seq_len": 1024}, 16), ("1b", {"seq_len": 2048}, 8)]  # preset, overrides, micro-batch
 SMOKE_RUNS = [("tiny", dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, seq_len=64), 4)]
@@ -202,12 +202,17 @@ def schedule(smoke):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part: checks the script")
     p.add_argument("--out", default=str(common.RESULTS), help="folder for gpu.md and plan_factors.json")
-    p.add_argument("--steps", type=int, help="optimizer steps per run (default 30, --smoke 3)")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time budget, runs included")
-    args = p.parse_args(argv)
+    p.add_argument("--steps", type=positive_int, help="optimizer steps per run (default 30, --smoke 3)")
+    p.add_argument("--budget-s", type=nonnegative_float, default=BUDGET_S,
+                   help="the whole run's time budget, runs included")
+    try:
+        args = p.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not args.smoke and not common.has_cuda():
         print("bench.gpu: needs a CUDA GPU (none visible); skipped. `--smoke` checks the script on CPU.", flush=True)
         return 0

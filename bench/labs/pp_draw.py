@@ -9,6 +9,8 @@ import sys
 
 from parallel import pp_schedule as S
 
+MAX_P, MAX_M, MAX_V = 64, 256, 8  # what a drawing can show a reader, simulated in seconds
+
 FORMULAS = {"gpipe": ("M/(M+P-1)", lambda P, M, V: (M, M + P - 1)),
             "1f1b": ("M/(M+P-1)", lambda P, M, V: (M, M + P - 1)),
             "interleaved": ("VM/(VM+P-1)", lambda P, M, V: (V * M, V * M + P - 1)),
@@ -56,7 +58,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     P, M, V = args.pp, args.microbatches, args.virtual
     for bad, message in ((P < 1, "--pp: must be >= 1"), (M < 1, "--microbatches: must be >= 1"),
-                         (V < 1, "--virtual: must be >= 1"),
+                         (V < 1, "--virtual: must be >= 1"), (P > MAX_P, f"--pp: at most {MAX_P} stages to draw"),
+                         (M > MAX_M, f"--microbatches: at most {MAX_M} to draw"),
+                         (V > MAX_V, f"--virtual: at most {MAX_V} chunks per stage to draw"),
                          (V > 1 and args.schedule != "interleaved", "--virtual: V > 1 needs --schedule interleaved"),
                          (V > 1 and M > P and M % P, "--microbatches: interleaved needs M a multiple of P or M <= P")):
         if bad:

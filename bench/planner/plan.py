@@ -36,7 +36,7 @@ from bench.planner.links import members_per_node
 from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
 from bench.planner.step_time import rates, step_time
-from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, positive_int, probability
+from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
 from model import PRESETS, param_counts
 
 __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
@@ -44,8 +44,16 @@ __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "cand
            "step_time"]
 
 SHAPE = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size")
+LIMITS = {"n-layer": 2 ** 12, "d-model": 2 ** 17, "n-head": 2 ** 12, "n-kv-head": 2 ** 12, "ffn-dim": 2 ** 19,
+          "vocab-size": 2 ** 22, "seq-len": 2 ** 22, "gpus": 2 ** 30, "gpus-per-node": 2 ** 10,
+          "global-batch-tokens": 2 ** 36, "top": 2 ** 10}  # far past any published run; more is a typo, or a hang
 FP8_PUBLISHED = 1.5  # the most fp8 gained over bf16 end to end in the published runs (torchtitan: 1.28-1.29x on
 # Llama 3.1 8B; about 1.2-1.5x across its tables): a ranked fp8 layout beyond it says why
+
+
+def up_to(limit):
+    """An argparse type: an integer in [1, limit]."""
+    return typed(f"integer in [1, {limit}]", int, lambda v: 1 <= v <= limit)
 
 
 def bill(p, cl):
@@ -118,9 +126,10 @@ def main(argv=None):
     ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):
-        ap.add_argument(f"--{name}", type=positive_int, help="override the preset (vocab: 50257 if it has none)")
-    ap.add_argument("--gpus", type=positive_int, default=8, help="a whole number of nodes (or fewer than one node)")
-    ap.add_argument("--gpus-per-node", type=positive_int, default=8)
+        ap.add_argument(f"--{name}", type=up_to(LIMITS[name]), help="override the preset (vocab: 50257 if it has none)")
+    ap.add_argument("--gpus", type=up_to(LIMITS["gpus"]), default=8,
+                    help="a whole number of nodes (or fewer than one node)")
+    ap.add_argument("--gpus-per-node", type=up_to(LIMITS["gpus-per-node"]), default=8)
     ap.add_argument("--hbm-gb", type=positive_float, default=80.0, help="memory per GPU (H100: 80)")
     ap.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--intra-gbs", type=positive_float, default=450.0, help="NVLink GB/s per direction per GPU")
@@ -138,9 +147,10 @@ def main(argv=None):
     ap.add_argument("--host-us", type=nonnegative_float, default=0.0,
                     help="host microseconds per dispatched op where the host is the device (a CPU cluster; "
                     "python -m bench.cluster measures it); 0: a GPU hides them")
-    ap.add_argument("--seq-len", type=positive_int, help="default: the preset's")
-    ap.add_argument("--global-batch-tokens", type=positive_int, help="default: 0.5M-16M tokens by model size")
-    ap.add_argument("--top", type=positive_int, default=10)
+    ap.add_argument("--seq-len", type=up_to(LIMITS["seq-len"]), help="default: the preset's")
+    ap.add_argument("--global-batch-tokens", type=up_to(LIMITS["global-batch-tokens"]),
+                    help="default: 0.5M-16M tokens by model size")
+    ap.add_argument("--top", type=up_to(LIMITS["top"]), default=10)
     ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
     ap.add_argument("--code", default="reference", choices=CODES,
                     help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
