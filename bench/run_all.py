@@ -103,7 +103,7 @@ TESTED = {
 class Script:
     module: str                  # run as `python -m MODULE` from the repository root
     items: list                  # lab items it answers
-    seconds: int                 # what it takes on a quiet 2-core machine (a GPU script: on the GPU node), measured
+    seconds: int                 # what it takes on a quiet 2-core machine, measured (a GPU script: its bound)
     args: list = field(default_factory=list)
     quick: tuple = None          # (args, seconds) of its smoke-test run for --quick (on CPU); None: not in --quick
     gpu_only: bool = False
@@ -135,7 +135,8 @@ class Script:
 QUICK = ["--quick"]
 PLAN_405B = ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"]
 PLAN_L15 = ["--model", "llama3-8b", "--gpus", "64", "--compare-fsdp-scope"]  # the planner takes seconds: --quick too
-# One entry per script, with its defaults. seconds: measured on a quiet 2-core machine (bench/README.md).
+# One entry per script, with its defaults. seconds: measured on 2 CPU cores (bench/README.md); the GPU scripts' are
+# their bounds (bench.gpu ends within 10 minutes), as none has run on a GPU yet.
 REGISTRY = [
     Script("bench.labs.precision", ["L1", "L2", "L3", "L4"], 70, quick=(QUICK, 25)),
     Script("bench.labs.loader_stall", ["L11"], 20, quick=(QUICK, 15)),
@@ -276,8 +277,8 @@ def write_index(results, answers, statuses):
     sources = {s.module: s.source for s in REGISTRY}
     for item, question in QUESTIONS.items():
         scripts = list(dict.fromkeys(sources[s.module] for s in REGISTRY if item in s.items and sources[s.module]))
-        where = scripts + [m for m in mentions(item) if m not in scripts and not any(m.startswith(f"{d}")
-                                                                                   for d in scripts if d[-1] == "/")]
+        folders = tuple(d for d in scripts if d.endswith("/"))  # a room's files are named by its folder
+        where = scripts + [m for m in mentions(item) if m not in scripts and not m.startswith(folders)]
         if item in answers:
             a = answers[item]
             text = f"{a['text']} ({a['script']}, {a['date']})"

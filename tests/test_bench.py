@@ -197,11 +197,12 @@ def test_pp_draw_refuses_a_drawing_too_large_to_read_in_one_line(flags, named, c
     assert pp_draw.main(["--pp", str(pp_draw.MAX_P), "--microbatches", "8"]) == 0  # the bounds themselves draw
 
 
-def test_run_all_refuses_what_it_cannot_run_in_one_line(capsys):
+def test_run_all_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
     for argv in (["--only", "nosuchscript"], ["--budget-min", "-5"], ["--budget-scale", "0"]):
-        assert run_all.main(argv) == 2
+        assert run_all.main([*argv, "--results", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: --"), err
+    assert not any(tmp_path.iterdir())  # refused before anything ran or was written
 
 
 def test_run_all_registry_covers_the_measured_items():

@@ -20,6 +20,7 @@ from bench.planner.layout import Cluster, Layout, Shape, parse_layout
 from bench.planner.plan import error_bars
 from bench.planner.search import evaluate
 from bench.planner.step_time import rates, shape_step_time
+from config import OneLineParser, UsageError
 from model import PRESETS, flops_per_token
 
 PEAK = 989.0  # H100 SXM dense bf16 TF/s, the peak torchtitan's and Llama 3's MFU divide by
@@ -85,7 +86,12 @@ def best(cfg, cl, seq, batch, mesh, code):
     return found
 
 
-def main():
+def main(argv=None):
+    try:
+        OneLineParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no flags but --help
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     k = {name: scale(8, c, sac) for name, c, sac in (("compiled", True, False), ("eager", False, False),
                                                       ("compiled, recompute priced", True, True))}
     print("COMPUTE_OURS and its range, from torchtitan's Llama 3.1 8B on 8 H100s (factors.py holds them):")
