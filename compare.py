@@ -8,11 +8,11 @@ One row per run: final train and val loss, median tokens/s and MFU (the first st
 and a column for every flag whose value is not the same in all of them (a flag a run leaves at its default shows as
 "-"). A run that wrote no summary (killed, or still running) is one line on stderr, exit 2.
 
---plot FILE.png draws four panels, one curve per run, labelled by the flags that differ: train loss and val loss
-against steps, with the tokens seen on the top axis (against tokens instead where the runs' batches differ), then
-tokens/s and peak memory against steps. A step run twice (a resume from an earlier save) is drawn as its last run.
-matplotlib is a tooling dependency (requirements-dev.txt): without it the table still prints; training never imports
-this file.
+--plot FILE.png draws four panels, one curve per run, labelled by the flags it sets of those that differ (with the
+run's folder name where two runs share a label): train loss and val loss against steps, with the tokens seen on the
+top axis (against tokens instead where the runs' batches differ), then tokens/s and peak memory against steps. A step
+run twice (a resume from an earlier save) is drawn as its last run. matplotlib is a tooling dependency
+(requirements-dev.txt): without it the table still prints; training never imports this file.
 """
 import argparse
 import sys
@@ -33,6 +33,7 @@ SUMMARY = {"run": (str,), "steps": (int,), "loss": NUMBER, "val_loss": NUMBER + 
            "wall_s": NUMBER, "flags": (dict,)}  # what a summary holds (train.run_summary), and its types
 ROW = {"step": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),), "tokens": NUMBER, "tok_s": NUMBER,
        "mem_gb": NUMBER + (type(None),)}  # what a step row holds that the plot draws
+STYLES = ["-", "--", ":", "-."]
 PANELS = [("train loss", "loss"), ("val loss", "val_loss"), ("tokens/s", "tok_s"), ("peak memory GB", "mem_gb")]
 
 
@@ -90,7 +91,8 @@ def plot(paths, out):
     """Draws the runs' curves into the PNG `out`; returns the Figure (its axes in PANELS' order)."""
     runs = [read_run(p, rows_too=True) for p in paths]
     differ = differing([s for s, _ in runs])
-    labels = [" ".join(f"--{k} {s['flags'].get(k, '-')}" for k in differ) or s["run"] for s, _ in runs]
+    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults" for s, _ in runs]
+    labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x for x, (s, _) in zip(labels, runs)]
     batches = {r["tokens"] for _, rows in runs for r in rows}  # tokens per step
     per_step = next(iter(batches)) if len(batches) == 1 else None  # None: the runs' batches differ
     fig = Figure(figsize=(12, 8), layout="constrained")
@@ -98,11 +100,12 @@ def plot(paths, out):
     for ax, (title, key) in zip(axes, PANELS):
         loss = key in ("loss", "val_loss")
         x_tokens = loss and per_step is None
-        for (_, rows), label in zip(runs, labels):
+        for i, ((_, rows), label) in enumerate(zip(runs, labels)):
             points = [(r["step"] * r["tokens"] if x_tokens else r["step"], r[key]) for r in rows
                       if r.get(key) is not None]  # tokens seen: each run's batch is the same every step
             if points:
-                ax.plot(*zip(*points), marker="o" if key == "val_loss" else None, markersize=3, label=label)
+                ax.plot(*zip(*points), STYLES[i % len(STYLES)], marker="o" if key == "val_loss" else None,
+                        markersize=3, label=label)  # a style per run: curves that coincide stay visible
         ax.set_title(title)
         ax.set_xlabel("tokens" if x_tokens else "step")
         ax.grid(alpha=0.3)

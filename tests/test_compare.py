@@ -41,7 +41,7 @@ def test_the_table_shows_the_flags_that_differ(tmp_path, capsys):
 
 
 def test_plot_draws_one_curve_per_run_in_every_panel(tmp_path, capsys):
-    runs = [write_run(tmp_path / "a", {"lr": 0.003}), write_run(tmp_path / "b", {"lr": 0.001}, loss0=4.0),
+    runs = [write_run(tmp_path / "a", {}), write_run(tmp_path / "b", {"lr": 0.001}, loss0=4.0),
             write_run(tmp_path / "c", {"lr": 0.001, "ckpt": "full"}, mem=0.1)]
     png = tmp_path / "runs.png"
     assert compare.main([*map(str, runs), "--plot", str(png)]) == 0
@@ -49,11 +49,19 @@ def test_plot_draws_one_curve_per_run_in_every_panel(tmp_path, capsys):
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1200, 800)
     fig = compare.plot(runs, tmp_path / "again.png")
-    labels = ["--ckpt - --lr 0.003", "--ckpt - --lr 0.001", "--ckpt full --lr 0.001"]
+    labels = ["defaults", "--lr 0.001", "--ckpt full --lr 0.001"]  # the flags each sets of those that differ
     assert curves(fig) == {title: labels for title, _ in compare.PANELS}
     train_loss, val_loss = fig.axes[0].get_lines(), fig.axes[1].get_lines()
     assert [len(line.get_xdata()) for line in train_loss] == [20] * 3 and len(val_loss[0].get_xdata()) == 4
+    assert len({line.get_linestyle() for line in train_loss}) == 3  # curves that coincide stay visible
     assert fig.axes[0].get_xlabel() == "step" and fig.axes[0].child_axes[0].get_xlabel() == "tokens"
+
+
+def test_runs_that_share_a_label_are_told_apart_by_their_folder(tmp_path):
+    runs = [write_run(tmp_path / "a", {"lr": 0.001}), write_run(tmp_path / "b", {"lr": 0.001}),
+            write_run(tmp_path / "c", {})]
+    fig = compare.plot(runs, tmp_path / "runs.png")
+    assert curves(fig)["train loss"] == ["--lr 0.001 (a)", "--lr 0.001 (b)", "defaults"]
 
 
 def test_runs_of_different_batches_are_drawn_against_tokens(tmp_path):
