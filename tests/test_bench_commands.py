@@ -72,3 +72,12 @@ def test_the_drawings_in_bench_readme_are_what_their_commands_print(module):
 def test_make_bench_and_bench_quick_call_run_all():
     recipes = re.findall(r"^(bench(?:-quick)?):.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M)
     assert dict(recipes) == {"bench": "$(PY) -m bench.run_all", "bench-quick": "$(PY) -m bench.run_all --quick"}
+
+
+def test_a_result_file_is_headed_by_the_command_that_makes_it(tmp_path):
+    """Each lab answer keeps its command: the module form a person reruns, without the --out it was written to."""
+    done = subprocess.run([sys.executable, "-m", "bench.labs.mfu_sweep", "--flops-only", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "L21_flops_per_step.md").read_text().splitlines()
+    assert lines[2] == "Command: `python -m bench.labs.mfu_sweep --flops-only`  "
