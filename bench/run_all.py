@@ -13,9 +13,9 @@ scripts and tests that answer it, and the latest measured answer (kept in answer
 that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster) without root
 (CAP_NET_ADMIN) likewise; a script that is not in this tree is reported as missing.
 
-Script.seconds is what a script takes on a quiet 2-core machine (or the GPU node, for a GPU script), measured; the
-first line sums them for the scripts about to run. Budgets guard against hangs; they are not a pass mark: a script
-gets BUDGET_FACTOR times its seconds (--budget-scale stretches them all, for a loaded machine). A script still running
+Script.seconds is what a script takes on a quiet 2-core machine, measured (a GPU script's: its bound); the first line
+sums them for the scripts about to run. Budgets guard against hangs; they are not a pass mark: a script gets
+BUDGET_FACTOR times its seconds, and at least MIN_BUDGET_S (--budget-scale stretches them all). A script still running
 at its budget is "over budget": if it has written something by then (a table, an ANSWER line) it is stopped there
 and what it wrote is kept; if not, it may run on to HANG_FACTOR times its budget (at most HARD_CEILING_S). Only a
 crash (a nonzero exit) or a hang (still running at that limit: killed) fails the run, with exit status 1;
@@ -163,6 +163,7 @@ REGISTRY = [
 
 ANSWER_RE = re.compile(r"^" + re.escape(common.ANSWER_PREFIX) + r"(L\d+): (.*)$")
 BUDGET_FACTOR = 3  # a script is over budget at this many times its seconds
+MIN_BUDGET_S = 240  # and never sooner: on a loaded machine start-up alone (torch, the ranks) can take minutes
 HANG_FACTOR = 3  # a script with nothing written yet may run this many budgets before it counts as hung
 HARD_CEILING_S = 60 * 60  # and never longer than this
 FAILED = ("failed", "hung")  # statuses that fail the run; "over budget" does not
@@ -378,8 +379,9 @@ def main(argv=None):
                 print(f"{head}: SKIPPED, {why}", flush=True)
                 statuses.append((s, argv_s, f"skipped: {why}", 0.0))
                 continue
-            budget = min(BUDGET_FACTOR * seconds * args.budget_scale, deadline - time.perf_counter())
-            hang = min(HANG_FACTOR * BUDGET_FACTOR * seconds * args.budget_scale, HARD_CEILING_S)
+            full = max(BUDGET_FACTOR * seconds, MIN_BUDGET_S) * args.budget_scale
+            budget = min(full, deadline - time.perf_counter())
+            hang = min(HANG_FACTOR * full, HARD_CEILING_S)
             print(f"{head}: started, python -m {s.module} {' '.join(argv_s)}".rstrip()
                   + f" (usually {minutes(seconds)}, stopped at {budget:.0f} s)", flush=True)
             status, took, got, files = run_script(s, argv_s, results, budget, hang)
