@@ -19,7 +19,7 @@ GPT2   := --model small --dtype bf16 --compile --steps 9536 --global-batch 512 -
           --min-lr 0 --warmup 250 --schedule wsd --warmdown 2000 --eval-every 250 --eval-tokens 10485760 \
           --target-loss 3.28 --log-every 50 --save-every 1000
 
-.PHONY: install install-dev train gpt2 sample test test-core bench lint clean
+.PHONY: install install-dev train gpt2 sample test test-core bench bench-quick lint clean
 
 $(VENV)/.run: requirements.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -67,8 +67,14 @@ test: install-dev
 test-core: install-dev
 	$(PY) -m pytest -q $(addprefix tests/,$(addsuffix .py,$(CORE)))
 
+# Every bench script this machine can run, a line as each starts and ends, tables into bench/results (about 18 minutes
+# on 2 quiet CPU cores, 4 more as root for the emulated cluster); bench-quick: each at smoke-test sizes, into
+# out/bench-quick (about 5 minutes).
 bench: install-dev data/pystdlib/meta.json
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
+
+bench-quick: install-dev data/pystdlib/meta.json
+	$(PY) -m bench.run_all --quick
 
 lint: install-dev
 	$(PY) -m ruff check .

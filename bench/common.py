@@ -6,7 +6,7 @@ the hardware, so a number in the README can always be traced back and re-run:
     common.write_result(args.out, "L3_matmul_alignment", "L3: ...", header, rows, notes=[...])
     common.answer("L3", "8191 runs at 0.62x the speed of 8192")   # run_all.py collects these lines
 
-A bench script is run as `python bench/NAME.py`; it puts the repository root on sys.path itself.
+A bench script runs from the repository root as a module: `python -m bench.labs.NAME`.
 """
 import datetime
 import os
@@ -24,14 +24,13 @@ import config
 import launch
 import model as M
 import train
+from config import DTYPES
 from data.prepare import prepare
 from machine import PEAK_TFLOPS
 from parallel.materialize import init_weights
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}  # fp8: bf16 autocast with the block matmuls in fp8 (fp8.py), as train.py --dtype fp8
 QUICK_MODEL = dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=64)  # --quick: a one-layer GPT
 ANSWER_PREFIX = "ANSWER "  # `ANSWER L3: text` on stdout is the headline answer of lab item L3
 
@@ -71,18 +70,17 @@ def hardware_line(backend=None):
 
 
 def command_line(argv=None):
-    """The command that reproduces this run, relative to the repository root (without --out)."""
-    script = Path(sys.argv[0]).resolve()
-    try:
-        script = script.relative_to(REPO)
-    except ValueError:
-        pass
+    """The command that reproduces this run, from the repository root (without --out): `python -m MODULE ARGS`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # None: run as a file, not with -m
+    path = Path(sys.argv[0]).resolve()
+    script = ["-m", spec.name.removesuffix(".__main__")] if spec else [
+        str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)]
     args = list(sys.argv[1:] if argv is None else argv)
     if "--out" in args[:-1]:  # where the tables go does not change them
         i = args.index("--out")
         del args[i:i + 2]
     args = [a for a in args if not a.startswith("--out=")]
-    return shlex.join(["python", str(script), *args])
+    return shlex.join(["python", *script, *args])
 
 
 def markdown_table(header, rows):

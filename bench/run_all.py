@@ -1,29 +1,33 @@
 """`make bench`: run every bench script that fits this machine, then index the lab checklist L1-L28.
 
-    python bench/run_all.py                 # everything CPU-feasible, each script under a generous budget
-    python bench/run_all.py --only precision.py --only collectives.py
-    python bench/run_all.py --list          # the registry, without running anything
+    python -m bench.run_all            # everything this machine can run: about 18 minutes on 2 quiet CPU cores
+    python -m bench.run_all --quick    # every script at smoke-test sizes, into out/bench-quick: about 5 minutes
+    python -m bench.run_all --only precision --only collective_bandwidth
+    python -m bench.run_all --list     # the registry and each script's time, without running anything
 
-Each script runs in its own process group with --out set to the results folder (--results, default
-bench/results); its output goes to logs/NAME.log there, and the lines `ANSWER Lk: text` it prints
-(bench/common.answer) are the headline answers. INDEX.md lists L1-L28: the question, the scripts and
-tests that answer it, and the latest measured answer (kept in answers.json across partial runs). Scripts
-that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster.py) without root
-(CAP_NET_ADMIN) likewise; a script that has not landed yet is reported as missing.
+Each script runs as `python -m MODULE` in its own process group, with --out set to the results folder (--results,
+default bench/results); its output goes to logs/NAME.log there, and the lines `ANSWER Lk: text` it prints
+(bench/common.answer) are the headline answers. One line says when a script starts (its usual time, its budget, its
+log) and one when it ends (its status, its seconds, the tables it wrote). INDEX.md lists L1-L28: the question, the
+scripts and tests that answer it, and the latest measured answer (kept in answers.json across partial runs). Scripts
+that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster) without root
+(CAP_NET_ADMIN) likewise; a script that is not in this tree is reported as missing.
 
-Budgets guard against hangs; they are not a pass mark. Each is generous (several times what the script
-takes on an idle machine; --budget-scale stretches them all). A script still running at its budget is
-"over budget": if it has written something by then (a table, an ANSWER line) it is stopped there and what
-it wrote is kept; if not, it may run on to HANG_FACTOR times its budget (at most HARD_CEILING_S). Only a
+Script.seconds is what a script takes on a quiet 2-core machine, measured (a GPU script's: its bound); the first line
+sums them for the scripts about to run. Budgets guard against hangs; they are not a pass mark: a script gets
+BUDGET_FACTOR times its seconds, and at least MIN_BUDGET_S (--budget-scale stretches them all). A script still running
+at its budget is "over budget": if it has written something by then (a table, an ANSWER line) it is stopped there
+and what it wrote is kept; if not, it may run on to HANG_FACTOR times its budget (at most HARD_CEILING_S). Only a
 crash (a nonzero exit) or a hang (still running at that limit: killed) fails the run, with exit status 1;
 over-budget scripts are reported as such in INDEX.md and the run exits 0. --budget-min stops starting
 scripts after that many minutes (and stops the one running then, if it has written something).
 """
-import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common  # noqa: E402
-from bench.cluster_net import can_admin_net  # noqa: E402
+from bench import common
+from bench.cluster.net import can_admin_net
+from config import OneLineParser, UsageError, positive_float
 
 QUESTIONS = {
     "L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
@@ -97,50 +101,71 @@ TESTED = {
 
 @dataclass
 class Script:
-    path: str                    # relative to the repository root
+    module: str                  # run as `python -m MODULE` from the repository root
     items: list                  # lab items it answers
-    budget_s: int                # over budget past this (stopped if it wrote something); hung at HANG_FACTOR x
+    seconds: int                 # what it takes on a quiet 2-core machine, measured (a GPU script: its bound)
     args: list = field(default_factory=list)
+    quick: tuple = None          # (args, seconds) of its smoke-test run for --quick (on CPU); None: not in --quick
     gpu_only: bool = False
     net_admin: bool = False      # makes network namespaces (needs root or CAP_NET_ADMIN)
-    name: str = ""               # log name (defaults to the file name)
+    name: str = ""               # log name (defaults to the module's last part)
     takes_out: bool = True       # accepts --out DIR (run_all passes its results folder)
 
     @property
     def label(self):
-        return self.name or Path(self.path).stem
+        return self.name or self.module.rsplit(".", 1)[-1]
+
+    @property
+    def source(self):
+        """The file or folder it runs, from the repository root, or None where this tree has no such module."""
+        try:
+            spec = importlib.util.find_spec(self.module)
+        except ImportError:
+            return None
+        if spec is None or spec.origin is None:
+            return None
+        path = Path(spec.origin)
+        path = path.parent if path.name == "__init__.py" else path
+        try:
+            return path.relative_to(common.REPO).as_posix() + "/" * path.is_dir()
+        except ValueError:
+            return str(path)
 
 
-# One entry per script; colleagues' scripts run with their defaults. Budgets: several times an idle machine's time.
+QUICK = ["--quick"]
+PLAN_405B = ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"]
+PLAN_L15 = ["--model", "llama3-8b", "--gpus", "64", "--compare-fsdp-scope"]  # the planner takes seconds: --quick too
+# One entry per script, with its defaults. seconds: measured on 2 CPU cores (bench/README.md); the GPU scripts' are
+# their bounds (bench.gpu ends within 10 minutes), as none has run on a GPU yet.
 REGISTRY = [
-    Script("bench/precision.py", ["L1", "L2", "L3", "L4"], 480),
-    Script("bench/loader_stall.py", ["L11"], 240),
-    Script("bench/collectives.py", ["L12"], 240),
-    Script("bench/mfu_sweep.py", ["L20", "L21", "L22", "L23", "L24"], 600),
-    Script("bench/plan.py", ["L24", "L28"], 120,
-           ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--seq-len", "131072"],
-           takes_out=False),
-    Script("bench/plan.py", ["L15"], 120, ["--model", "llama3-8b", "--gpus", "64", "--compare-fsdp-scope"],
-           name="plan_fsdp_scope", takes_out=False),
-    Script("bench/vs_torch.py", ["L8"], 300),
-    Script("bench/dp_memory.py", ["L13", "L14"], 240),
-    Script("bench/ddp_buckets.py", ["L9", "L10"], 240),
-    Script("bench/ckpt_memory.py", ["L17", "L18", "L20"], 300),
-    Script("bench/pp_bubble.py", ["L26"], 900),  # five schedules, M = 8 and 16
+    Script("bench.labs.precision", ["L1", "L2", "L3", "L4"], 70, quick=(QUICK, 25)),
+    Script("bench.labs.loader_stall", ["L11"], 20, quick=(QUICK, 15)),
+    Script("bench.labs.collective_bandwidth", ["L12"], 30, quick=(QUICK + ["--target-s", "0.01"], 15)),
+    Script("bench.labs.mfu_sweep", ["L20", "L21", "L22", "L23", "L24"], 170, quick=(QUICK, 20)),
+    Script("bench.planner", ["L24", "L28"], 10, PLAN_405B, quick=(PLAN_405B, 10), name="plan", takes_out=False),
+    Script("bench.planner", ["L15"], 10, PLAN_L15, quick=(PLAN_L15, 10), name="plan_fsdp_scope", takes_out=False),
+    Script("bench.vs_torch", ["L8"], 90, quick=(QUICK, 30)),
+    Script("bench.labs.dp_memory", ["L13", "L14"], 15, quick=(QUICK, 15)),
+    Script("bench.labs.ddp_buckets", ["L9", "L10"], 45, quick=(QUICK, 20)),
+    Script("bench.labs.ckpt_memory", ["L17", "L18", "L20"], 45, quick=(QUICK, 15)),
+    Script("bench.labs.pp_bubble", ["L26"], 560, quick=(QUICK, 45)),  # five schedules, M = 8 and 16
     # L12 and L15 across emulated nodes (network namespaces, shaped links); its answers replace the loopback ones
-    Script("bench/cluster.py", ["L12", "L15"], 600, net_admin=True),
-    Script("bench/ring_vs_sdpa.py", ["L25"], 240, gpu_only=True),  # the bf16 flash kernels
-    Script("bench/gpu.py", ["L22"], 1080, gpu_only=True),  # one GPU: ours vs Hugging Face, kernels, ring (< 8 min)
+    Script("bench.cluster", ["L12", "L15"], 240, net_admin=True),
+    Script("bench.labs.ring_vs_sdpa", ["L25"], 60, gpu_only=True, quick=(["--cpu-smoke"], 15)),  # bf16 flash kernels
+    # one GPU: ours vs Hugging Face, kernels, ring; --smoke runs every part of it on CPU
+    Script("bench.gpu", ["L22"], 600, gpu_only=True, quick=(["--smoke"], 60)),
     # GPU only: the small preset with and without full checkpointing (L20 on real hardware).
-    Script("bench/mfu_sweep.py", ["L20", "L23"], 600, ["--model", "small", "--layout", "ckpt none=1:",
-                                                       "--layout", "ckpt full=1:--ckpt full", "--micro-batches", "8",
-                                                       "--name", "L20_ckpt_small_gpu"],
+    Script("bench.labs.mfu_sweep", ["L20", "L23"], 200, ["--model", "small", "--layout", "ckpt none=1:",
+                                                          "--layout", "ckpt full=1:--ckpt full", "--micro-batches",
+                                                          "8", "--name", "L20_ckpt_small_gpu"],
            gpu_only=True, name="mfu_sweep_ckpt_gpu"),
 ]
 
 ANSWER_RE = re.compile(r"^" + re.escape(common.ANSWER_PREFIX) + r"(L\d+): (.*)$")
+BUDGET_FACTOR = 3  # a script is over budget at this many times its seconds
+MIN_BUDGET_S = 240  # and never sooner: on a loaded machine start-up alone (torch, the ranks) can take minutes
 HANG_FACTOR = 3  # a script with nothing written yet may run this many budgets before it counts as hung
-HARD_CEILING_S = 45 * 60  # and never longer than this
+HARD_CEILING_S = 60 * 60  # and never longer than this
 FAILED = ("failed", "hung")  # statuses that fail the run; "over budget" does not
 
 
@@ -155,23 +180,29 @@ def written(results, since=None):
     return {p: t for p, t in files.items() if since is None or since.get(p) != t}
 
 
-def run_script(script, results, budget_s, hang_s=None):
-    """Runs one script in its own session; returns (status, seconds, {item: answer}). Past budget_s it is over
-    budget: stopped there if it has written a result file or an ANSWER line, else left to run until hang_s
-    (default HANG_FACTOR x budget_s, at most HARD_CEILING_S), where it is killed as hung."""
+def shown(path):
+    """A path as a person reads it: from the repository root where it lies inside it."""
+    path = Path(path).resolve()
+    return path.relative_to(common.REPO).as_posix() if path.is_relative_to(common.REPO) else str(path)
+
+
+def run_script(script, argv, results, budget_s, hang_s=None):
+    """Runs `python -m script.module *argv` in its own session; returns (status, seconds, {item: answer}, [files it
+    wrote]). Past budget_s it is over budget: stopped there if it has written a result file or an ANSWER line, else
+    left to run until hang_s (default HANG_FACTOR x budget_s, at most HARD_CEILING_S), where it is killed as hung."""
     hang_s = max(budget_s, min(HANG_FACTOR * budget_s, HARD_CEILING_S) if hang_s is None else hang_s)
     before = written(results)
     log_dir = Path(results) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{script.label}.log"
-    cmd = [sys.executable, script.path, *script.args, *(["--out", str(results)] if script.takes_out else [])]
+    out = ["--out", str(results)] if script.takes_out else []
     answers = {}
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
+        log.write(f"$ {shlex.join(['python', '-m', script.module, *argv, *out[:1], *map(shown, out[1:])])}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=common.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", script.module, *argv, *out], cwd=common.REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
         def pump():
             for line in proc.stdout:
@@ -204,7 +235,8 @@ def run_script(script, results, budget_s, hang_s=None):
             status = (f"failed (exit {rc})" if rc != 0 else
                       "ok" if seconds <= budget_s else f"over budget: finished (budget {budget_s:.0f} s)")
         reader.join(timeout=10)
-    return status, time.perf_counter() - start, answers
+    files = sorted(f.relative_to(results).as_posix() for f in written(results, before))
+    return status, time.perf_counter() - start, answers, files
 
 
 def stop(proc):
@@ -226,12 +258,12 @@ def mentions(item):
     pattern = re.compile(rf"\b{item}\b")
     found = []
     for folder in ("tests", "bench", "parallel"):
-        for path in sorted((common.REPO / folder).glob("*.py")):
+        for path in sorted((common.REPO / folder).rglob("*.py")):
             if path.name in ("run_all.py", "common.py", "test_bench.py"):  # they name every item
                 continue
             try:
                 if pattern.search(path.read_text(errors="replace")):
-                    found.append(f"{folder}/{path.name}")
+                    found.append(path.relative_to(common.REPO).as_posix())
             except OSError:
                 pass
     return found
@@ -239,14 +271,15 @@ def mentions(item):
 
 def write_index(results, answers, statuses):
     lines = ["# Lab checklist L1-L28: where each item is answered", "",
-             f"Updated {datetime.date.today().isoformat()} by `python bench/run_all.py` on {common.hardware_line()}. "
+             f"Updated {datetime.date.today().isoformat()} by `python -m bench.run_all` on {common.hardware_line()}. "
              "Answers are the headline lines the scripts printed (`ANSWER Lk: ...`); the full tables are the "
              "other files in this folder, the raw output is in logs/.", "",
              "| item | question | answered by | answer |", "|---|---|---|---|"]
+    sources = {s.module: s.source for s in REGISTRY}
     for item, question in QUESTIONS.items():
-        scripts = [s.path for s in REGISTRY if item in s.items and (common.REPO / s.path).exists()]
-        scripts = list(dict.fromkeys(scripts))
-        where = scripts + [m for m in mentions(item) if m not in scripts]
+        scripts = list(dict.fromkeys(sources[s.module] for s in REGISTRY if item in s.items and sources[s.module]))
+        folders = tuple(d for d in scripts if d.endswith("/"))  # a room's files are named by its folder
+        where = scripts + [m for m in mentions(item) if m not in scripts and not m.startswith(folders)]
         if item in answers:
             a = answers[item]
             text = f"{a['text']} ({a['script']}, {a['date']})"
@@ -255,87 +288,115 @@ def write_index(results, answers, statuses):
         elif item in TESTED and any(w.startswith("parallel/") for w in where):
             text = f"documented in the code: {TESTED[item][1]}"
         elif item in TESTED:
-            text = f"pending: expected in {TESTED[item][0]}, not on main yet"
+            text = f"pending: expected in {TESTED[item][0]}, not in this tree"
         else:
-            missing = [s.path for s in REGISTRY if item in s.items and not (common.REPO / s.path).exists()]
+            missing = [s.module for s in REGISTRY if item in s.items and not sources[s.module]]
             logs = [f"logs/{s.label}.log" for s in REGISTRY
                     if item in s.items and (Path(results) / "logs" / f"{s.label}.log").exists()]
             if logs:
                 text = f"ran, printed no headline: see {', '.join(logs)}"
             else:
-                text = "not measured yet" + (f" ({', '.join(missing)} not on main)" if missing else
+                text = "not measured yet" + (f" ({', '.join(missing)} not in this tree)" if missing else
                                              " (run `make bench`)")
         lines.append(f"| {item} | {question} | {', '.join(where) or '-'} | {text.replace('|', chr(92) + '|')} |")
     if statuses:
-        lines += ["", "## Last run", "", "| script | items | status | seconds |", "|---|---|---|---|"]
-        lines += [f"| {s.path} {' '.join(s.args)} | {', '.join(s.items)} | {st} | {sec:.0f} |"
-                  for s, st, sec in statuses]
+        lines += ["", "## Last run", "", "| command | items | status | seconds |", "|---|---|---|---|"]
+        lines += [f"| python -m {s.module} {' '.join(argv)} | {', '.join(s.items)} | {st} | {sec:.0f} |"
+                  for s, argv, st, sec in statuses]
     path = Path(results) / "INDEX.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+def minutes(seconds):
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def selected(only):
+    """The registry's scripts that --only names (by module, its last part or the log name), or UsageError naming
+    the first name that matches none."""
+    def names(s):
+        return {s.module, s.module.rsplit(".", 1)[-1], s.label, f"{s.label}.py"}
+    for o in only or []:
+        if not any(o in names(s) for s in REGISTRY):
+            raise UsageError(f"--only: no script is called {o!r} (python -m bench.run_all --list shows them)")
+    return [s for s in REGISTRY if not only or any(o in names(s) for o in only)]
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", action="append", help="run only scripts whose file name or label matches (repeatable)")
+    p = OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", action="append", help="run only the scripts of this name (repeatable; --list shows them)")
     p.add_argument("--list", action="store_true", help="print the registry and exit")
-    p.add_argument("--budget-min", type=float, default=29.0,
+    p.add_argument("--quick", action="store_true",
+                   help="every script's smoke-test run (on CPU), into out/bench-quick unless --results says where")
+    p.add_argument("--budget-min", type=positive_float, default=29.0,
                    help="stop starting scripts after this many minutes (and the running one, if it wrote something)")
-    p.add_argument("--results", default=str(common.RESULTS), help="results folder (INDEX.md, answers.json, logs/)")
+    p.add_argument("--results", help="results folder (INDEX.md, answers.json, logs/); default bench/results")
     p.add_argument("--index-only", action="store_true", help="rebuild INDEX.md from answers.json, run nothing")
-    p.add_argument("--budget-scale", type=float, default=1.0,
+    p.add_argument("--budget-scale", type=positive_float, default=1.0,
                    help="multiply every script's budget (a slow or shared machine); --budget-min still caps the run")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+        todo = selected(args.only)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     gpu = common.has_cuda()
     if args.list:
         for s in REGISTRY:
-            state = "present" if (common.REPO / s.path).exists() else "missing"
-            print(f"{s.path:26s} {','.join(s.items):22s} {s.budget_s:4d} s  {'GPU only  ' if s.gpu_only else ''}"
-                  f"{state}  {' '.join(s.args)}")
+            quick = f"--quick {s.quick[1]:3d} s" if s.quick else ""
+            flags = ("GPU only " if s.gpu_only else "") + ("root " if s.net_admin else "") + ("missing" if not
+                                                                                             s.source else "")
+            print(f"{s.label:20s} {','.join(s.items):19s} {s.seconds:4d} s  {quick:13s}  {flags:9s} "
+                  f"python -m {s.module} {' '.join(s.args)}".rstrip())
         return 0
-    results = Path(args.results)
+    results = Path(args.results or (common.REPO / "out" / "bench-quick" if args.quick else common.RESULTS))
     results.mkdir(parents=True, exist_ok=True)
     answers_path = results / "answers.json"
     answers = json.loads(answers_path.read_text()) if answers_path.exists() else {}
     statuses, failed = [], False
     if not args.index_only:
-        todo = [s for s in REGISTRY if not args.only or any(o in (s.path, Path(s.path).name, s.label)
-                                                             for o in args.only)]
-        deadline = time.perf_counter() + args.budget_min * 60
-        print(f"run_all: {len(todo)} scripts on {common.hardware_line()}; results in {results}", flush=True)
-        for i, s in enumerate(todo, 1):
-            head = f"[{i}/{len(todo)}] {s.path} {' '.join(s.args)}".rstrip()
-            if s.gpu_only and not gpu:
-                print(f"{head}: SKIPPED, needs a GPU (none visible); answers {', '.join(s.items)} on a GPU node",
-                      flush=True)
-                statuses.append((s, "skipped: needs a GPU", 0.0))
+        plan = []  # (script, its arguments, its seconds) of each script that will run, or the reason it will not
+        for s in todo:
+            if args.quick and not s.quick:
                 continue
-            if s.net_admin and not can_admin_net():
-                print(f"{head}: SKIPPED, needs root (CAP_NET_ADMIN) for network namespaces", flush=True)
-                statuses.append((s, "skipped: needs root (CAP_NET_ADMIN)", 0.0))
+            argv_s, seconds = s.quick if args.quick else (s.args, s.seconds)
+            why = ("needs a GPU (none visible); answers " + ", ".join(s.items) + " on a GPU node"
+                   if s.gpu_only and not gpu and not args.quick else
+                   "needs root (CAP_NET_ADMIN) for network namespaces" if s.net_admin and not can_admin_net() else
+                   "missing: no such module in this tree" if not s.source else None)
+            plan.append((s, argv_s, seconds, why))
+        stated = sum(seconds for _, _, seconds, why in plan if why is None)
+        deadline, t0 = time.perf_counter() + args.budget_min * 60, time.perf_counter()
+        print(f"run_all{' --quick' if args.quick else ''}: {sum(why is None for *_, why in plan)} scripts, about "
+              f"{minutes(stated)} on a quiet 2-core machine, on {common.hardware_line()}; tables into "
+              f"{shown(results)}, output into {shown(results / 'logs')}", flush=True)
+        for i, (s, argv_s, seconds, why) in enumerate(plan, 1):
+            head = f"[{i}/{len(plan)}] {s.label}"
+            if why is None and deadline - time.perf_counter() < 30:
+                why = f"the {args.budget_min:g}-minute budget is spent"
+            if why:
+                print(f"{head}: SKIPPED, {why}", flush=True)
+                statuses.append((s, argv_s, f"skipped: {why}", 0.0))
                 continue
-            if not (common.REPO / s.path).exists():
-                print(f"{head}: MISSING, not on main yet", flush=True)
-                statuses.append((s, "missing: not on main yet", 0.0))
-                continue
-            left = deadline - time.perf_counter()
-            if left < 30:
-                print(f"{head}: SKIPPED, the {args.budget_min:g}-minute budget is spent", flush=True)
-                statuses.append((s, "skipped: total budget spent", 0.0))
-                continue
-            budget = min(s.budget_s * args.budget_scale, left)
-            hang = min(HANG_FACTOR * s.budget_s * args.budget_scale, HARD_CEILING_S)
-            print(f"{head}: running (budget {budget:.0f} s, hung at {max(hang, budget):.0f} s; "
-                  f"log {results / 'logs' / s.label}.log)", flush=True)
-            status, seconds, got = run_script(s, results, budget, hang)
-            print(f"{head}: {status} in {seconds:.0f} s", flush=True)
+            full = max(BUDGET_FACTOR * seconds, MIN_BUDGET_S) * args.budget_scale
+            budget = min(full, deadline - time.perf_counter())
+            hang = min(HANG_FACTOR * full, HARD_CEILING_S)
+            print(f"{head}: started, python -m {s.module} {' '.join(argv_s)}".rstrip()
+                  + f" (usually {minutes(seconds)}, stopped at {budget:.0f} s)", flush=True)
+            status, took, got, files = run_script(s, argv_s, results, budget, hang)
+            where = ", ".join(files) if files else f"logs/{s.label}.log"
+            print(f"{head}: {status} in {took:.0f} s -> {where}", flush=True)
             failed |= status.startswith(FAILED)
-            statuses.append((s, status, seconds))
+            statuses.append((s, argv_s, status, took))
             for item, text in got.items():
-                answers[item] = {"text": text, "script": s.path, "date": datetime.date.today().isoformat()}
+                answers[item] = {"text": text, "script": s.source, "date": datetime.date.today().isoformat()}
             answers_path.write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
+        ran = sum(took for *_, took in statuses)
+        print(f"run_all: {len(statuses)} scripts in {minutes(time.perf_counter() - t0)} ({minutes(ran)} running, "
+              f"stated {minutes(stated)}){'; FAILED' if failed else ''}", flush=True)
     index = write_index(results, answers, statuses)
-    print(f"wrote {index}", flush=True)
+    print(f"wrote {shown(index)}", flush=True)
     return 1 if failed else 0
 
 

@@ -12,7 +12,7 @@ from contextlib import redirect_stderr
 import numpy as np
 
 import train
-from tests.ranks import run_ranks
+from bench.ranks import run_ranks
 
 BASE = ["--model", "tiny", "--steps", "10", "--global-batch", "8", "--micro-batch", "4", "--seq-len", "64",
         "--dtype", "fp32", "--device", "cpu", "--lr", "3e-3", "--warmup", "2", "--log-every", "0",

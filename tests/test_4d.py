@@ -4,8 +4,8 @@ import io
 from pathlib import Path
 
 import train
+from bench.ranks import run_ranks
 from tests.layouts import BASE, assert_same_losses, train_losses
-from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--steps", "5", "--peak-tflops", "1", "--dp", "2", "--dp-mode", "fsdp", "--cp", "2", "--cp-mode", "ring",

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.ranks import run_ranks
 from parallel import cp as CP
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
-from tests.ranks import run_ranks
 
 HEADS = ((8, 2), (8, 4))  # (H, Hkv): groups of 4 and of 2 query heads per kv head
 MODES = ("ring", "ring_math", "ulysses", "allgather")

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import model as M
-from bench import collectives, common, loader_stall, mfu_sweep, pp_bubble, precision, prepare_speed, run_all, vs_torch
+from bench import common, run_all
+from bench.labs import collective_bandwidth as collectives
+from bench.labs import loader_stall, mfu_sweep, pp_bubble, pp_draw, precision, prepare_speed
+from bench.vs_torch import measure as vs_torch
 
 
 def table_rows(path):
@@ -114,34 +117,103 @@ def test_default_layouts_cover_every_axis():
     assert mfu_sweep.parse_layout("tp2=2:--tp 2 --sp") == ("tp2", 2, ["--tp", "2", "--sp"])
 
 
-def fake_registry(tmp_path):
-    ok = tmp_path / "ok.py"
-    ok.write_text("print('ANSWER L3: fast enough')\nprint('ANSWER L12: 1 GB/s')\n")
-    slow = tmp_path / "slow.py"
-    slow.write_text("import time\nprint('ANSWER L4: never', flush=True)\ntime.sleep(60)\n")
-    return [run_all.Script(str(ok), ["L3", "L12"], 60), run_all.Script(str(slow), ["L4"], 2),
-            run_all.Script(str(tmp_path / "absent.py"), ["L26"], 10),
-            run_all.Script(str(ok), ["L20"], 60, gpu_only=True, name="gpu"),
-            run_all.Script(str(ok), ["L15"], 60, net_admin=True, name="cluster")]
+WRITE_TABLE = ("import pathlib, sys, time\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+               "time.sleep({before})\n(out / '{name}.md').write_text('| a |\\n|---|\\n| 1 |\\n')\n"
+               "time.sleep({after})\n")
+
+
+NAMED_TABLE = ("import pathlib, sys\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+               "(out / (sys.argv[1] + '.md')).write_text('| a |\\n|---|\\n| 1 |\\n')\n")  # named by its argument
+
+
+def fake_modules(tmp_path, monkeypatch, **scripts):
+    """Each script a module of its own in tmp_path (runnable as `python -m run_all_NAME`, found by the registry)."""
+    for name, text in scripts.items():
+        (tmp_path / f"run_all_{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(run_all, "BUDGET_FACTOR", 1)  # a fake's seconds are its budget
+    monkeypatch.setattr(run_all, "MIN_BUDGET_S", 0)
+
+
+def fake_registry(tmp_path, monkeypatch):
+    fake_modules(tmp_path, monkeypatch, ok="print('ANSWER L3: fast enough')\nprint('ANSWER L12: 1 GB/s')\n",
+                 slow="import time\nprint('ANSWER L4: never', flush=True)\ntime.sleep(60)\n")
+    return [run_all.Script("run_all_ok", ["L3", "L12"], 60), run_all.Script("run_all_slow", ["L4"], 2),
+            run_all.Script("run_all_absent", ["L26"], 10),
+            run_all.Script("run_all_ok", ["L20"], 60, gpu_only=True, name="gpu"),
+            run_all.Script("run_all_ok", ["L15"], 60, net_admin=True, name="cluster")]
 
 
 def test_run_all_runs_stops_skips_and_indexes(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_all, "REGISTRY", fake_registry(tmp_path))
+    monkeypatch.setattr(run_all, "REGISTRY", fake_registry(tmp_path, monkeypatch))
     monkeypatch.setattr(common, "has_cuda", lambda: False)
     monkeypatch.setattr(run_all, "can_admin_net", lambda: False)
     results = tmp_path / "results"
     assert run_all.main(["--results", str(results)]) == 0  # the slow one printed its answer: over budget, no failure
     out = capsys.readouterr().out
-    assert "ok.py: ok" in out and "slow.py: over budget: stopped at its 2 s budget; kept what it wrote" in out
-    assert "absent.py: MISSING" in out and "SKIPPED, needs a GPU" in out
-    assert "SKIPPED, needs root (CAP_NET_ADMIN)" in out and "cluster.log" not in os.listdir(results / "logs")
+    assert "run_all: 2 scripts, about 62 s on a quiet 2-core machine" in out.splitlines()[0]
+    assert "[1/5] run_all_ok: started, python -m run_all_ok (usually 60 s, stopped at 60 s)" in out
+    assert "run_all_ok: ok in " in out and " s -> logs/run_all_ok.log" in out  # no table: its output is the log
+    assert "run_all_slow: over budget: stopped at its 2 s budget; kept what it wrote" in out
+    assert "run_all_absent: SKIPPED, missing" in out and "gpu: SKIPPED, needs a GPU" in out
+    assert "cluster: SKIPPED, needs root (CAP_NET_ADMIN)" in out and "cluster.log" not in os.listdir(results / "logs")
+    assert "run_all: 5 scripts in " in out and "stated 62 s" in out
     answers = json.loads((results / "answers.json").read_text())
     assert answers["L3"]["text"] == "fast enough" and answers["L4"]["text"] == "never"
     index = (results / "INDEX.md").read_text()
     items = [line.split("|")[1].strip() for line in index.splitlines() if line.startswith("| L")]
     assert items == [f"L{i}" for i in range(1, 29)]
     assert "| L12 |" in index and "1 GB/s" in index and "| over budget: stopped at its 2 s budget" in index
-    assert (results / "logs" / "ok.log").read_text().count("ANSWER") == 2
+    log = (results / "logs" / "run_all_ok.log").read_text()
+    assert log.startswith("$ python -m run_all_ok --out ") and log.count("ANSWER") == 2
+
+
+def test_run_all_quick_runs_each_smoke_test_and_says_where_its_tables_went(tmp_path, monkeypatch, capsys):
+    """--quick: each script's quick arguments, GPU scripts' CPU smoke runs too; scripts without one are left out."""
+    fake_modules(tmp_path, monkeypatch, table=NAMED_TABLE)
+    monkeypatch.setattr(run_all, "REGISTRY", [
+        run_all.Script("run_all_table", ["L1"], 600, ["full"], quick=(["small"], 5)),
+        run_all.Script("run_all_table", ["L2"], 600, ["gpu"], quick=(["smoke"], 7), gpu_only=True, name="gpu"),
+        run_all.Script("run_all_table", ["L3"], 600, ["cluster"], net_admin=True, name="cluster")])
+    monkeypatch.setattr(common, "has_cuda", lambda: False)
+    results = tmp_path / "quick"
+    assert run_all.main(["--quick", "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("run_all --quick: 2 scripts, about 12 s on a quiet 2-core machine")
+    assert "[1/2] run_all_table: started, python -m run_all_table small (usually 5 s, stopped at 5 s)" in out
+    assert "[1/2] run_all_table: ok in " in out and " s -> small.md" in out
+    assert "[2/2] gpu: ok in " in out and " s -> smoke.md" in out and "cluster" not in out
+    assert sorted(p.name for p in results.glob("*.md")) == ["INDEX.md", "small.md", "smoke.md"]
+
+
+@pytest.mark.parametrize("flags,named", [(["--pp", "20000", "--microbatches", "20000"], "--pp"),
+                                         (["--microbatches", "257"], "--microbatches"),
+                                         (["--schedule", "interleaved", "--virtual", "9"], "--virtual")])
+def test_pp_draw_refuses_a_drawing_too_large_to_read_in_one_line(flags, named, capsys):
+    """--pp 20000 --microbatches 20000 simulated for hours; a drawing is read on a screen: its bounds are stated."""
+    assert pp_draw.main(flags) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {named}: at most ") and err.count("\n") == 1 and out == "", err
+    assert pp_draw.main(["--pp", str(pp_draw.MAX_P), "--microbatches", "8"]) == 0  # the bounds themselves draw
+
+
+def test_a_short_script_gets_at_least_the_smallest_budget(tmp_path, monkeypatch, capsys):
+    """Start-up alone can take minutes on a loaded machine: a 1-second script is over budget only past MIN_BUDGET_S."""
+    fake_modules(tmp_path, monkeypatch, slowstart="import time\ntime.sleep(2)\n")
+    monkeypatch.setattr(run_all, "MIN_BUDGET_S", 4)
+    monkeypatch.setattr(run_all, "REGISTRY", [run_all.Script("run_all_slowstart", [], 1)])
+    assert run_all.main(["--results", str(tmp_path / "results")]) == 0
+    out = capsys.readouterr().out
+    assert "(usually 1 s, stopped at 4 s)" in out and "run_all_slowstart: ok in " in out, out
+
+
+def test_run_all_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
+    for argv in (["--only", "nosuchscript"], ["--budget-min", "-5"], ["--budget-scale", "0"]):
+        assert run_all.main([*argv, "--results", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --"), err
+    assert not any(tmp_path.iterdir())  # refused before anything ran or was written
 
 
 def test_run_all_registry_covers_the_measured_items():
@@ -150,14 +222,10 @@ def test_run_all_registry_covers_the_measured_items():
     assert set(run_all.QUESTIONS) == {f"L{i}" for i in range(1, 29)}
     assert all(item in listed or item in run_all.TESTED for item in run_all.QUESTIONS)
     # a budget is a guard against hangs, not a pass mark: a script is hung only well past it
-    assert all(min(run_all.HANG_FACTOR * s.budget_s, run_all.HARD_CEILING_S) >= 2 * s.budget_s
-               for s in run_all.REGISTRY)
-    assert all(s.path.startswith("bench/") and s.path.endswith(".py") for s in run_all.REGISTRY)
-
-
-WRITE_TABLE = ("import pathlib, sys, time\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
-               "time.sleep({before})\n(out / '{name}.md').write_text('| a |\\n|---|\\n| 1 |\\n')\n"
-               "time.sleep({after})\n")
+    budgets = [max(run_all.BUDGET_FACTOR * s.seconds, run_all.MIN_BUDGET_S) for s in run_all.REGISTRY]
+    assert all(min(run_all.HANG_FACTOR * b, run_all.HARD_CEILING_S) >= 2 * b for b in budgets)
+    assert all(s.module.startswith("bench.") and s.source for s in run_all.REGISTRY)  # each runs from this tree
+    assert all(s.quick for s in run_all.REGISTRY if not s.net_admin and s.name != "mfu_sweep_ckpt_gpu")
 
 
 def test_run_all_fails_only_on_a_crash_or_a_hang(tmp_path, monkeypatch, capsys):
@@ -166,24 +234,23 @@ def test_run_all_fails_only_on_a_crash_or_a_hang(tmp_path, monkeypatch, capsys):
     scripts = {"late": WRITE_TABLE.format(before=4, after=0, name="late"),  # writes its table after its budget
                "writer": WRITE_TABLE.format(before=0, after=60, name="writer"),  # table, then runs on and on
                "crash": "raise SystemExit(3)\n", "hang": "import time\ntime.sleep(60)\n"}
-    for name, text in scripts.items():
-        (tmp_path / f"{name}.py").write_text(text)
-    monkeypatch.setattr(run_all, "REGISTRY", [run_all.Script(str(tmp_path / f"{n}.py"), [], 2) for n in scripts])
-    monkeypatch.setattr(run_all, "HANG_FACTOR", 30, raising=False)  # (raising: the old run_all had none)
+    fake_modules(tmp_path, monkeypatch, **scripts)
+    monkeypatch.setattr(run_all, "REGISTRY", [run_all.Script(f"run_all_{n}", [], 2, name=n) for n in scripts])
+    monkeypatch.setattr(run_all, "HANG_FACTOR", 30)
     results = tmp_path / "results"
-    assert run_all.main(["--results", str(results), "--only", "late.py", "--only", "writer.py"]) == 0
+    assert run_all.main(["--results", str(results), "--only", "late", "--only", "writer"]) == 0
     out = capsys.readouterr().out
-    assert "late.py: over budget: finished (budget 2 s)" in out
-    assert "writer.py: over budget: stopped at its 2 s budget; kept what it wrote (1 file, 0 answers)" in out
+    assert "late: over budget: finished (budget 2 s)" in out
+    assert "writer: over budget: stopped at its 2 s budget; kept what it wrote (1 file, 0 answers)" in out
     assert (results / "late.md").exists() and (results / "writer.md").read_text() == "| a |\n|---|\n| 1 |\n"
     index = (results / "INDEX.md").read_text()
     assert "| over budget: finished (budget 2 s) |" in index and "| over budget: stopped at its 2 s" in index
 
-    assert run_all.main(["--results", str(results), "--only", "crash.py"]) == 1
-    assert "crash.py: failed (exit 3)" in capsys.readouterr().out
+    assert run_all.main(["--results", str(results), "--only", "crash"]) == 1
+    assert "crash: failed (exit 3)" in capsys.readouterr().out
     monkeypatch.setattr(run_all, "HARD_CEILING_S", 3)  # the hard ceiling bounds any multiple of the budget
-    assert run_all.main(["--results", str(results), "--only", "hang.py"]) == 1
-    assert "hang.py: hung: killed at 3 s with nothing written (budget 2 s)" in capsys.readouterr().out
+    assert run_all.main(["--results", str(results), "--only", "hang"]) == 1
+    assert "hang: hung: killed at 3 s with nothing written (budget 2 s)" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -211,6 +278,6 @@ def test_vs_torch_tp_and_pp_peers_match_losses(tmp_path, capsys):
 
 
 def test_prepare_speed_runs_both_worker_counts(tmp_path):
-    """The smoke run of bench/prepare_speed.py: 1 and 2 workers side by side, their shards byte-identical."""
+    """The smoke run of bench/labs/prepare_speed.py: 1 and 2 workers side by side, their shards byte-identical."""
     assert prepare_speed.main(["--mb", "0.5", "--quick", "--out", str(tmp_path)]) == 0
     assert [row[0] for row in table_rows(tmp_path / "prepare_speed.md")] == ["1", "2"]

@@ -21,11 +21,11 @@ import saves.export
 import saves.load
 import saves.write
 import train
+from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from metrics import read_metrics
 from tests.layouts import BASE
-from tests.ranks import run_ranks
 
 ARGS = BASE + ["--peak-tflops", "1", "--keep", "0"]
 CROSS_ENTROPY = model.cross_entropy_loss  # keep every save: the tests resume from older ones

@@ -12,13 +12,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import config
 import model
 import train
-from bench.ckpt_memory import heap_reader, measure_memory
+from bench.labs.ckpt_memory import heap_reader, measure_memory
+from bench.ranks import run_ranks
 from metrics import read_metrics
 from parallel import ckpt
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError
 from tests.layouts import BASE, assert_same_losses
-from tests.ranks import run_ranks
 
 FAST = ["--peak-tflops", "1"]
 POLICIES = ["full", "every:2", "sqrt", "segment:3", "selective"]
@@ -209,7 +209,7 @@ def test_recompute_reproduces_dropout(policy):
 
 
 def test_peak_memory_falls_from_none_through_sqrt_to_full():
-    """The bench's exact malloc-counted peak (bench/ckpt_memory.py, L17), on 9 layers: none > sqrt > full. The heap
+    """The bench's exact malloc-counted peak (bench/labs/ckpt_memory.py, L17), on 9 layers: none > sqrt > full. The heap
     count is the process's, so the sizes keep the gaps (MBs) well above what another thread frees meanwhile."""
     read = heap_reader(torch.device("cpu"))
     if read is None:

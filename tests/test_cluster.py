@@ -1,4 +1,4 @@
-"""The emulated cluster (bench/cluster.py, bench/cluster_net.py): two network namespaces of two ranks each, one
+"""The emulated cluster (bench/cluster/): two network namespaces of two ranks each, one
 torchrun per namespace meeting at node 0 (as root only). A dp 2 x tp 2 run across them logs the same losses as one
 process, its gradient all-reduce really crosses the link between the nodes, and nothing the cluster made outlives
 it, even when a rank dies. Without CAP_NET_ADMIN the bench says so in one line and exits 0."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import cluster
-from bench.cluster import torchrun
-from bench.cluster_net import Net, can_admin_net, namespaces, sh
+from bench.cluster import measure as cluster
+from bench.cluster.measure import torchrun
+from bench.cluster.net import Net, can_admin_net, namespaces, sh
 from metrics import read_metrics
 from tests.layouts import BASE
 
@@ -37,14 +37,14 @@ def test_impossible_bench_settings_are_one_line_exit_2(flags, capsys):
 
 
 def test_without_net_admin_the_bench_skips_in_one_line(tmp_path):
-    cmd = [sys.executable, "bench/cluster.py", "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "bench.cluster", "--out", str(tmp_path / "out")]
     if can_admin_net():  # root: run it without the capability
         if not shutil.which("capsh"):
             pytest.skip("root, and no capsh to drop CAP_NET_ADMIN with")
         cmd = ["capsh", "--drop=cap_net_admin", "--", "-c", " ".join(cmd)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["skipped: bench/cluster.py needs root (CAP_NET_ADMIN) to make network "
+    assert done.stdout.splitlines() == ["skipped: python -m bench.cluster needs root (CAP_NET_ADMIN) to make network "
                                         "namespaces"], done.stdout
     assert not (tmp_path / "out").exists()
 

@@ -1,4 +1,4 @@
-"""parallel/comm.py's wait_s, the seconds a rank spends blocked in collectives (bench/cluster.py's exposed
+"""parallel/comm.py's wait_s, the seconds a rank spends blocked in collectives (bench/cluster's exposed
 communication): a blocking call that waits for a late peer counts it; an async collective counts its launch (gloo's
 reduce-scatter does much of its work there) and the part of the wait its caller's own work did not cover."""
 import time
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.ranks import run_ranks
 from parallel.mesh import Mesh
-from tests.ranks import run_ranks
 
 LATE_S = 0.4
 

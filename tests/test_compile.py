@@ -15,8 +15,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import train
+from bench.ranks import run_ranks
 from tests.layouts import BASE, assert_same_losses
-from tests.ranks import run_ranks
 
 FLAGS = ["--steps", "3", "--n-layer", "10"]
 PP_FLAGS = ["--steps", "3", "--n-layer", "20"]  # 10 blocks a pipeline rank

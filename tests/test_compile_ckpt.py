@@ -13,8 +13,8 @@ import torch._dynamo
 import config
 import launch
 import train
+from bench.ranks import run_ranks
 from parallel import keep_saved
-from tests.ranks import run_ranks
 
 MODEL = ["--model", "tiny", "--n-layer", "2", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4",
          "--device", "cpu", "--peak-tflops", "1"]

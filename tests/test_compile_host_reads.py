@@ -12,8 +12,8 @@ import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
 import train
+from bench.ranks import run_ranks
 from tests.layouts import BASE
-from tests.ranks import run_ranks
 
 STEPS = 2
 

@@ -6,10 +6,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
+from bench.ranks import run_ranks
 from parallel import tp
 from parallel.materialize import init_weights
 from parallel.mesh import Mesh
-from tests.ranks import run_ranks
 
 FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

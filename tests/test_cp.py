@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import model
 import train
+from bench.ranks import run_ranks
 from parallel import cp as CP
 from parallel import ddp
 from parallel.ddp import DDP
@@ -17,7 +18,6 @@ from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from parallel.ring_attention import RingAttention
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr, train_losses
-from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS = ((8, 2), (8, 8), (4, 1))  # (H, Hkv): GQA, plain, and fewer kv heads than cp ranks

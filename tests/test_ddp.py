@@ -7,11 +7,11 @@ from torch import nn
 
 import model
 import train
+from bench.ranks import run_ranks
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import exit_and_stderr
-from tests.ranks import run_ranks
 
 CFG = model.ModelConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, seq_len=16)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import RankError, run_ranks
+from bench.ranks import RankError, run_ranks
 
 
 def _sum_of_ranks(rank, world):

@@ -15,11 +15,11 @@ import launch
 import model
 import optim
 import train
+from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from metrics import read_metrics
 from tests.layouts import BASE, assert_same_losses
-from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
 
 

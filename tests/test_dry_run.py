@@ -4,7 +4,7 @@ Each layout rehearses two steps of its first, a middle and its last pipeline sta
 (the fake process group, FakeTensorMode on cuda:LOCAL_RANK), on whatever torch is installed: a CUDA build without a
 GPU or a CPU build. Asserted per rank: the step ran; no op touched a CPU tensor or read a value back to the host;
 every collective passed NCCL's tensor rules; the bytes each group sent equal the parallel modules' traffic formulas
-at the full world size (bench/plan.py's code="ours", the formulas tests/test_plan_measured.py holds to gloo runs at
+at the full world size (bench/planner/plan.py's code="ours", the formulas tests/test_plan_measured.py holds to gloo runs at
 2 and 4 ranks); the peak memory is memory.step_bytes's within MEMORY_BOUND. Layouts run in two processes, each
 family once however many tests read it (-k runs only the chosen ones).
 """
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import config
 import dry_run
 import train
-from bench import plan as P
+from bench.planner import plan as P
+from bench.ranks import run_ranks
 from parallel.comm import ALL_GATHER
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
-from tests.ranks import run_ranks
 
 # 1B's width (d 2048, 32 heads of 64, 8 kv heads, ffn 8192) in 4 layers, a 32k vocabulary, 2k tokens a sequence
 MODEL = ["--model", "1b", "--n-layer", "4", "--vocab-size", "32768", "--seq-len", "2048", "--micro-batch", "1"]
@@ -131,7 +131,7 @@ AXIS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp", "shard": 
 
 
 def predicted_bytes(run):
-    """bench/plan.py's bytes per axis for the run, in its dtypes: activations and gathered units in the compute
+    """bench/planner/plan.py's bytes per axis for the run, in its dtypes: activations and gathered units in the compute
     dtype (fp8: units in 1 byte), gradients in the reduce dtype (fp32)."""
     cfg = dry_run.model_config(run)
     e = 4 if run.dtype == "fp32" else 2

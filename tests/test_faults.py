@@ -21,9 +21,9 @@ import saves.load
 import saves.restarts
 import saves.write
 import train
+from bench.ranks import run_ranks
 from metrics import read_metrics
 from tests.layouts import BASE, train_losses
-from tests.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet
 from tests.test_save_integrity import exit_of, one_error_line
 

@@ -16,9 +16,10 @@ import fp8
 import launch
 import model
 import train
-from bench import plan as P
-from bench.plan_ours import fsdp_parts
-from bench.plan_time import MM_EFF, MM_ROWS0
+from bench.planner import plan as P
+from bench.planner.ours import fsdp_parts
+from bench.planner.step_time import MM_EFF, MM_ROWS0
+from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from model import PRESETS
@@ -28,7 +29,6 @@ from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
-from tests.ranks import run_ranks
 from tests.wrapper_state import full_grads
 
 FAST = ["--peak-tflops", "1", "--dtype", "fp8"]
@@ -282,7 +282,7 @@ def test_each_amax_is_reduced_only_where_its_tensor_is_split(runs):
         assert (forward, backward) == (3 * 2, 5 * 2)
 
 
-# ---------------------------------------------------------------- the planner (bench/plan.py --dtype fp8)
+# ---------------------------------------------------------------- the planner (bench/planner/plan.py --dtype fp8)
 
 def test_the_planner_counts_the_fp8_all_gather_bytes_the_counters_read(runs):
     """--code ours' FSDP gather bytes for the same model, layout and batch as _fsdp_gather_rank (one micro-batch of

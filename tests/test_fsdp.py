@@ -14,13 +14,13 @@ from torch import nn
 
 import model
 import optim
+from bench.ranks import run_ranks
 from parallel import ckpt
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
 from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh
 from tests.memory import storage_bytes
-from tests.ranks import run_ranks
 from tests.wrapper_state import full_state, load_full_state
 
 # sizes chosen so units do not divide by 4 (padding) and one rank's shard straddles matrices and vectors

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 import model
+from bench.ranks import run_ranks
 from parallel.fsdp import FSDP
 from parallel.materialize import local_init
 from parallel.mesh import Mesh
 from tests.memory import LiveBytes
-from tests.ranks import run_ranks
 
 # the gradients dominate: a wide model on few tokens (2 rows of 8)
 CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=256, vocab_size=256, seq_len=8)

@@ -1,4 +1,4 @@
-"""bench/gpu.py --smoke on CPU: every part (fp8's and the planner's factors included) runs and writes its section of
+"""bench/gpu --smoke on CPU: every part (fp8's and the planner's factors included) runs and writes its section of
 gpu.md with plausible numbers, and only into --out; the GPU run's order and budget: the rows that matter most first,
 every training run a child stopped at its deadline with the steps it finished. So the one-command GPU benchmark cannot
 rot between the rare runs on a GPU machine."""
@@ -7,9 +7,12 @@ import sys
 
 import pytest
 
-from bench import common, gpu, gpu_checks, gpu_runs
-from bench import plan as P
-from bench.plan_factors import MEASURED, load
+from bench import common
+from bench.gpu import checks as gpu_checks
+from bench.gpu import measure as gpu
+from bench.gpu import runs as gpu_runs
+from bench.planner import plan as P
+from bench.planner.factors import MEASURED, load
 
 SECTIONS = ["1. Our training step", "2. Hugging Face LlamaForCausalLM", "3. Attention kernels that actually ran",
             "4. Ring attention vs SDPA", "5. FP8 block matmuls", "6. This code's efficiency factors for the planner"]
@@ -58,7 +61,7 @@ def smoke(smoke_run):
 def test_every_section_with_its_command_and_header(smoke):
     found = tables(smoke)
     assert [next(t for t in found if t.startswith(s)) for s in SECTIONS] == sorted(found)
-    assert smoke.count("Command: `python bench/gpu.py --smoke`") == 6
+    assert smoke.count("Command: `python -m bench.gpu --smoke`") == 6
     assert "Date: 20" in smoke and "Device: CPU" in smoke and "torch: " in smoke
     assert all(found[t] for t in found), "a section without table rows"
 
@@ -127,6 +130,14 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().out and not (tmp_path / "gpu.md").exists()
 
 
+@pytest.mark.parametrize("flags", [["--steps", "-3"], ["--steps", "0"], ["--budget-s", "-5"], ["--budget-s", "nan"]])
+def test_bad_flags_are_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, flags):
+    assert gpu.main(["--smoke", "--out", str(tmp_path), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {flags[0]}: ") and err.count("\n") == 1 and out == "", (out, err)
+    assert not (tmp_path / "gpu.md").exists()
+
+
 # ---------------------------------------------------------------- where it writes, the planner's factors
 
 def test_it_writes_only_into_out(smoke_run):
@@ -181,7 +192,7 @@ def test_a_stopped_run_keeps_the_steps_it_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_runs, "child", stopped)
     monkeypatch.setattr(gpu_runs, "lines", lambda path: [json.loads(x) for x in (tmp_path / "m.jsonl").read_text()
                                                     .splitlines()])
-    r = gpu.Run(True, 30, 480.0, tmp_path, "python bench/gpu.py")
+    r = gpu.Run(True, 30, 480.0, tmp_path, "python -m bench.gpu")
     got, status = gpu_runs.run_ours(r, tmp_path, "tiny", {"seq_len": 64}, 4, False, "fp32")
     assert status == "stopped at the budget after 4 steps" and got["tok_s"] == 300.0  # the median of steps 2-4
 

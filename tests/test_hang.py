@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import launch
+from bench.ranks import free_port
 from metrics import read_metrics
 from tests.layouts import BASE
-from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_AT = 4  # the stopped rank's 4th train_step: after the start-up steps, under --timeout

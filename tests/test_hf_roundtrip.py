@@ -19,14 +19,14 @@ import transformers
 
 import sample
 import train
-from bench.prepare_speed import train_bpe, write_tiktoken
+from bench.labs.prepare_speed import train_bpe, write_tiktoken
+from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from data.tokenizer import bytes_tokenizer, file_tokenizer
 from saves import export
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, exit_and_stderr
-from tests.ranks import run_ranks
 
 VOCAB = 300  # the pystdlib data's 257 ids fit; padded to 320
 TINY = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,

@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
+from bench.ranks import run_ranks
 from tests.layouts import BASE
-from tests.ranks import run_ranks
 
 STEPS = 2
 

@@ -19,10 +19,10 @@ import transformers
 import config
 import launch
 import train
+from bench.ranks import run_ranks
 from saves import export
 from saves.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
-from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,

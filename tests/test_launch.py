@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import exits
+from bench.labs import clean_exits as exits
+from bench.ranks import free_port
 from metrics import read_metrics
 from tests.layouts import BASE
-from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ["--steps", "3", "--peak-tflops", "1"]  # no CPU peak measurement: MFU is not under test
@@ -74,8 +74,8 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
 
 def test_short_jobs_of_every_dp_mode_exit_0():
     """torchrun reported a 4-rank HSDP job as failed in 1 of 5 tries: a rank aborted after its last step, tearing down
-    while a peer was still in the last collective. Each dp mode once here (bench/exits.py --repeat N runs them
-    again and again)."""
+    while a peer was still in the last collective. Each dp mode once here (`python -m bench.labs.clean_exits --repeat
+    N` runs them again and again)."""
     assert exits.main(["--repeat", "1", "--steps", "3"]) == 0
 
 

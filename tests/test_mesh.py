@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.ranks import run_ranks
 from parallel.mesh import LayoutError, Mesh, infer_dp
-from tests.ranks import run_ranks
 
-PLACEMENT = Path(__file__).resolve().parent.parent / "bench" / "placement.py"
+REPO = Path(__file__).resolve().parent.parent
+PLACEMENT = ["-m", "bench.labs.placement"]  # run from the repository root
 
 
 def groups(mesh, name):
@@ -71,10 +72,10 @@ def test_dp_shard_must_divide_dp():
 
 
 def test_command_line_describe_and_its_error():
-    ok = subprocess.run([sys.executable, str(PLACEMENT), "--world", "16", "--tp", "8"],
+    ok = subprocess.run([sys.executable, *PLACEMENT, "--world", "16", "--tp", "8"], cwd=REPO,
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "tp        size    8" in ok.stdout
-    bad = subprocess.run([sys.executable, str(PLACEMENT), "--world", "6", "--tp", "4"],
+    bad = subprocess.run([sys.executable, *PLACEMENT, "--world", "6", "--tp", "4"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --tp")
 

@@ -1,4 +1,4 @@
-"""The layout planner (bench/plan.py): its byte and memory formulas, the Llama 3 405B runs it must
+"""The layout planner (bench/planner/): its byte and memory formulas, the Llama 3 405B runs it must
 reproduce, and the notes' scaling recipe it must rediscover. Closed formulas only: fast, no GPU."""
 import subprocess
 import sys
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import config
-from bench import plan as P
-from bench import plan_time as T
-from bench.plan_factors import FACTORS
+from bench.planner import plan as P
+from bench.planner import step_time as T
+from bench.planner.factors import FACTORS
 from model import PRESETS, flops_per_token, param_counts
 from parallel.pp import layer_counts
 from parallel.pp_schedule import theoretical_utilization
@@ -240,7 +240,7 @@ def test_context_parallelism_appears_for_long_sequences():
 # ---------------------------------------------------------------- command line
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "plan.py"), *args],
+    return subprocess.run([sys.executable, "-m", "bench.planner", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""The planner's time terms that the emulated cluster (bench/cluster.py) checks: which link a group gets, what hidden
+"""The planner's time terms that the emulated cluster (bench/cluster) checks: which link a group gets, what hidden
 communication costs compute, the optimizer's update and the clip, gloo's reduce-scatter, hsdp's replica
 all-reduces as parallel/fsdp.py chains them, the gradients' copies and the host's dispatches. Closed formulas and
 one tiny model: fast, no cluster."""
@@ -7,17 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench import plan_time as T
-from bench.cluster_report import MODEL, misranked
-from bench.cluster_worker import CountOps
-from bench.plan_layout import Cluster, Layout, Shape
-from bench.plan_ours import fsdp_parts
+from bench.cluster.report import MODEL, misranked
+from bench.cluster.worker import CountOps
+from bench.planner import step_time as T
+from bench.planner.layout import Cluster, Layout, Shape
+from bench.planner.ours import fsdp_parts
 from config import model_config, parse_args
 from model import GPT, PRESETS, param_counts
 from parallel.hsdp import replica_bytes
 
 TINY = PRESETS["tiny"]
-# a 2-node CPU cluster as bench/cluster.py measures one: loopback 6x the NIC
+# a 2-node CPU cluster as bench/cluster measures one: loopback 6x the NIC
 GLOO = dict(gpus=4, gpus_per_node=2, hbm_gb=1000.0, peak_tflops=0.04, attn_tflops=0.015, hbm_tbs=0.005,
             intra_gbs=0.7, inter_gbs=0.12, lat_intra_us=1000.0, lat_inter_us=1700.0, backend="gloo", dtype_bytes=4,
             measured=True)

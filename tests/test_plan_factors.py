@@ -1,19 +1,19 @@
 """The planner's efficiency factors and what it prices beside the bytes and the memory: ours' compute scale from
 torchtitan's published rows, the error bars, ring hops (chunk size, host dispatches, what a chunk can hide), overlaps
 credited only where measured, the memory margin, fp8's casts, Megatron's distributed optimizer and TP communication
-overlap, measured factors from bench/gpu.py, and the command line's refusals. Closed formulas: fast, no GPU."""
+overlap, measured factors from bench/gpu, and the command line's refusals. Closed formulas: fast, no GPU."""
 import json
 from dataclasses import replace
 
 import pytest
 
-from bench import plan as P
-from bench import plan_factors as F
-from bench import plan_published as published
-from bench import plan_time as T
-from bench.plan_comm import collectives
-from bench.plan_links import link, seconds, tax
-from bench.plan_overlap import RING_HOP_OPS, chunk_matmuls, fp8_bytes, ours_tp, ring
+from bench.planner import factors as F
+from bench.planner import plan as P
+from bench.planner import published
+from bench.planner import step_time as T
+from bench.planner.comm import collectives
+from bench.planner.links import link, seconds, tax
+from bench.planner.overlap import RING_HOP_OPS, chunk_matmuls, fp8_bytes, ours_tp, ring
 from model import PRESETS, param_counts
 
 CFG8, CFG405 = PRESETS["llama3-8b"], PRESETS["llama3-405b"]
@@ -29,7 +29,7 @@ def priced(cl, code):
 @pytest.mark.parametrize("name,compiled,sac", [("COMPUTE_OURS", True, False), ("COMPUTE_EAGER", False, False),
                                                ("COMPUTE_SAC", True, True)])
 def test_ours_compute_scales_are_what_torchtitans_8_gpu_row_gives(name, compiled, sac):
-    """The constants are the derivation's (bench/plan_published.py), not set by hand; ours = the reference's compute
+    """The constants are the derivation's (bench/planner/published.py), not set by hand; ours = the reference's compute
     rates times COMPUTE_OURS, the rest as stated."""
     assert getattr(F, name) == pytest.approx(published.scale(8, compiled, sac), abs=6e-4)
     for k in ("mm", "attn", "elem"):
@@ -242,6 +242,9 @@ def test_measured_factors_replace_ours_and_drop_their_ranges(tmp_path, capsys):
     (["--factors", "missing.json", "--code", "ours"], "--factors: cannot read"),
     (["--factors", "missing.json"], "--factors: measured factors describe this repository's code"),
     (["--mem-margin", "1"], "--mem-margin"),
+    (["--vocab-size", str(10 ** 20)], "--vocab-size: invalid integer in [1, 4194304]"),  # was a traceback
+    (["--n-layer", str(10 ** 20)], "--n-layer: invalid integer in [1, 4096]"),  # was a search that never ended
+    (["--seq-len", str(10 ** 300)], "--seq-len: invalid integer in [1, 4194304]"),
 ])
 def test_cli_refuses_with_one_line_exit_2_and_prints_nothing_else(argv, named, capsys):
     assert P.main(["--gpus", "8"] + argv) == 2

@@ -1,4 +1,4 @@
-"""The planner's validation (b) (issue 8): on small fp32 runs measured here on CPU, bench/plan.py with
+"""The planner's validation (b) (issue 8): on small fp32 runs measured here on CPU, the planner with
 code="ours" predicts the bytes every group sends (equal to the comm counters) and the peak memory per rank
 (within 15% of the bytes allocated).
 
@@ -23,11 +23,11 @@ import torch
 import config
 import launch
 import train
-from bench import plan as P
+from bench.planner import plan as P
+from bench.ranks import run_ranks
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
 from tests.memory import LiveBytes, storage_bytes
-from tests.ranks import run_ranks
 
 MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--ffn-dim", "128",
          "--vocab-size", "256", "--seq-len", "64"]

@@ -14,9 +14,10 @@ import torch
 import config
 import model
 import train
-from bench import pp_draw
-from bench.plan_layout import in_flight
-from bench.pp_bubble import TimedPipeline
+from bench.labs import pp_draw
+from bench.labs.pp_bubble import TimedPipeline
+from bench.planner.layout import in_flight
+from bench.ranks import run_ranks
 from config import UsageError
 from metrics import read_metrics
 from parallel import pp
@@ -26,7 +27,6 @@ from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr
 from tests.pp_deadlock import check_no_deadlock
-from tests.ranks import run_ranks
 
 GRID = [(s, P, M, V) for s, Vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb1", [1]),
                                     ("zbv", [2]))

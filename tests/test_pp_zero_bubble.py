@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import model
-from bench import pp_draw
+from bench.labs import pp_draw
+from bench.ranks import run_ranks
 from parallel import ckpt, pp, pp_bw_split
 from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.layouts import exit_and_stderr
-from tests.ranks import run_ranks
 from tests.test_pp import argv, fake_mesh, meta_gpt
 
 TINY8 = model.ModelConfig(n_layer=8, d_model=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=50, seq_len=16)

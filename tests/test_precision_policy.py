@@ -11,11 +11,11 @@ import config
 import launch
 import model
 import train
+from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE
-from tests.ranks import run_ranks
 
 BF16 = BASE + ["--dtype", "bf16", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--peak-tflops", "1",
                "--out", "unwritten"]

@@ -1,5 +1,5 @@
 """Runs a user compares: a default run folder named from the flags that never collides and that --resume auto finds
-again, one summary line at the end (printed and in the metrics), bench/compare.py side by side, and metrics that mean
+again, one summary line at the end (printed and in the metrics), compare.py side by side, and metrics that mean
 something on CPU (no MFU without a peak; mem_gb the tensors' peak, not the process's resident size)."""
 import contextlib
 import io
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+import compare
 import config
 import machine
 import memory
 import train
-from bench import compare
 from metrics import read_metrics
 from tests.layouts import BASE
 from tests.test_save_integrity import exit_of, one_error_line

@@ -23,7 +23,7 @@ import saves.load
 import saves.run
 import saves.write
 import train
-from tests.ranks import run_ranks
+from bench.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet, run1, snapshot
 
 CROSS_ENTROPY = model.cross_entropy_loss

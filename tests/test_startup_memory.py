@@ -7,11 +7,11 @@ import torch
 from torch.nn import ModuleList
 
 import model
+from bench.ranks import run_ranks
 from parallel import ddp, fsdp, tp
 from parallel.materialize import TILE, local_init, materialize
 from parallel.mesh import Mesh
 from tests.memory import LiveBytes
-from tests.ranks import run_ranks
 
 BLOCK_8B = model.ModelConfig(n_layer=1, d_model=4096, n_head=32, n_kv_head=8, ffn_dim=14336, vocab_size=512, seq_len=64)
 TILE_BYTES = TILE ** 2 * 4

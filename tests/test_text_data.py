@@ -18,7 +18,7 @@ from tiktoken_ext import openai_public
 
 import sample
 import train
-from bench.prepare_speed import train_bpe, write_tiktoken
+from bench.labs.prepare_speed import train_bpe, write_tiktoken
 from data import prepare as data_prepare
 from data.loader import read_shard
 from data.text import CUT, prepare_text

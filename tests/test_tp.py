@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
 import train
+from bench.ranks import run_ranks
 from parallel import tp, tp_fused, tp_ring
 from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
@@ -23,7 +24,6 @@ from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, assert_same_losses
-from tests.ranks import run_ranks
 
 FAST = ["--peak-tflops", "1"]  # skip the CPU matmul-rate measurement
 CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)

@@ -11,11 +11,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
+from bench.ranks import run_ranks
 from parallel import ckpt, has_tp_partial_grad, tp, tp_fused, tp_ring, tp_shard_of
 from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
-from tests.ranks import run_ranks
 
 CFG = model.ModelConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=4, ffn_dim=96, vocab_size=257, seq_len=16)
 B = 2

@@ -17,9 +17,9 @@ import optim
 import saves.load
 import saves.write
 import train
+from bench.ranks import free_port
 from metrics import read_metrics
 from tests.layouts import BASE
-from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,7 @@
+"""`python -m bench.gpu`: the one-GPU measurement (measure.py)."""
+import sys
+
+from bench.gpu.measure import main
+
+if __name__ == "__main__":
+    sys.exit(main())

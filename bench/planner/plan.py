@@ -1,0 +1,248 @@
+"""The 4D layout planner: which dp x cp x pp x tp layout trains a model fastest on a given cluster?
+
+    python -m bench.planner --model llama3-405b --gpus 16384 --seq-len 131072
+    python -m bench.planner --model llama3-405b --gpus 8192 --layout dp=64,tp=8,pp=16,dp_mode=fsdp,V=8
+    python -m bench.planner --model llama3-8b --gpus 64 --compare-fsdp-scope   # L15
+
+Closed formulas, no simulation; each module's docstring states the formulas it implements:
+  layout.py     the notation, a layout, whether it can run, its per-GPU sizes, the memory margin
+  comm.py       bytes each rank sends per step, by group (comm_bytes)
+  memory.py     peak memory per GPU (memory)
+  ours.py       both of those for --code ours
+  factors.py    the efficiency factors of each code, their sources and ranges
+  links.py      links, and what hidden communication costs
+  overlap.py    what hides under what, ring hops, fp8's casts
+  step_time.py  seconds per step and MFU (step_time)
+  search.py     the layouts tried and the best kept (plan, evaluate)
+  published.py  published runs priced, and ours' factors derived from torchtitan's
+This file is the command line, and `from bench.planner import plan as P` reaches the public names of all of them.
+
+Whose code (--code). "reference", the default, describes the implementation Llama 3 and Megatron-LM report, with
+Megatron's distributed optimizer and TP communication overlap among the options searched; "ours" describes this
+repository's parallel/*.py (tests/test_plan_measured.py holds its bytes and memory to fp32 CPU runs), at efficiency
+factors of its own (factors.py; --factors: what `python -m bench.gpu` measured). The output: the top layouts by
+predicted MFU, the best of each dp x tp x pp x cp mesh, the MFU at both ends of each uncertain factor, and where the
+winner's step time and memory go; --layout prices one layout instead; --compare-fsdp-scope adds the winner's mesh with
+its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin.
+"""
+import sys
+import time
+from dataclasses import replace
+
+from bench.planner.comm import collectives, comm_bytes
+from bench.planner.factors import FACTORS, load, ranges, vary
+from bench.planner.layout import CODES, GB, MEM_MARGIN, Cluster, Layout, Shape, invalid, parse_layout
+from bench.planner.links import members_per_node
+from bench.planner.memory import memory
+from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
+from bench.planner.step_time import rates, step_time
+from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
+from model import PRESETS, param_counts
+
+__all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
+           "default_batch_tokens", "error_bars", "evaluate", "invalid", "main", "memory", "parse_layout", "plan",
+           "step_time"]
+
+SHAPE = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size")
+LIMITS = {"n-layer": 2 ** 12, "d-model": 2 ** 17, "n-head": 2 ** 12, "n-kv-head": 2 ** 12, "ffn-dim": 2 ** 19,
+          "vocab-size": 2 ** 22, "seq-len": 2 ** 22, "gpus": 2 ** 30, "gpus-per-node": 2 ** 10,
+          "global-batch-tokens": 2 ** 36, "top": 2 ** 10}  # far past any published run; more is a typo, or a hang
+FP8_PUBLISHED = 1.5  # the most fp8 gained over bf16 end to end in the published runs (torchtitan: 1.28-1.29x on
+# Llama 3.1 8B; about 1.2-1.5x across its tables): a ranked fp8 layout beyond it says why
+
+
+def up_to(limit):
+    """An argparse type: an integer in [1, limit]."""
+    return typed(f"integer in [1, {limit}]", int, lambda v: 1 <= v <= limit)
+
+
+def bill(p, cl):
+    """The layout, its MFU, and where its step time and memory go."""
+    t, m = p.time, p.mem
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if k not in ("total", "mfu", "hfu") and v > 0)
+    mems = ", ".join(f"{k} {v / GB:.1f}" for k, v in m.items() if v > 0)
+    fits = f"fits below {cl.usable_gb:.1f}" if p.fits else f"DOES NOT FIT below {cl.usable_gb:.1f}"
+    return (f"{p.layout}\n  MFU {t['mfu']:.1%}  HFU {t['hfu']:.1%}  step {t['total']:.3g} s = {parts}\n"
+            f"  memory {sum(m.values()) / GB:.1f} GB of {cl.hbm_gb:g} ({fits}): {mems}")
+
+
+def error_bars(cfg, cl, lay, seq, batch, code, measured=()):
+    """{"all": (MFU with every factor at its pessimistic end, at its optimistic end), factor: (the same, that factor
+    alone)}, over factors.ranges of `code` (less the measured ones)."""
+    base = cl.factors or FACTORS[code]
+    spans = ranges(code, measured, lay.fp8)
+
+    def mfu(f):
+        return step_time(cfg, replace(cl, factors=f), lay, seq, batch, code)["mfu"]
+    out = {"all": []}
+    for end in (0, 1):
+        every = base
+        for name, span in spans.items():
+            every = vary(every, name, span[end])
+        out["all"].append(mfu(every))
+    out.update({name: tuple(mfu(vary(base, name, span[end])) for end in (0, 1)) for name, span in spans.items()})
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def bars_table(cfg, cl, plans, seq, batch, code, measured):
+    """Rows: each plan's MFU at both ends of each factor (error_bars)."""
+    bars = [error_bars(cfg, cl, p.layout, seq, batch, code, measured) for p in plans]
+    names = list(bars[0]) if bars else []
+    lines = [f"{'#':>2} {'MFU':>6}  " + "  ".join(f"{n:>11}" for n in names)]
+    for i, (p, b) in enumerate(zip(plans, bars), 1):
+        spans = "  ".join(f"{100 * b[n][0]:5.1f}-{100 * b[n][1]:<5.1f}" for n in names)
+        lines.append(f"{i:>2} {p.mfu:6.1%}  {spans}".rstrip())
+    return "\n".join(lines)
+
+
+def fp8_notes(cfg, cl, plans, seq, batch, code):
+    """Each fp8 plan's speed over the same layout in bf16, and why where it passes FP8_PUBLISHED."""
+    lines = []
+    for i, p in enumerate(plans, 1):
+        bf16 = step_time(cfg, cl, replace(p.layout, fp8=False), seq, batch, code)
+        gain = bf16["total"] / p.time["total"]
+        lines.append(f"{i:>2} fp8 {gain:.2f}x the same layout in bf16")
+        if gain > FP8_PUBLISHED:
+            s = Shape(cfg, replace(p.layout, fp8=False), seq, batch, code)
+            c = replace(cl, factors=cl.factors or FACTORS[code])
+            share = rates(s, c)[0]["mm"] * s.t * s.M * cfg.n_layer / p.layout.pp / bf16["total"]
+            lines.append(f"   beyond the {FP8_PUBLISHED}x published fp8 runs reached, because its bf16 step is "
+                         f"{share:.0%} block matmuls, which fp8 runs {c.factors.fp8:g}x faster; published steps keep "
+                         "more outside them (attention, communication, elementwise), and fp8 GEMMs may reach less "
+                         "than twice bf16's rate (the fp8 factor's range)")
+    return "\n".join(lines)
+
+
+def spread_limit(cfg, cl, seq, batch):
+    """Why no layout exists: the most GPUs a batch of `batch` sequences can be spread over, one line."""
+    tp = max(t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cl.gpus_per_node and cfg.n_head % t == 0)
+    cp = max(1, 1 << max(0, (seq // 1024).bit_length() - 1))
+    most = batch * tp * cfg.n_layer * cp
+    return (f"no layout spreads the batch over {cl.gpus} GPUs: dp takes whole sequences (at most {batch}), tp at most "
+            f"{tp}, pp {cfg.n_layer} (the layers), cp {cp} (1024 tokens each): at most {most:,} GPUs")
+
+
+def main(argv=None):
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
+    for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):
+        ap.add_argument(f"--{name}", type=up_to(LIMITS[name]), help="override the preset (vocab: 50257 if it has none)")
+    ap.add_argument("--gpus", type=up_to(LIMITS["gpus"]), default=8,
+                    help="a whole number of nodes (or fewer than one node)")
+    ap.add_argument("--gpus-per-node", type=up_to(LIMITS["gpus-per-node"]), default=8)
+    ap.add_argument("--hbm-gb", type=positive_float, default=80.0, help="memory per GPU (H100: 80)")
+    ap.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--intra-gbs", type=positive_float, default=450.0, help="NVLink GB/s per direction per GPU")
+    ap.add_argument("--inter-gbs", type=positive_float, default=50.0, help="network GB/s per GPU (400 Gb/s)")
+    ap.add_argument("--hbm-tbs", type=positive_float, default=3.35, help="memory TB/s per GPU (H100 SXM: 3.35)")
+    ap.add_argument("--lat-intra-us", type=positive_float, default=1.0, help="latency per ring step inside a node")
+    ap.add_argument("--lat-inter-us", type=positive_float, default=5.0, help="latency per ring step across nodes")
+    ap.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="gloo: reduce-scatter = all-reduce")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp8"),
+                    help="compute dtype: fp32 (a CPU cluster), fp8 (the block matmuls at 2x the bf16 rate, FSDP "
+                    "gathers their weights in fp8)")
+    ap.add_argument("--measured", action="store_true", help="the rates were measured on this cluster at these sizes "
+                    "(python -m bench.cluster): no H100 efficiency factors")
+    ap.add_argument("--attn-tflops", type=positive_float, help="with --measured: the measured attention rate")
+    ap.add_argument("--host-us", type=nonnegative_float, default=0.0,
+                    help="host microseconds per dispatched op where the host is the device (a CPU cluster; "
+                    "python -m bench.cluster measures it); 0: a GPU hides them")
+    ap.add_argument("--seq-len", type=up_to(LIMITS["seq-len"]), help="default: the preset's")
+    ap.add_argument("--global-batch-tokens", type=up_to(LIMITS["global-batch-tokens"]),
+                    help="default: 0.5M-16M tokens by model size")
+    ap.add_argument("--top", type=up_to(LIMITS["top"]), default=10)
+    ap.add_argument("--layout", help="the bill of one layout, e.g. dp=64,tp=8,pp=16,dp_mode=fsdp,V=8")
+    ap.add_argument("--code", default="reference", choices=CODES,
+                    help="whose implementation: Llama 3's (reference, the calibration) or this repository's (ours)")
+    ap.add_argument("--compare-fsdp-scope", action="store_true",
+                    help="L15: the winner's mesh with its FSDP group inside one node (hsdp) vs across nodes")
+    ap.add_argument("--factors", help="--code ours: the factors `python -m bench.gpu` measured (its JSON file)")
+    ap.add_argument("--mem-margin", type=probability, default=MEM_MARGIN,
+                    help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error)")
+    try:
+        args = ap.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    over = {k: getattr(args, k) for k in SHAPE if getattr(args, k)}
+    cfg = replace(PRESETS[args.model], **over)
+    cfg = cfg if cfg.vocab_size else replace(cfg, vocab_size=50257)  # the GPT-2 tokenizer of our data
+    problem = cfg.validate() or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node and (
+        "--gpus", f"{args.gpus} GPUs are not a whole number of {args.gpus_per_node}-GPU nodes"))
+    if problem:
+        print(f"error: {problem[0]}: {problem[1]}", file=sys.stderr)
+        return 2
+    seq = args.seq_len or cfg.seq_len
+    if args.measured and not args.attn_tflops:
+        print("error: --measured: needs --attn-tflops, the attention rate measured with the others", file=sys.stderr)
+        return 2
+    factors, measured = None, ()
+    if args.factors:
+        try:
+            if args.code != "ours":
+                raise ValueError("measured factors describe this repository's code: add --code ours")
+            factors, measured = load(args.factors)
+        except ValueError as e:
+            print(f"error: --factors: {e}", file=sys.stderr)
+            return 2
+    cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs,
+                 args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
+                 args.measured, args.attn_tflops or 0.0, args.host_us, factors, args.mem_margin)
+    batch = max(1, (args.global_batch_tokens or default_batch_tokens(cfg)) // seq)
+    fp8, lay = args.dtype == "fp8", None
+    if args.layout:  # refused before anything is printed: one line, exit 2
+        try:
+            lay = replace(parse_layout(args.layout), fp8=fp8) if fp8 else parse_layout(args.layout)
+            why = invalid(cfg, cl, lay, seq, batch, args.code)
+        except (ValueError, TypeError) as e:
+            why = str(e)
+        if why:
+            print(f"error: --layout: {why}", file=sys.stderr)
+            return 2
+    total, non_emb = param_counts(cfg)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in over.items())
+    name = f"custom shape (from {args.model} with {flags})" if over else args.model
+    print(f"{name}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), seq {seq}, batch "
+          f"{batch} x {seq} = {batch * seq / 2**20:.1f}M tokens; {cl.gpus} GPUs, {cl.gpus_per_node}/node, "
+          f"{cl.hbm_gb:g} GB, {cl.peak_tflops:g} TF, {cl.intra_gbs:g}/{cl.inter_gbs:g} GB/s intra/inter"
+          + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
+    whose = (f"measured ({', '.join(measured)}: {args.factors})" if factors
+             else "this code's" if args.code == "ours" else "the reference's")
+    print(f"a layout fits below {cl.usable_gb:.4g} GB: {cl.hbm_gb:g} GB less a {cl.margin:.0%} margin (allocator, "
+          f"NCCL buffers, CUDA context, the memory model's error); efficiency factors: {whose} (factors.py)")
+    if lay:
+        p = evaluate(cfg, cl, lay, seq, batch, checked=True, code=args.code)
+        print(bill(p, cl))
+        print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all "
+              "together first:\n" + bars_table(cfg, cl, [p], seq, batch, args.code, measured))
+        if fp8:
+            print(fp8_notes(cfg, cl, [p], seq, batch, args.code))
+        return 0
+    t0 = time.time()
+    plans = plan(cfg, cl, seq, batch, args.top, args.code, fp8)
+    if not plans:
+        spreads = next(candidates(cfg, cl, seq, batch, code=args.code, fp8=fp8), None) is not None
+        print("no layout fits in memory" if spreads else spread_limit(cfg, cl, seq, batch))
+        return 1
+    print(f"top {len(plans)} layouts by predicted MFU (searched in {time.time() - t0:.1f} s):")
+    print(f"{'#':>2} {'MFU':>6} {'step s':>7} {'mem GB':>6}  layout")
+    for i, p in enumerate(plans, 1):
+        print(f"{i:>2} {p.mfu:6.1%} {p.time['total']:7.3g} {sum(p.mem.values()) / GB:6.1f}  {p.layout}")
+    print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all together "
+          "first:\n" + bars_table(cfg, cl, plans, seq, batch, args.code, measured))
+    if fp8:
+        print("\n" + fp8_notes(cfg, cl, plans, seq, batch, args.code))
+    print("\nwhere the winner's time (s) and memory (GB) go:\n" + bill(plans[0], cl))
+    if args.compare_fsdp_scope:
+        lay = plans[0].layout
+        local = members_per_node(cl.gpus_per_node, lay.tp, lay.cp, lay.pp, lay.dp, 1, "dp")
+        print(f"\nL15, the same mesh with FSDP across nodes vs inside one node (shard={local}):")
+        for alt in (replace(lay, dp_mode="fsdp", shard=0, dist_opt=False),
+                    replace(lay, dp_mode="hsdp", shard=local, dist_opt=False)):
+            why = invalid(cfg, cl, alt, seq, batch, args.code)
+            print(f"{alt}: {why}" if why else bill(evaluate(cfg, cl, alt, seq, batch, code=args.code), cl))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`python -m bench.vs_torch`: ours against torch's own (measure.py)."""
+import sys
+
+from bench.vs_torch.measure import main
+
+if __name__ == "__main__":
+    sys.exit(main())
