@@ -30,10 +30,10 @@ def stage_bytes(cfg, run, pp_rank):
     weights in use  FSDP: the largest unit gathered, with its flat gradient (its backward); under
                     pp the stage's units stay gathered all step. DDP under autocast: the matmul
                     weights' compute-dtype copies, which each micro-batch in flight saves.
-    activations     per layer and token in the compute dtype: the norms' inputs and outputs, q, k,
-                    v, attention's output, the MLP's gate, up and product. A checkpointed layer
-                    keeps its input, and one layer is remade at a time. As many sets as the
-                    schedule keeps in flight.
+    activations     per layer and token in the compute dtype: the norms' inputs and outputs,
+                    attention's q, k, v (after RoPE) and output, the MLP's gate, up and product
+                    (what autograd saves, counted), fp32 1/rms. A checkpointed layer keeps its
+                    input; one layer is remade at a time. As many sets as the schedule keeps.
     logits          on the last stage: the logits of each set in flight, their gradient, one fp32
                     chunk of the loss.
     token ids       the step's inputs and targets.
@@ -50,7 +50,7 @@ def stage_bytes(cfg, run, pp_rank):
     unit = max([block] + [embed] * first + [head] * last)  # FSDP's largest unit
     tokens = run.micro_batch * cfg.seq_len / run.cp
     kv = 2 * d * cfg.n_kv_head / cfg.n_head  # k and v per token
-    per_layer = e * (4 * d / sh + (4 * d + kv + 3 * f) / t) + 8 / sh  # per token
+    per_layer = e * (4 * d / sh + (2 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
     if kind == "selective":
         per_layer -= e * (2 * d / sh + f / t)
