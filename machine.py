@@ -14,6 +14,17 @@ PEAK_TFLOPS = {
 }
 
 
+# What the planner needs of a GPU besides its peak: (memory GB, HBM TB/s, NVLink GB/s a direction)
+SPECS = {"NVIDIA H100 80GB HBM3": (80, 3.35, 450), "NVIDIA H200": (141, 4.8, 450),
+         "NVIDIA H800": (80, 3.35, 200), "NVIDIA A100-SXM4-80GB": (80, 2.04, 300),
+         "NVIDIA A100-SXM4-40GB": (40, 1.56, 300)}
+
+
+def gpu_name(run):
+    """The GPU's full name, or None on a CPU."""
+    return torch.cuda.get_device_name(run.device) if run.backend == "nccl" else None
+
+
 def peak_flops(run):
     """Per-device peak FLOP/s and where it came from: --peak-tflops, or the table by the GPU's name.
 

@@ -18,9 +18,12 @@ from tqdm import tqdm
 import machine
 import model
 import optim
+from bench.planner.layout import Cluster, Layout, invalid
+from bench.planner.plan import error_bars
 from config import UsageError
 from data.files import open_append
 from parallel import ckpt
+from parallel.pp_schedule import chunks_per_rank
 from saves import TrainingFailure
 
 
@@ -40,7 +43,7 @@ class StepLog:
     """The per-step rows, the tqdm bar, the console lines, and the summary at the end."""
 
     def __init__(self, run, cfg, mesh, start, trainer, metrics_file):
-        self.run, self.mesh, self.rank = run, mesh, mesh.global_rank
+        self.run, self.cfg, self.mesh, self.rank = run, cfg, mesh, mesh.global_rank
         self.device = torch.device(run.device)
         self.peak, peak_source = machine.peak_flops(run)
         self.tokens = run.global_batch * cfg.seq_len
@@ -72,8 +75,9 @@ class StepLog:
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this step's peak
         return time.perf_counter()
 
-    def end_step(self, step, loss, health, trainer, t0):
-        """The step's row, from one host read: the health, the loss scale and the global loss."""
+    def end_step(self, step, loss, health, trainer, t0, input_s=0.0):
+        """The step's row, from one host read: the health, the loss scale and the global loss.
+        input_s: the seconds the step waited for its batch (the loader's)."""
         values = [health, trainer.scaler.scale.reshape(1), loss.reshape(1)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer step has finished: dt_s covers it
@@ -85,7 +89,9 @@ class StepLog:
                "grad_norm": grad_norm, "tokens": self.tokens, "dt_s": dt, "tok_s": self.tokens / dt,
                "tflops": self.flops_model / dt / world / 1e12, "mfu": mfu, "hfu": hfu,
                **(self.cpu_memory.gb() if self.cpu_memory else cuda_memory_gb(self.device)),
-               "comm_gb": self.mesh.stats.total_bytes / 1e9, "bad_losses": bad_losses}
+               "comm_gb": self.mesh.stats.total_bytes / 1e9, "input_s": input_s,
+               "comm_wait_s": self.mesh.stats.wait_s, "pp_wait_s": self.mesh.stats.idle_s,
+               "bad_losses": bad_losses}
         if trainer.scaler.enabled:
             row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step
         return row
@@ -110,7 +116,10 @@ class StepLog:
         if self.rank == 0 and self.rows:
             summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags,
                                   self.run.target_loss)
+            summary["expected_mfu"] = expected_mfu(self.run, self.cfg)
             self.bar.write(summary_line(summary))
+            if summary["expected_mfu"] and summary["mfu"] is not None:
+                self.bar.write(speed_line(summary))
             self.append({"summary": summary})
         if self.metrics:
             self.metrics.close()
@@ -151,11 +160,15 @@ def run_summary(rows, wall_s, out, flags, target_loss=None):
 
     def median(key):
         return statistics.median(r[key] for r in timed) if timed[0][key] is not None else None
+
+    def share(key):  # the median share of a step's time
+        return statistics.median(r.get(key, 0.0) / r["dt_s"] for r in timed)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     summary = {"run": str(out), "steps": rows[-1]["step"], "loss": rows[-1]["loss"],
                "val_loss": val[-1] if val else None, "tok_s": median("tok_s"), "mfu": median("mfu"),
                "mem_gb": max((r["mem_gb"] for r in rows if r["mem_gb"] is not None), default=None),
-               "wall_s": wall_s, "flags": flags}
+               "wall_s": wall_s, "flags": flags, "input_share": share("input_s"),
+               "comm_wait_share": share("comm_wait_s"), "pp_wait_share": share("pp_wait_s")}
     if target_loss is not None:
         summary["target"] = time_to_target([r for r in rows if "val_loss" in r], target_loss)
     return summary
@@ -181,6 +194,47 @@ def summary_line(s):
     line = (f"done: step {s['steps']}, loss {s['loss']:.4f}{val}, {s['tok_s']:.0f} tok/s{mfu}"
             f"{mem}, {s['wall_s']:.0f} s, in {s['run']}")
     return line + ("\n" + target_line(s["target"]) if "target" in s else "")
+
+
+def expected_mfu(run, cfg):
+    """[pessimistic, optimistic] MFU the planner predicts for this model, layout and GPU (its
+    factors' range, --code ours), or None: a CPU, a GPU it has no figures for, a layout it does
+    not price."""
+    spec, (peak, _) = machine.SPECS.get(machine.gpu_name(run)), machine.peak_flops(run)
+    if spec is None or not peak:
+        return None
+    hbm_gb, hbm_tbs, nvlink_gbs = spec
+    cluster = Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=hbm_gb,
+                      peak_tflops=peak / 1e12, intra_gbs=nvlink_gbs, hbm_tbs=hbm_tbs)
+    kind = ckpt.parse(run.ckpt)[0]
+    layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
+                    shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
+                    ckpt=kind if kind in ("none", "selective") else "full",
+                    schedule=run.pp_schedule,
+                    V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
+                    cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
+                    fp8=run.dtype == "fp8")
+    if invalid(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours"):
+        return None
+    return list(error_bars(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours")["all"])
+
+
+WAITS = {"input_share": "input-bound: the step waited for its batch",
+         "comm_wait_share": "exposed communication: the step waited in collectives",
+         "pp_wait_share": "pipeline bubble: stages waited for their neighbours"}
+
+
+def speed_line(s):
+    """The measured MFU beside the planner's range; below it, the largest measured wait."""
+    low, high = s["expected_mfu"]
+    said = (f"speed: MFU {s['mfu']:.1%}; the planner predicts {low:.1%}-{high:.1%} for this "
+            "model, layout and GPU")
+    if s["mfu"] >= low:
+        return said + (": within it" if s["mfu"] <= high else ": above it")
+    why = max(WAITS, key=lambda k: s[k])
+    if s[why] < 0.05:
+        return said + ": below it, and no wait explains it (the kernels, compilation, the clocks)"
+    return said + f": below it; {WAITS[why]} {s[why]:.0%} of its time"
 
 
 def target_line(t):

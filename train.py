@@ -241,7 +241,7 @@ def train(run):
                 lr = optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
                 local_loss, health = train_step(trainer, x, y, lr, run.grad_clip)
                 loss = replica_mean(local_loss, mesh)
-                row = log.end_step(step, loss, health, trainer, t0)  # the step's one host read
+                row = log.end_step(step, loss, health, trainer, t0, loader.wait_s)  # 1 host read
                 overflow = not math.isfinite(row["grad_norm"])  # fp16's scaler skips such a step
                 if row["bad_losses"] or (overflow and not trainer.scaler.enabled):
                     raise folder.non_finite(step + 1, row["loss"], row["grad_norm"])

@@ -38,6 +38,7 @@ class CommStats:
         # ("launch" | "wait", index into log): when collectives start and finish (p2p: no wait)
         self.timeline = []
         self.wait_s, self.launched_at = 0.0, 0.0  # seconds blocked; when the last one was launched
+        self.idle_s = 0.0  # seconds a pipeline stage waited for its neighbours (parallel/pp.py)
 
     def add(self, kind, group, nbytes):
         self.calls[kind] += 1

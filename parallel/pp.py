@@ -10,6 +10,7 @@ Bubble:   utilization M/(M+P-1) (GPipe, 1F1B), VM/(VM+P-1) interleaved; zb1, zbv
 """
 import copy
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -252,7 +253,9 @@ class Pipeline:
 
     def take(self, op, chunk, mb):
         buf, posted = self.receives.pop((op, chunk, mb))
-        posted.wait()
+        t0 = time.perf_counter()
+        posted.wait()  # the bubble: idle until the neighbour's send arrives
+        self.mesh.stats.idle_s += time.perf_counter() - t0
         return buf
 
 
