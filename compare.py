@@ -1,18 +1,23 @@
-"""Runs side by side: each run's summary (the last line train.py writes to its metrics) and the flags that differ;
-with --plot, their curves in one picture.
+"""Runs side by side: each run's summary and the flags that differ; with --plot, their curves.
+
+A run's summary is the last line train.py writes to its metrics; --plot draws the curves in one
+picture.
 
     python compare.py runs/tiny runs/tiny-ckpt=full runs/tiny-dtype=bf16
-    python compare.py out/a/metrics.jsonl out/b --plot ablation.png   # a run folder, or its metrics file
+    # a run folder, or its metrics file:
+    python compare.py out/a/metrics.jsonl out/b --plot ablation.png
 
-One row per run: final train and val loss, median tokens/s and MFU (the first step left out), peak memory, wall time,
-and a column for every flag whose value is not the same in all of them (a flag a run leaves at its default shows as
-"-"). A run that wrote no summary (killed, or still running) is one line on stderr, exit 2.
+One row per run: final train and val loss, median tokens/s and MFU (the first step left out), peak
+memory, wall time, and a column for every flag whose value is not the same in all of them (a flag a
+run leaves at its default shows as "-"). A run that wrote no summary (killed, or still running) is
+one line on stderr, exit 2.
 
---plot FILE.png draws four panels, one curve per run, labelled by the flags it sets of those that differ (with the
-run's folder name where two runs share a label): train loss and val loss against steps, with the tokens seen on the
-top axis (against tokens instead where the runs' batches differ), then tokens/s and peak memory against steps. A step
-run twice (a resume from an earlier save) is drawn as its last run. matplotlib is a tooling dependency
-(requirements-dev.txt): without it the table still prints; training never imports this file.
+--plot FILE.png draws four panels, one curve per run, labelled by the flags it sets of those that
+differ (with the run's folder name where two runs share a label): train loss and val loss against
+steps, with the tokens seen on the top axis (against tokens instead where the runs' batches differ),
+then tokens/s and peak memory against steps. A step run twice (a resume from an earlier save) is
+drawn as its last run. matplotlib is a tooling dependency (requirements-dev.txt): without it the
+table still prints; training never imports this file.
 """
 import argparse
 import sys
@@ -28,17 +33,21 @@ except ImportError:
     Figure = None
 
 NUMBER = (int, float)
+# what a summary holds (train.run_summary), and its types
 SUMMARY = {"run": (str,), "steps": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),),
-           "tok_s": NUMBER + (type(None),), "mfu": NUMBER + (type(None),), "mem_gb": NUMBER + (type(None),),
-           "wall_s": NUMBER, "flags": (dict,)}  # what a summary holds (train.run_summary), and its types
-ROW = {"step": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),), "tokens": NUMBER, "tok_s": NUMBER,
-       "mem_gb": NUMBER + (type(None),)}  # what a step row holds that the plot draws
+           "tok_s": NUMBER + (type(None),), "mfu": NUMBER + (type(None),),
+           "mem_gb": NUMBER + (type(None),), "wall_s": NUMBER, "flags": (dict,)}
+# what a step row holds that the plot draws
+ROW = {"step": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),), "tokens": NUMBER,
+       "tok_s": NUMBER, "mem_gb": NUMBER + (type(None),)}
 STYLES = ["-", "--", ":", "-."]
-PANELS = [("train loss", "loss"), ("val loss", "val_loss"), ("tokens/s", "tok_s"), ("peak memory GB", "mem_gb")]
+PANELS = [("train loss", "loss"), ("val loss", "val_loss"), ("tokens/s", "tok_s"),
+          ("peak memory GB", "mem_gb")]
 
 
 def checked(record, types, what):
-    """The record if it is a dict whose keys hold values of their types (bool is no number), else UsageError."""
+    """The record if it is a dict whose keys hold values of their types (bool is no number), else
+    UsageError."""
     if not isinstance(record, dict):
         raise UsageError(f"{what} is {type(record).__name__}, not an object")
     for key, allowed in types.items():
@@ -50,8 +59,8 @@ def checked(record, types, what):
 
 
 def read_run(path, rows_too=False):
-    """(the newest summary, [its step rows, the last run of each step, first to last] if rows_too) of a run folder or
-    a metrics file."""
+    """(the newest summary, [its step rows, the last run of each step, first to last] if rows_too)
+    of a run folder or a metrics file."""
     path = Path(path)
     metrics = path / "metrics.jsonl" if path.is_dir() else path
     if not metrics.is_file():
@@ -77,12 +86,14 @@ def table(paths):
     """(header, rows) of the runs' summaries and the flags that differ between them."""
     summaries = [read_run(p)[0] for p in paths]
     differ = differing(summaries)
-    header = ["run", "steps", "loss", "val loss", "tok/s", "MFU", "peak GB", "wall s"] + [f"--{k}" for k in differ]
+    header = (["run", "steps", "loss", "val loss", "tok/s", "MFU", "peak GB", "wall s"]
+              + [f"--{k}" for k in differ])
 
     def number(value, spec):
         return "-" if value is None else format(value, spec)
-    rows = [[s["run"], s["steps"], number(s["loss"], ".4f"), number(s["val_loss"], ".4f"), number(s["tok_s"], ".0f"),
-             number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"), number(s["wall_s"], ".0f")]
+    rows = [[s["run"], s["steps"], number(s["loss"], ".4f"), number(s["val_loss"], ".4f"),
+             number(s["tok_s"], ".0f"), number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"),
+             number(s["wall_s"], ".0f")]
             + [str(s["flags"].get(k, "-")) for k in differ] for s in summaries]
     return header, rows
 
@@ -91,8 +102,10 @@ def plot(paths, out):
     """Draws the runs' curves into the PNG `out`; returns the Figure (its axes in PANELS' order)."""
     runs = [read_run(p, rows_too=True) for p in paths]
     differ = differing([s for s, _ in runs])
-    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults" for s, _ in runs]
-    labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x for x, (s, _) in zip(labels, runs)]
+    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults"
+              for s, _ in runs]
+    labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x
+              for x, (s, _) in zip(labels, runs)]
     batches = {r["tokens"] for _, rows in runs for r in rows}  # tokens per step
     per_step = next(iter(batches)) if len(batches) == 1 else None  # None: the runs' batches differ
     fig = Figure(figsize=(12, 8), layout="constrained")
@@ -101,16 +114,18 @@ def plot(paths, out):
         loss = key in ("loss", "val_loss")
         x_tokens = loss and per_step is None
         for i, ((_, rows), label) in enumerate(zip(runs, labels)):
+            # tokens seen: each run's batch is the same every step
             points = [(r["step"] * r["tokens"] if x_tokens else r["step"], r[key]) for r in rows
-                      if r.get(key) is not None]  # tokens seen: each run's batch is the same every step
-            if points:
-                ax.plot(*zip(*points), STYLES[i % len(STYLES)], marker="o" if key == "val_loss" else None,
-                        markersize=3, label=label)  # a style per run: curves that coincide stay visible
+                      if r.get(key) is not None]
+            if points:  # a style per run: curves that coincide stay visible
+                ax.plot(*zip(*points), STYLES[i % len(STYLES)],
+                        marker="o" if key == "val_loss" else None, markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("tokens" if x_tokens else "step")
         ax.grid(alpha=0.3)
         if loss and per_step:
-            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step,
+                                                       lambda t: t / per_step))
             top.set_xlabel("tokens")
     fig.axes[0].legend(fontsize="small")
     try:
@@ -121,9 +136,11 @@ def plot(paths, out):
 
 
 def main(argv=None):
-    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__.splitlines()[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (or their metrics files)")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw the runs' curves into this PNG")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the runs' curves into this PNG")
     try:
         args = parser.parse_args(argv)
         if args.plot and not args.plot.lower().endswith(".png"):

@@ -22,7 +22,7 @@ import torch
 
 import config
 import launch
-import model as M
+import model
 import train
 from config import DTYPES
 from data.prepare import prepare
@@ -188,11 +188,11 @@ def pystdlib_folder():
 def build_gpt(preset="tiny", seed=1337, device="cpu", **overrides):
     """model.GPT from a preset with train.py's initial weights. Presets without a vocabulary get the
     byte corpus's 257 (what train.py uses on the pystdlib data)."""
-    fields = {**M.PRESETS[preset].__dict__, **overrides}
+    fields = {**model.PRESETS[preset].__dict__, **overrides}
     fields["vocab_size"] = fields["vocab_size"] or 257
-    cfg = M.ModelConfig(**fields)
+    cfg = model.ModelConfig(**fields)
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     return init_weights(gpt, seed, device)
 
 

@@ -10,7 +10,7 @@ The zero-bubble schedules split B in two: B, the input gradient, and a later W, 
 the activation shape from the config, so nothing else is exchanged. Two neighbouring stages on
 one rank exchange nothing.
 
-Nothing here touches torch. The executor in pp.py runs the lists; bench/pp_draw.py draws them.
+Nothing here touches torch. The executor in pp.py runs the lists; bench.labs.pp_draw draws them.
 The tests check that each (chunk, mb) runs once, forward before backward. Sends match receives.
 Nothing deadlocks, even when a p2p batch blocks its stream until all of it is matched, as NCCL's
 does.
@@ -89,7 +89,7 @@ def interleaved(P, M, V):
     1F1B. So rank r keeps up to P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a
     stage, so the fill and drain shrink V times: the bubble is (P-1)/(V·M).
     A warmup of (P-r-1) + (V-1)·P has the same bubble in simulate(). It keeps 1F1B's P sets on
-    rank 0, but measured 10-15% lower utilization (bench/pp_bubble.py). The second P-r-1
+    rank 0, but measured 10-15% lower utilization (bench/labs/pp_bubble.py). The second P-r-1
     forwards are slack."""
     if V == 1:
         return one_f_one_b(P, M)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import model as M
+import model
 from bench import common, run_all
 from bench.labs import collective_bandwidth as collectives
 from bench.labs import loader_stall, mfu_sweep, pp_bubble, pp_draw, precision, prepare_speed
@@ -80,10 +80,10 @@ def test_collectives_table(tmp_path):
 def test_flops_per_step_table(tmp_path):
     mfu_sweep.main(["--flops-only", "--out", str(tmp_path)])
     rows = {r[0]: r for r in table_rows(tmp_path / "L21_flops_per_step.md")}
-    assert set(M.PRESETS) <= set(rows)
+    assert set(model.PRESETS) <= set(rows)
     cfg = mfu_sweep.config_of("llama3-405b")
-    assert float(rows["llama3-405b"][7]) == pytest.approx(M.flops_per_token(cfg) / 1e9, rel=1e-3)
-    assert float(rows["llama3-405b"][10]) == pytest.approx(M.flops_per_token(cfg) * 2 ** 24, rel=1e-3)
+    assert float(rows["llama3-405b"][7]) == pytest.approx(model.flops_per_token(cfg) / 1e9, rel=1e-3)
+    assert float(rows["llama3-405b"][10]) == pytest.approx(model.flops_per_token(cfg) * 2 ** 24, rel=1e-3)
 
 
 def test_metrics_summary_skips_the_first_step(tmp_path):

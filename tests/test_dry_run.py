@@ -4,8 +4,8 @@ Each layout rehearses two steps of its first, a middle and its last pipeline sta
 (the fake process group, FakeTensorMode on cuda:LOCAL_RANK), on whatever torch is installed: a CUDA build without a
 GPU or a CPU build. Asserted per rank: the step ran; no op touched a CPU tensor or read a value back to the host;
 every collective passed NCCL's tensor rules; the bytes each group sent equal the parallel modules' traffic formulas
-at the full world size (bench/planner/plan.py's code="ours", the formulas tests/test_plan_measured.py holds to gloo runs at
-2 and 4 ranks); the peak memory is memory.step_bytes's within MEMORY_BOUND. Layouts run in two processes, each
+at the full world size (bench/planner/plan.py's code="ours", the formulas tests/test_plan_measured.py holds to gloo
+runs at 2 and 4 ranks); the peak memory is memory.step_bytes's within MEMORY_BOUND. Layouts run in two processes, each
 family once however many tests read it (-k runs only the chosen ones).
 """
 import io
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import config
 import dry_run
 import train
-from bench.planner import plan as P
+from bench.planner import plan
 from bench.ranks import run_ranks
 from parallel.comm import ALL_GATHER
 from parallel.mesh import infer_dp
@@ -58,7 +58,7 @@ WHOLE_MODEL_BOUND = 0.15  # |memory.stage_bytes / measured peak - 1| without pp 
 PIPELINE_BOUND = 0.25  # the same for every rehearsed pipeline stage (measured: -22% .. +12%; most within 2%)
 
 
-def plan(name):
+def rehearsal_plan(name):
     """(train.py's flags, the world size, the stages to rehearse, the coordinates of the rank in each) of a layout.
     The stages: the first, a middle and the last, whose shapes differ (the embedding's, the layers', the head's).
     The rank: dp and cp rank 0, or under fsdp and hsdp the last of the shard group, which holds the units' 1-D
@@ -77,7 +77,7 @@ def _rehearse(rank, world, names):
     for name in names[rank::world]:
         t0 = time.process_time()
         try:
-            flags, size, stages, at = plan(name)
+            flags, size, stages, at = rehearsal_plan(name)
             out[name] = dry_run.rehearse(train, flags, size, GPU, stages=stages, at=at), time.process_time() - t0
         except Exception:  # noqa: BLE001 - reported by that layout's tests
             out[name] = traceback.format_exc(), 0.0
@@ -135,11 +135,11 @@ def predicted_bytes(run):
     dtype (fp8: units in 1 byte), gradients in the reduce dtype (fp32)."""
     cfg = dry_run.model_config(run)
     e = 4 if run.dtype == "fp32" else 2
-    lay = P.Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
-                   shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch, ckpt=run.ckpt,
-                   schedule=run.pp_schedule, V=chunks_per_rank(run.pp_schedule, run.pp_virtual), cp_mode=run.cp_mode,
-                   sp=run.sp, overlap=run.overlap, accumulate=run.accumulate, fp8=run.fp8_all_gather)
-    return P.comm_bytes(cfg, lay, cfg.seq_len, run.global_batch, w_bytes=e, g_bytes=4, a_bytes=e, code="ours")
+    lay = plan.Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
+                      shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch, ckpt=run.ckpt,
+                      schedule=run.pp_schedule, V=chunks_per_rank(run.pp_schedule, run.pp_virtual), cp_mode=run.cp_mode,
+                      sp=run.sp, overlap=run.overlap, accumulate=run.accumulate, fp8=run.fp8_all_gather)
+    return plan.comm_bytes(cfg, lay, cfg.seq_len, run.global_batch, w_bytes=e, g_bytes=4, a_bytes=e, code="ours")
 
 
 def memory_error(r):

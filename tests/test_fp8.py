@@ -16,7 +16,7 @@ import fp8
 import launch
 import model
 import train
-from bench.planner import plan as P
+from bench.planner import plan
 from bench.planner.ours import fsdp_parts
 from bench.planner.step_time import MM_EFF, MM_ROWS0
 from bench.ranks import run_ranks
@@ -289,7 +289,7 @@ def test_the_planner_counts_the_fp8_all_gather_bytes_the_counters_read(runs):
     2 x 16 tokens per rank, 2 ranks): equal to the collective layer's, in bf16 and in fp8 (v = 2d: the norm gains
     sit in one shard)."""
     for in_fp8 in (False, True):
-        s = P.Shape(FSDP_CFG, P.Layout(dp=2, dp_mode="fsdp", micro=2, fp8=in_fp8), 16, 4, code="ours")
+        s = plan.Shape(FSDP_CFG, plan.Layout(dp=2, dp_mode="fsdp", micro=2, fp8=in_fp8), 16, 4, code="ours")
         ((layers, params, embed, head, _),) = s.stages()
         parts, _ = fsdp_parts(s, layers, params, embed, head)
         for r in result(runs, "fsdp_gather"):
@@ -297,19 +297,19 @@ def test_the_planner_counts_the_fp8_all_gather_bytes_the_counters_read(runs):
 
 
 def test_the_planner_runs_block_matmuls_at_twice_the_bf16_rate():
-    cfg, cl = PRESETS["llama3-8b"], P.Cluster(gpus=8)
-    lay = P.Layout(dp=8, dp_mode="fsdp", micro=1, ckpt="full")
-    bf16, fp8_time = (P.step_time(cfg, cl, replace(lay, fp8=f), 8192, 64) for f in (False, True))
+    cfg, cl = PRESETS["llama3-8b"], plan.Cluster(gpus=8)
+    lay = plan.Layout(dp=8, dp_mode="fsdp", micro=1, ckpt="full")
+    bf16, fp8_time = (plan.step_time(cfg, cl, replace(lay, fp8=f), 8192, 64) for f in (False, True))
     t = 8192  # tokens per micro-batch; seconds of the block matmuls in "compute" at bf16 (plan_time.py's formula)
-    matmuls = 6 * (P.Shape(cfg, lay, 8192, 64).p_layer - 2 * cfg.d_model) * cfg.n_layer * t * (64 // 8) / (
+    matmuls = 6 * (plan.Shape(cfg, lay, 8192, 64).p_layer - 2 * cfg.d_model) * cfg.n_layer * t * (64 // 8) / (
         cl.peak_tflops * 1e12 * MM_EFF * t / (t + MM_ROWS0))
     assert bf16["compute"] - fp8_time["compute"] == pytest.approx(matmuls / 2, rel=1e-9)
     assert fp8_time["mfu"] > bf16["mfu"] and fp8_time["dp"] <= bf16["dp"]
-    assert P.comm_bytes(cfg, replace(lay, fp8=True), 8192, 64)["dp"] < P.comm_bytes(cfg, lay, 8192, 64)["dp"]
+    assert plan.comm_bytes(cfg, replace(lay, fp8=True), 8192, 64)["dp"] < plan.comm_bytes(cfg, lay, 8192, 64)["dp"]
 
 
 def test_plan_cli_takes_dtype_fp8(capsys):
-    assert P.main(["--model", "llama3-8b", "--gpus", "16", "--dtype", "fp8", "--top", "3"]) == 0
+    assert plan.main(["--model", "llama3-8b", "--gpus", "16", "--dtype", "fp8", "--top", "3"]) == 0
     top = capsys.readouterr().out.split("layouts by predicted MFU")[1].splitlines()[2]
     assert top.endswith("fp8=1") or ",fp8=1," in top
 

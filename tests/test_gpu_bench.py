@@ -11,7 +11,7 @@ from bench import common
 from bench.gpu import checks as gpu_checks
 from bench.gpu import measure as gpu
 from bench.gpu import runs as gpu_runs
-from bench.planner import plan as P
+from bench.planner import plan
 from bench.planner.factors import MEASURED, load
 
 SECTIONS = ["1. Our training step", "2. Hugging Face LlamaForCausalLM", "3. Attention kernels that actually ran",
@@ -153,7 +153,7 @@ def test_the_factors_it_measures_load_into_the_planner(smoke_run, capsys):
     factors, names = load(path)
     assert {"mm", "attn", "launch_us"} <= set(names) <= set(MEASURED)
     assert factors.mm == got["factors"]["mm"] > 0
-    assert P.main(["--code", "ours", "--factors", str(path), "--gpus", "8", "--layout", "dp=8,dp_mode=fsdp"]) == 0
+    assert plan.main(["--code", "ours", "--factors", str(path), "--gpus", "8", "--layout", "dp=8,dp_mode=fsdp"]) == 0
     assert "efficiency factors: measured (" in capsys.readouterr().out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from bench.cluster.report import MODEL, misranked
 from bench.cluster.worker import CountOps
-from bench.planner import step_time as T
+from bench.planner import step_time
 from bench.planner.layout import Cluster, Layout, Shape
 from bench.planner.ours import fsdp_parts
 from config import model_config, parse_args
@@ -24,7 +24,7 @@ GLOO = dict(gpus=4, gpus_per_node=2, hbm_gb=1000.0, peak_tflops=0.04, attn_tflop
 
 
 def bill(lay, batch=4, **cluster):
-    return T.step_time(TINY, Cluster(**{**GLOO, **cluster}), lay, TINY.seq_len, batch, code="ours")
+    return step_time.step_time(TINY, Cluster(**{**GLOO, **cluster}), lay, TINY.seq_len, batch, code="ours")
 
 
 def test_ddp_updates_the_whole_replica_fsdp_and_hsdp_their_shard():
@@ -32,39 +32,41 @@ def test_ddp_updates_the_whole_replica_fsdp_and_hsdp_their_shard():
     ddp = bill(Layout(dp=4, micro=1), **no_clip)["optimizer"]
     fsdp = bill(Layout(dp=4, dp_mode="fsdp", micro=1), **no_clip)["optimizer"]
     hsdp = bill(Layout(dp=4, dp_mode="hsdp", shard=2, micro=1), **no_clip)["optimizer"]
-    assert ddp == pytest.approx(T.OPT_BYTES * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
+    assert ddp == pytest.approx(step_time.OPT_BYTES * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
     assert (fsdp, hsdp) == (pytest.approx(ddp / 4), pytest.approx(ddp / 2))
-    ref = T.step_time(TINY, Cluster(**GLOO), Layout(dp=4, micro=1), TINY.seq_len, 4, code="reference")
+    ref = step_time.step_time(TINY, Cluster(**GLOO), Layout(dp=4, micro=1), TINY.seq_len, 4, code="reference")
     assert ref["optimizer"] == 0.0  # Megatron's distributed optimizer: sharded, negligible
 
 
 def test_the_clip_all_reduces_over_the_world_and_crosses_nodes_once_the_world_does():
-    assert T.clip_norm(Cluster(**GLOO), Layout(dp=2)) == pytest.approx(2 * 1000e-6)  # 2 ranks inside a node
-    assert T.clip_norm(Cluster(**GLOO), Layout(dp=4)) == pytest.approx(4 * 1700e-6)  # 4 ranks over 2 nodes
-    assert T.clip_norm(Cluster(**GLOO), Layout()) == 0.0
+    assert step_time.clip_norm(Cluster(**GLOO), Layout(dp=2)) == pytest.approx(2 * 1000e-6)  # 2 ranks inside a node
+    assert step_time.clip_norm(Cluster(**GLOO), Layout(dp=4)) == pytest.approx(4 * 1700e-6)  # 4 ranks over 2 nodes
+    assert step_time.clip_norm(Cluster(**GLOO), Layout()) == 0.0
 
 
 def test_gloo_crosses_a_node_on_one_nic_nccl_stripes_over_the_nodes_nics():
     lay = Layout(dp=8, dp_mode="fsdp")  # 4 ranks of the group per node, 2 nodes
     wide = dict(gpus=8, gpus_per_node=4, intra_gbs=100.0, inter_gbs=1.0)
     gloo, nccl = Cluster(**{**GLOO, **wide}), Cluster(**{**GLOO, **wide, "backend": "nccl"})
-    assert T.link(gloo, lay, "dp") == (pytest.approx(1e9), pytest.approx(1700e-6))
-    assert T.link(nccl, lay, "dp") == (pytest.approx(4e9), pytest.approx(1700e-6))  # min(intra, 4 NICs)
+    assert step_time.link(gloo, lay, "dp") == (pytest.approx(1e9), pytest.approx(1700e-6))
+    assert step_time.link(nccl, lay, "dp") == (pytest.approx(4e9), pytest.approx(1700e-6))  # min(intra, 4 NICs)
     inside = Layout(dp=4, tp=2, dp_mode="hsdp", shard=2)  # tp and the shard group fill a node of 4
-    assert T.link(gloo, inside, "shard") == T.link(nccl, inside, "shard") == (pytest.approx(100e9), 1000e-6)
+    assert (step_time.link(gloo, inside, "shard") == step_time.link(nccl, inside, "shard")
+            == (pytest.approx(100e9), 1000e-6))
 
 
 def test_gloo_hidden_communication_costs_its_copy_time_nccl_a_fixed_share():
     gloo, nccl = Cluster(**GLOO), Cluster(**{**GLOO, "backend": "nccl"})
     hsdp = Layout(dp=4, dp_mode="hsdp", shard=2)  # shard group inside a node, replicas across
-    assert T.tax(gloo, hsdp, "shard") == 1.0  # loopback: the rank's own core copies every byte
-    assert T.tax(gloo, hsdp, "replica") == pytest.approx(0.12 / 0.7)  # the copies at loopback speed, the wire slower
-    assert T.tax(nccl, hsdp, "shard") == T.tax(nccl, hsdp, "replica") == T.OVERLAP_TAX
+    assert step_time.tax(gloo, hsdp, "shard") == 1.0  # loopback: the rank's own core copies every byte
+    # the copies at loopback speed, the wire slower
+    assert step_time.tax(gloo, hsdp, "replica") == pytest.approx(0.12 / 0.7)
+    assert step_time.tax(nccl, hsdp, "shard") == step_time.tax(nccl, hsdp, "replica") == step_time.OVERLAP_TAX
 
 
 def test_gloo_reduce_scatter_is_an_all_reduce_in_bytes_and_steps():
-    assert T.gloo_rs(Cluster(**GLOO), 4) == (2, pytest.approx(4 / 3))  # 2 log2 4 steps for 3
-    assert T.gloo_rs(Cluster(**{**GLOO, "backend": "nccl"}), 4) == (1, 1)
+    assert step_time.gloo_rs(Cluster(**GLOO), 4) == (2, pytest.approx(4 / 3))  # 2 log2 4 steps for 3
+    assert step_time.gloo_rs(Cluster(**{**GLOO, "backend": "nccl"}), 4) == (1, 1)
 
 
 def replica_seconds(cl, lay, s):
@@ -72,7 +74,7 @@ def replica_seconds(cl, lay, s):
     d, S, R = TINY.d_model, lay.shard, lay.dp // lay.shard
     block = s.p_layer
     units = [s.p_embed + d] + [block] * TINY.n_layer + [s.p_embed]
-    return [T.seconds(cl, lay, "replica", replica_bytes(n, S, R), 2) for n in units]
+    return [step_time.seconds(cl, lay, "replica", replica_bytes(n, S, R), 2) for n in units]
 
 
 def test_hsdp_replica_all_reduces_chain_each_under_one_units_backward():
@@ -80,10 +82,10 @@ def test_hsdp_replica_all_reduces_chain_each_under_one_units_backward():
     s = Shape(TINY, lay, TINY.seq_len, 4, "ours")
     (layers, params, embed, head, _), = s.stages()
     r = replica_seconds(cl, lay, s)
-    lost = T.tax(cl, lay, "replica")
+    lost = step_time.tax(cl, lay, "replica")
 
     def chain(t_layer):
-        return T.replica_chain(s, cl, layers, params, embed, head, t_layer, h=0.5)
+        return step_time.replica_chain(s, cl, layers, params, embed, head, t_layer, h=0.5)
     assert chain(0.0) == pytest.approx(sum(r))  # no compute: all exposed
     # however long the backward, the last block's, the one before (under the embedding's index add) and the
     # embedding's are waited for with nothing left to hide under; each other one hides under one unit's backward
@@ -118,23 +120,24 @@ def dispatched_ops(n_layer):
 
 def test_the_host_ops_the_planner_prices_are_the_ops_the_model_dispatches():
     one, three = dispatched_ops(1), dispatched_ops(3)
-    assert (three - one) / 2 == T.HOST_OPS_LAYER
-    assert one - T.HOST_OPS_LAYER == T.HOST_OPS_REST
+    assert (three - one) / 2 == step_time.HOST_OPS_LAYER
+    assert one - step_time.HOST_OPS_LAYER == step_time.HOST_OPS_REST
 
 
 def test_a_cpu_device_pays_every_dispatch_in_line_a_gpu_none():
     lay = Layout(micro=1)  # one process: no communication
     cpu, gpu = bill(lay, batch=3, host_us=10.0), bill(lay, batch=3)
-    ops = 3 * (TINY.n_layer * T.HOST_OPS_LAYER + T.HOST_OPS_REST)  # 3 micro-batches
+    ops = 3 * (TINY.n_layer * step_time.HOST_OPS_LAYER + step_time.HOST_OPS_REST)  # 3 micro-batches
     assert cpu["total"] - gpu["total"] == pytest.approx(ops * 10e-6)
 
 
 def test_gradients_are_copied_once_per_micro_batch_and_gloo_copies_the_reduce_scatters_input_again():
     fp32, bf16 = Cluster(**GLOO), Cluster(**{**GLOO, "dtype_bytes": 2, "backend": "nccl"})
-    assert T.landing_bytes(fp32, Layout(dp=4), 3) == 3 * 12  # autograd adds into the bucket views
-    assert T.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * (8 + 8)
-    assert T.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp", accumulate="unsharded"), 3) == 3 * 12 + 8
-    assert T.landing_bytes(bf16, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * 6  # bf16 into fp32, NCCL reads in place
+    assert step_time.landing_bytes(fp32, Layout(dp=4), 3) == 3 * 12  # autograd adds into the bucket views
+    assert step_time.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * (8 + 8)
+    assert step_time.landing_bytes(fp32, Layout(dp=4, dp_mode="fsdp", accumulate="unsharded"), 3) == 3 * 12 + 8
+    # bf16 into fp32, NCCL reads in place
+    assert step_time.landing_bytes(bf16, Layout(dp=4, dp_mode="fsdp"), 3) == 3 * 6
     lay = Layout(dp=4, dp_mode="fsdp", micro=1)
     assert bill(lay)["grads"] == pytest.approx(16 * param_counts(TINY)[0] / (GLOO["hbm_tbs"] * 1e12), rel=0.01)
 
@@ -144,10 +147,11 @@ def test_fsdp_with_nothing_to_hide_under_exposes_each_collective_once():
     cl = Cluster(**{**GLOO, "peak_tflops": 1e9, "attn_tflops": 1e9, "hbm_tbs": 1e9})  # no compute to hide under
     for lay in (Layout(dp=4, dp_mode="fsdp", micro=1), Layout(dp=2, pp=2, dp_mode="fsdp", micro=1)):
         s = Shape(TINY, lay, TINY.seq_len, 4, "ours")
-        wire, steps = T.gloo_rs(cl, lay.dp)  # the fsdp group: every dp rank
+        wire, steps = step_time.gloo_rs(cl, lay.dp)  # the fsdp group: every dp rank
         comm = []
         for layers, params, embed, head, _ in s.stages():
             parts = fsdp_parts(s, layers, params, embed, head, w_bytes=4)[0]
             (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
-            comm.append(T.seconds(cl, lay, "dp", gb, gs) + T.seconds(cl, lay, "dp", rb * wire, rs * steps))
-        assert T.step_time(TINY, cl, lay, TINY.seq_len, 4, code="ours")["dp"] == pytest.approx(max(comm))
+            comm.append(step_time.seconds(cl, lay, "dp", gb, gs)
+                        + step_time.seconds(cl, lay, "dp", rb * wire, rs * steps))
+        assert step_time.step_time(TINY, cl, lay, TINY.seq_len, 4, code="ours")["dp"] == pytest.approx(max(comm))

@@ -8,9 +8,7 @@ from dataclasses import replace
 import pytest
 
 from bench.planner import factors as F
-from bench.planner import plan as P
-from bench.planner import published
-from bench.planner import step_time as T
+from bench.planner import plan, published, step_time
 from bench.planner.comm import collectives
 from bench.planner.links import link, seconds, tax
 from bench.planner.overlap import RING_HOP_OPS, chunk_matmuls, fp8_bytes, ours_tp, ring
@@ -47,18 +45,18 @@ def test_ours_range_holds_torchtitans_rows_and_the_reference_prices_them_high(gp
     cfg, cl, lay, seq, batch = published.titan_run(gpus)
     _, eager, compiled = published.TORCHTITAN[[g for g, *_ in published.TORCHTITAN].index(gpus)]
     want, slow = published.mfu_of(cfg, compiled, seq), published.mfu_of(cfg, eager, seq)
-    ours = P.step_time(cfg, cl, lay, seq, batch, "ours")["mfu"]
+    ours = plan.step_time(cfg, cl, lay, seq, batch, "ours")["mfu"]
     assert ours == pytest.approx(want, abs=0.002 if gpus == 8 else 0.015)
-    low, high = P.error_bars(cfg, cl, lay, seq, batch, "ours")["all"]
+    low, high = plan.error_bars(cfg, cl, lay, seq, batch, "ours")["all"]
     assert low < want < high and slow > low - 0.005
-    assert P.step_time(cfg, cl, lay, seq, batch, "reference")["mfu"] > want + 0.04
+    assert plan.step_time(cfg, cl, lay, seq, batch, "reference")["mfu"] > want + 0.04
 
 
 @pytest.mark.parametrize("code", ["reference", "ours"])
 def test_error_bars_bracket_the_nominal_and_all_together_is_widest(code):
-    cl, lay = P.Cluster(8192), P.parse_layout(MESH_8192 + ",fp8=1")
-    nominal = P.step_time(CFG405, cl, lay, 8192, 2048, code)["mfu"]
-    bars = P.error_bars(CFG405, cl, lay, 8192, 2048, code)
+    cl, lay = plan.Cluster(8192), plan.parse_layout(MESH_8192 + ",fp8=1")
+    nominal = plan.step_time(CFG405, cl, lay, 8192, 2048, code)["mfu"]
+    bars = plan.error_bars(CFG405, cl, lay, 8192, 2048, code)
     assert set(bars) == {"all"} | set(F.ranges(code, fp8=True))
     for name, (low, high) in bars.items():
         assert low <= nominal + 1e-12 and high >= nominal - 1e-12, name
@@ -69,8 +67,8 @@ def test_error_bars_bracket_the_nominal_and_all_together_is_widest(code):
 # ---------------------------------------------------------------- ring hops
 
 def test_a_ring_hides_only_what_its_chunks_cover_and_waits_for_a_slow_host():
-    cl = priced(P.Cluster(8), "ours")
-    lay, lost = P.Layout(tp=8), tax(cl, P.Layout(tp=8), "tp")
+    cl = priced(plan.Cluster(8), "ours")
+    lay, lost = plan.Layout(tp=8), tax(cl, plan.Layout(tp=8), "tp")
     host = RING_HOP_OPS * cl.factors.launch_us * 1e-6  # the host's seconds per hop
     n, hops = 10, 10 * 7
     # the chunks' compute covers the link: only the tax, and the chunks' own cost
@@ -88,13 +86,13 @@ def test_ring_chunks_run_at_the_efficiency_of_their_own_size():
     """Through ours_tp: with rows-dependent matmul rates, the exposed TP time grows by exactly the chunked matmuls'
     loss (forward, input gradients, the row weights' gradients at t/tp rows instead of t), once the link and the host
     cost nothing."""
-    cl = replace(P.Cluster(8, intra_gbs=1e9, lat_intra_us=1e-9), factors=replace(F.OURS, launch_us=0.0))
-    lay = P.Layout(tp=8, micro=1)
-    s = P.Shape(CFG8, lay, 8192, 8, "ours")
+    cl = replace(plan.Cluster(8, intra_gbs=1e9, lat_intra_us=1e-9), factors=replace(F.OURS, launch_us=0.0))
+    lay = plan.Layout(tp=8, micro=1)
+    s = plan.Shape(CFG8, lay, 8192, 8, "ours")
     peak = cl.peak_tflops * 1e12
 
     def flop_at(rows):
-        return 1 / (peak * cl.factors.mm * rows / (rows + T.MM_ROWS0))
+        return 1 / (peak * cl.factors.mm * rows / (rows + step_time.MM_ROWS0))
     flat = ours_tp(s, cl, lambda rows: flop_at(s.t))
     chunked, _ = chunk_matmuls(s)
     loss = (CFG8.n_layer * chunked + 4 * s.p_embed) * s.t * (flop_at(s.t / 8) - flop_at(s.t))
@@ -104,14 +102,14 @@ def test_ring_chunks_run_at_the_efficiency_of_their_own_size():
 def test_the_overlaps_no_run_measured_are_credited_only_under_the_reference():
     """ours: the pipeline's sends, which no test or emulated run measured hidden, are all exposed (credit 0); the
     reference, and ours at the optimistic end of `credit`, hide them under compute."""
-    cl, lay = P.Cluster(64), P.Layout(dp=4, tp=8, pp=2, micro=1, dp_mode="fsdp")
-    s = P.Shape(CFG8, lay, 8192, 64, "ours")
+    cl, lay = plan.Cluster(64), plan.Layout(dp=4, tp=8, pp=2, micro=1, dp_mode="fsdp")
+    s = plan.Shape(CFG8, lay, 8192, 64, "ours")
     sends, count = collectives(s, 2, 4, 2)["pp"]
     c = priced(cl, "ours")
     fill = 2 * (lay.pp - 1) * seconds(c, lay, "pp", sends / count, 1)
-    exposed = P.step_time(CFG8, cl, lay, 8192, 64, "ours")["pp"]
+    exposed = plan.step_time(CFG8, cl, lay, 8192, 64, "ours")["pp"]
     assert exposed == pytest.approx(fill + seconds(c, lay, "pp", sends, count))
-    credited = P.step_time(CFG8, replace(cl, factors=replace(F.OURS, credit=1.0)), lay, 8192, 64, "ours")["pp"]
+    credited = plan.step_time(CFG8, replace(cl, factors=replace(F.OURS, credit=1.0)), lay, 8192, 64, "ours")["pp"]
     assert credited < fill + 0.5 * (exposed - fill)
 
 
@@ -120,54 +118,54 @@ def test_the_overlaps_no_run_measured_are_credited_only_under_the_reference():
 def test_a_layout_fits_only_below_hbm_less_the_margin(capsys):
     """Llama 3's 8,192-GPU mesh with ours' unsharded accumulation takes 79.9 of 80 GB: over the 5% margin's 76 GB;
     with no margin it fits."""
-    lay = P.parse_layout(MESH_8192 + ",accumulate=unsharded")
-    p = P.evaluate(CFG405, P.Cluster(8192), lay, 8192, 2048, code="ours")
+    lay = plan.parse_layout(MESH_8192 + ",accumulate=unsharded")
+    p = plan.evaluate(CFG405, plan.Cluster(8192), lay, 8192, 2048, code="ours")
     used = sum(p.mem.values()) / 1e9
     assert 76.0 < used < 80.0 and not p.fits
-    assert P.evaluate(CFG405, P.Cluster(8192, margin=0.0), lay, 8192, 2048, code="ours").fits
+    assert plan.evaluate(CFG405, plan.Cluster(8192, margin=0.0), lay, 8192, 2048, code="ours").fits
     argv = ["--model", "llama3-405b", "--gpus", "8192", "--code", "ours", "--layout", str(lay)]
-    assert P.main(argv) == 0 and "DOES NOT FIT below 76.0" in capsys.readouterr().out
-    assert P.main(argv + ["--mem-margin", "0"]) == 0 and "(fits below 80.0)" in capsys.readouterr().out
+    assert plan.main(argv) == 0 and "DOES NOT FIT below 76.0" in capsys.readouterr().out
+    assert plan.main(argv + ["--mem-margin", "0"]) == 0 and "(fits below 80.0)" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- fp8
 
 @pytest.mark.parametrize("code", ["reference", "ours"])
 def test_fp8_runs_only_the_block_matmuls_faster_and_pays_for_its_casts(code):
-    cl, lay = P.Cluster(8), P.Layout(dp=8, dp_mode="fsdp", micro=1, ckpt="full")
-    bf16, fp8 = (P.step_time(CFG8, cl, replace(lay, fp8=f), 8192, 64, code) for f in (False, True))
-    s, c = P.Shape(CFG8, lay, 8192, 64, code), priced(cl, code)
+    cl, lay = plan.Cluster(8), plan.Layout(dp=8, dp_mode="fsdp", micro=1, ckpt="full")
+    bf16, fp8 = (plan.step_time(CFG8, cl, replace(lay, fp8=f), 8192, 64, code) for f in (False, True))
+    s, c = plan.Shape(CFG8, lay, 8192, 64, code), priced(cl, code)
     per_byte = 1 / (cl.hbm_tbs * 1e12 * c.factors.elem)
     casts = 8 * CFG8.n_layer * s.t * fp8_bytes(replace(s, lay=replace(lay, fp8=True)), code) * per_byte  # M = 8
     assert fp8["fp8"] == pytest.approx(casts, rel=1e-9) and casts > 0
-    matmuls = T.rates(s, c)[0]["mm"] * s.t * 8 * CFG8.n_layer
+    matmuls = step_time.rates(s, c)[0]["mm"] * s.t * 8 * CFG8.n_layer
     assert bf16["compute"] - fp8["compute"] == pytest.approx(matmuls * (1 - 1 / c.factors.fp8), rel=1e-9)
     assert fp8["mfu"] > bf16["mfu"]
 
 
 def test_ours_casts_cost_more_than_transformer_engines_and_its_sp_collectives_block():
-    s_ours, s_ref = (P.Shape(CFG405, P.parse_layout(MESH_8192 + ",fp8=1"), 8192, 2048, code)
+    s_ours, s_ref = (plan.Shape(CFG405, plan.parse_layout(MESH_8192 + ",fp8=1"), 8192, 2048, code)
                      for code in ("ours", "reference"))
     assert fp8_bytes(s_ours, "ours") > 2 * fp8_bytes(s_ref, "reference")
-    cl, lay = P.Cluster(8), P.Layout(tp=8, micro=1)
+    cl, lay = plan.Cluster(8), plan.Layout(tp=8, micro=1)
 
     def tp(**kw):
-        return P.step_time(CFG8, cl, replace(lay, **kw), 8192, 8, code="ours")["tp"]
+        return plan.step_time(CFG8, cl, replace(lay, **kw), 8192, 8, code="ours")["tp"]
     c = priced(cl, "ours")
     amax = 8 * CFG8.n_layer * 2 * 7 * 2 * 3 * link(c, lay, "tp")[1]  # M = 8, 7 linears, fwd + bwd, 2 log2 8 steps
     assert tp(fp8=True) == pytest.approx(tp(overlap=False) + amax, rel=1e-9)
 
 
 def test_ours_fp8_gains_what_published_runs_gain_and_a_larger_gain_says_why(capsys):
-    cl, lay = P.Cluster(8192), P.parse_layout(MESH_8192)
-    gain = {code: P.step_time(CFG405, cl, lay, 8192, 2048, code)["total"]
-            / P.step_time(CFG405, cl, replace(lay, fp8=True), 8192, 2048, code)["total"] for code in P.CODES}
-    assert 1.0 < gain["ours"] < P.FP8_PUBLISHED < gain["reference"]
+    cl, lay = plan.Cluster(8192), plan.parse_layout(MESH_8192)
+    gain = {code: plan.step_time(CFG405, cl, lay, 8192, 2048, code)["total"]
+            / plan.step_time(CFG405, cl, replace(lay, fp8=True), 8192, 2048, code)["total"] for code in plan.CODES}
+    assert 1.0 < gain["ours"] < plan.FP8_PUBLISHED < gain["reference"]
     argv = ["--model", "llama3-405b", "--gpus", "8192", "--dtype", "fp8", "--layout", MESH_8192]
-    assert P.main(argv) == 0
+    assert plan.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"beyond the {P.FP8_PUBLISHED}x published fp8 runs reached, because" in out
-    assert P.main(argv + ["--code", "ours"]) == 0
+    assert f"beyond the {plan.FP8_PUBLISHED}x published fp8 runs reached, because" in out
+    assert plan.main(argv + ["--code", "ours"]) == 0
     out = capsys.readouterr().out
     assert "x the same layout in bf16" in out and "beyond" not in out
 
@@ -175,28 +173,28 @@ def test_ours_fp8_gains_what_published_runs_gain_and_a_larger_gain_says_why(caps
 # ---------------------------------------------------------------- Megatron's options, the reference only
 
 def test_distributed_optimizer_shards_master_and_adam_over_dp_and_sends_a_reduce_scatter_and_a_gather():
-    cfg, lay = replace(PRESETS["tiny"], vocab_size=50257), P.Layout(dp=8, micro=1, dist_opt=True)
+    cfg, lay = replace(PRESETS["tiny"], vocab_size=50257), plan.Layout(dp=8, micro=1, dist_opt=True)
     total, _ = param_counts(cfg)
-    plain, sharded = (P.memory(cfg, replace(lay, dist_opt=d), 256, 8, overhead_gb=0, frag=0) for d in (False, True))
+    plain, sharded = (plan.memory(cfg, replace(lay, dist_opt=d), 256, 8, overhead_gb=0, frag=0) for d in (False, True))
     assert sharded["master"] + sharded["adam"] == pytest.approx((plain["master"] + plain["adam"]) / 8)
     assert sharded["weights"] + sharded["grads"] == pytest.approx(6 * total)  # bf16 weights, fp32 grads
-    assert P.comm_bytes(cfg, lay, 256, 8)["dp"] == pytest.approx(7 / 8 * 6 * total)
-    assert "Megatron" in P.invalid(cfg, P.Cluster(8), lay, 256, 8, "ours")
-    assert P.invalid(cfg, P.Cluster(8), replace(lay, dp_mode="fsdp"), 256, 8)  # it shards ddp's optimizer
+    assert plan.comm_bytes(cfg, lay, 256, 8)["dp"] == pytest.approx(7 / 8 * 6 * total)
+    assert "Megatron" in plan.invalid(cfg, plan.Cluster(8), lay, 256, 8, "ours")
+    assert plan.invalid(cfg, plan.Cluster(8), replace(lay, dp_mode="fsdp"), 256, 8)  # it shards ddp's optimizer
 
 
 def test_tp_comm_overlap_hides_the_reference_tp_collectives_under_their_gemms(monkeypatch):
     """Its rings pay their chunks' size as ours do: at Llama 3's 8,192-GPU mesh (chunks of 1024 rows) that costs more
     than TP_EXPOSED's blocking leaves exposed; chunks as efficient as the whole expose less than half of it."""
-    cl, lay = P.Cluster(8192), P.parse_layout(MESH_8192)
+    cl, lay = plan.Cluster(8192), plan.parse_layout(MESH_8192)
 
     def tp(overlap):
-        return P.step_time(CFG405, cl, replace(lay, tp_comm_overlap=overlap), 8192, 2048)["tp"]
+        return plan.step_time(CFG405, cl, replace(lay, tp_comm_overlap=overlap), 8192, 2048)["tp"]
     assert tp(True) > tp(False)
-    monkeypatch.setattr(T, "MM_ROWS0", 0)
+    monkeypatch.setattr(step_time, "MM_ROWS0", 0)
     assert tp(True) < 0.5 * tp(False)
-    assert "Megatron" in P.invalid(CFG405, cl, replace(lay, tp_comm_overlap=True), 8192, 2048, "ours")
-    assert P.invalid(CFG405, cl, replace(lay, tp_comm_overlap=True, sp=False), 8192, 2048)
+    assert "Megatron" in plan.invalid(CFG405, cl, replace(lay, tp_comm_overlap=True), 8192, 2048, "ours")
+    assert plan.invalid(CFG405, cl, replace(lay, tp_comm_overlap=True, sp=False), 8192, 2048)
 
 
 def test_a_tp_only_mesh_gains_megatrons_options_and_fits_only_with_the_distributed_optimizer():
@@ -204,14 +202,15 @@ def test_a_tp_only_mesh_gains_megatrons_options_and_fits_only_with_the_distribut
     does not fit; the distributed optimizer does, and with TP overlap it prices the mesh 5+ points above the best
     fitting layout without them (fsdp or hsdp, any micro-batch and checkpointing: 39.6%)."""
     cfg = replace(CFG8, n_layer=66, d_model=6144, n_head=48, n_kv_head=48, ffn_dim=16384, vocab_size=131072)
-    cl, mesh = P.Cluster(384), (48, 8, 1, 1)
-    with_opts = [p for p in P.plan(cfg, cl, 4096, 768, top=1000) if (p.layout.dp, p.layout.tp, p.layout.pp,
-                                                                       p.layout.cp) == mesh]
+    cl, mesh = plan.Cluster(384), (48, 8, 1, 1)
+    with_opts = [p for p in plan.plan(cfg, cl, 4096, 768, top=1000) if (p.layout.dp, p.layout.tp, p.layout.pp,
+                                                                        p.layout.cp) == mesh]
     assert with_opts and with_opts[0].layout.dist_opt and with_opts[0].layout.tp_comm_overlap
-    plain = P.evaluate(cfg, cl, replace(with_opts[0].layout, dist_opt=False, tp_comm_overlap=False), 4096, 768)
+    plain = plan.evaluate(cfg, cl, replace(with_opts[0].layout, dist_opt=False, tp_comm_overlap=False), 4096, 768)
     assert not plain.fits
-    fitting = [P.evaluate(cfg, cl, P.Layout(48, 8, dp_mode=m, shard=8 * (m == "hsdp"), micro=mb, ckpt=c), 4096, 768,
-                          need_fit=True) for m in ("fsdp", "hsdp") for mb in (1, 2, 4, 8, 16) for c in P.CKPTS]
+    fitting = [plan.evaluate(cfg, cl, plan.Layout(48, 8, dp_mode=m, shard=8 * (m == "hsdp"), micro=mb, ckpt=c),
+                             4096, 768, need_fit=True)
+               for m in ("fsdp", "hsdp") for mb in (1, 2, 4, 8, 16) for c in plan.CKPTS]
     assert with_opts[0].mfu > max(p.mfu for p in fitting if p) + 0.05
 
 
@@ -225,12 +224,13 @@ def test_measured_factors_replace_ours_and_drop_their_ranges(tmp_path, capsys):
     assert set(F.ranges("ours", names)) == {"bus", "tax", "credit"}
     assert "compute" not in F.ranges("ours", ("mm",))  # one measured rate is enough to drop torchtitan's range
     argv = ["--gpus", "8", "--code", "ours", "--factors", str(path), "--layout", "dp=8,dp_mode=fsdp,micro=1"]
-    assert P.main(argv) == 0
+    assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert "measured (attn, elem, launch_us, mm" in out and "compute" not in out.split("together first:")[1]
-    cl = P.Cluster(8, factors=factors)
-    slower = P.step_time(CFG8, cl, P.parse_layout("dp=8,dp_mode=fsdp,micro=1"), 8192, 8, "ours")["mfu"]
-    assert slower < P.step_time(CFG8, P.Cluster(8), P.parse_layout("dp=8,dp_mode=fsdp,micro=1"), 8192, 8, "ours")["mfu"]
+    cl = plan.Cluster(8, factors=factors)
+    slower = plan.step_time(CFG8, cl, plan.parse_layout("dp=8,dp_mode=fsdp,micro=1"), 8192, 8, "ours")["mfu"]
+    assert slower < plan.step_time(CFG8, plan.Cluster(8), plan.parse_layout("dp=8,dp_mode=fsdp,micro=1"), 8192, 8,
+                                   "ours")["mfu"]
 
 
 @pytest.mark.parametrize("argv,named", [
@@ -247,22 +247,22 @@ def test_measured_factors_replace_ours_and_drop_their_ranges(tmp_path, capsys):
     (["--seq-len", str(10 ** 300)], "--seq-len: invalid integer in [1, 4194304]"),
 ])
 def test_cli_refuses_with_one_line_exit_2_and_prints_nothing_else(argv, named, capsys):
-    assert P.main(["--gpus", "8"] + argv) == 2
+    assert plan.main(["--gpus", "8"] + argv) == 2
     out, err = capsys.readouterr()
     assert err.startswith(f"error: {named}") and err.count("\n") == 1 and out == "", (out, err)
 
 
 def test_cli_says_when_the_batch_cannot_be_spread_over_the_gpus(capsys):
-    assert P.main(["--gpus", "1000000000", "--hbm-gb", "1e12"]) == 1
+    assert plan.main(["--gpus", "1000000000", "--hbm-gb", "1e12"]) == 1
     out = capsys.readouterr().out
     assert "no layout spreads the batch over 1000000000 GPUs" in out and "at most 1,048,576 GPUs" in out
     assert "fits in memory" not in out
 
 
 def test_cli_names_the_shape_it_plans(capsys):
-    assert P.main(["--d-model", "6144", "--n-head", "48", "--n-kv-head", "48", "--gpus", "8",
-                   "--layout", "dp=8,dp_mode=fsdp,ckpt=full,micro=1"]) == 0
+    assert plan.main(["--d-model", "6144", "--n-head", "48", "--n-kv-head", "48", "--gpus", "8",
+                      "--layout", "dp=8,dp_mode=fsdp,ckpt=full,micro=1"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("custom shape (from llama3-8b with --d-model 6144 --n-head 48 --n-kv-head 48): ")
-    assert P.main(["--gpus", "8", "--layout", "dp=8,dp_mode=fsdp,micro=1"]) == 0
+    assert plan.main(["--gpus", "8", "--layout", "dp=8,dp_mode=fsdp,micro=1"]) == 0
     assert capsys.readouterr().out.startswith("llama3-8b: 8.03B params")

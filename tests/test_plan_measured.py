@@ -23,7 +23,7 @@ import torch
 import config
 import launch
 import train
-from bench.planner import plan as P
+from bench.planner import plan
 from bench.ranks import run_ranks
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
@@ -86,10 +86,10 @@ def parse(world, flags, micro, accum, rank=0):
     args = config.resolve(argv + ["--global-batch", str(micro * dp * accum)],
                           environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
     cfg = config.model_config(args, args.vocab_size)
-    lay = P.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
-                   shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
-                   V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,
-                   overlap=args.overlap, accumulate=args.accumulate)
+    lay = plan.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
+                      shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
+                      V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,
+                      overlap=args.overlap, accumulate=args.accumulate)
     return args, cfg, lay, args.global_batch
 
 
@@ -163,8 +163,8 @@ def predicted(name):
     """The planner's bytes per axis and peak memory for one layout, fp32 on CPU."""
     world, flags, micro, accum = LAYOUTS[name]
     _, cfg, lay, batch = parse(world, flags, micro, accum)
-    sent = P.comm_bytes(cfg, lay, cfg.seq_len, batch, w_bytes=4, g_bytes=4, a_bytes=4, code="ours")
-    mem = P.memory(cfg, lay, cfg.seq_len, batch, overhead_gb=0, frag=0, w_bytes=0, a_bytes=4, code="ours")
+    sent = plan.comm_bytes(cfg, lay, cfg.seq_len, batch, w_bytes=4, g_bytes=4, a_bytes=4, code="ours")
+    mem = plan.memory(cfg, lay, cfg.seq_len, batch, overhead_gb=0, frag=0, w_bytes=0, a_bytes=4, code="ours")
     return sent, mem
 
 

@@ -323,7 +323,7 @@ def _interleaved_in_flight(rank, world):
 
 def test_interleaved_keeps_the_activation_sets_the_planner_counts():
     """P = 2, V = 2, M = 4: rank r keeps P·V + P - 2r - 1 chunk sets (P + (P-2r-1)/V stage sets, as
-    bench/plan_layout.in_flight counts them): 5 on rank 0, 3 on rank 1."""
+    bench/planner/layout.in_flight counts them): 5 on rank 0, 3 on rank 1."""
     want = [2 * in_flight("interleaved", 4, 2, 2, rank=r)[0] for r in range(2)]
     assert run_ranks(_interleaved_in_flight, 2, timeout=120) == want == [5, 3]
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-import model as M
+import model
 from bench import common
 from parallel.comm import CommStats, Group
 from parallel.ring_attention import KERNELS, RingAttention, pick_kernel
@@ -73,7 +73,7 @@ def kind(name):
 
 def kernel_part(r):
     rows, ran = [], []
-    for label, attend in (("model.causal_attention", M.causal_attention),
+    for label, attend in (("model.causal_attention", model.causal_attention),
                           (f"ring attention, cp = 1 ({pick_kernel(inputs(r.attn, r.device)[0])})",
                            RingAttention(Group("cp", [0], None, 0, CommStats())))):
         seen, status = attempt(kernels_seen, attend, r.attn, r.device)

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import model as M
+import model
 from saves.export import hf_config
 
 try:  # a bench-only dependency (requirements-dev.txt): without it the GPU run says so and never starts this
@@ -26,7 +26,7 @@ except ImportError:
 
 
 def run(spec, out):
-    cfg, micro, device = M.ModelConfig(**spec["cfg"]), spec["micro"], torch.device(spec["device"])
+    cfg, micro, device = model.ModelConfig(**spec["cfg"]), spec["micro"], torch.device(spec["device"])
     fields = {k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(0)
     with device:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import model
 from bench import common
 from bench.gpu import checks as gpu_checks
 from bench.gpu import factors as gpu_factors
@@ -113,7 +113,7 @@ def report_training(r):
             rows1.append([p, mode, o["seq_len"], m, *cells(mine, *OURS), status])
             theirs, status = result(r, "hf", c, p)
             peak = mine["tflops"] / mine["mfu"] if mine.get("mfu") else common.gpu_peak_tflops()  # train.py's peak
-            mfu = theirs.get("tok_s") and peak and 100 * M.flops_per_token(model_cfg(p, o)) * theirs["tok_s"] / (
+            mfu = theirs.get("tok_s") and peak and 100 * model.flops_per_token(model_cfg(p, o)) * theirs["tok_s"] / (
                 peak * 1e12)
             ratio = mine.get("tok_s") and theirs.get("tok_s") and mine["tok_s"] / theirs["tok_s"]
             rows2.append([p, mode, *([NO_HF] if transformers is None else cells(theirs, ("tok_s", ".0f"))), *cells(

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import model as M
+import model
 from bench import common
 
 
@@ -31,9 +31,9 @@ def child(cmd, timeout_s, log):
 
 
 def model_cfg(preset, overrides):
-    fields = {**M.PRESETS[preset].__dict__, **overrides}
+    fields = {**model.PRESETS[preset].__dict__, **overrides}
     fields["vocab_size"] = fields["vocab_size"] or 257  # the pystdlib byte corpus train.py reads by default
-    return M.ModelConfig(**fields)
+    return model.ModelConfig(**fields)
 
 
 def lines(path):
@@ -55,7 +55,7 @@ def run_ours(r, tmp, preset, overrides, micro, compiled, dtype):
     metrics, log = tmp / f"{preset}-{compiled}-{dtype}.jsonl", tmp / f"{preset}-{compiled}-{dtype}.log"
     shm = Path("/dev/shm")  # train.py saves at its last step (untimed, 12 B/param): into RAM when it has room
     room = shm.is_dir() and os.access(shm, os.W_OK) and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize > 15 * (
-        M.param_counts(model_cfg(preset, overrides))[0])
+        model.param_counts(model_cfg(preset, overrides))[0])
     with tempfile.TemporaryDirectory(dir=shm if room else None) as out:
         flags = [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         if r.smoke:  # a CPU has no peak of its own in train.py: the bench gives it its best measured matmul rate

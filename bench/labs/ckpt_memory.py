@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as M
+import model
 from bench import common
 from parallel import ckpt
 from parallel.materialize import init_weights
@@ -71,7 +71,7 @@ class PeakWatcher(TorchDispatchMode):
 
 def build(cfg, policy, device):
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     ckpt.apply(gpt, policy)
     return init_weights(gpt, 1337, device)
 
@@ -126,8 +126,9 @@ def measure(cfg, policies, x, y, device, read, peak_flops, rounds):
     tokens = x.numel()
     for row in rows:
         row["step_s"] = statistics.median(row["times"])
-        row["mfu"] = M.flops_per_token(cfg) * tokens / row["step_s"] / peak_flops
-        row["hfu"] = M.flops_per_token(cfg, recomputed_layers=row["recomputed"]) * tokens / row["step_s"] / peak_flops
+        row["mfu"] = model.flops_per_token(cfg) * tokens / row["step_s"] / peak_flops
+        row["hfu"] = (model.flops_per_token(cfg, recomputed_layers=row["recomputed"]) * tokens
+                      / row["step_s"] / peak_flops)
     return rows
 
 
@@ -147,8 +148,8 @@ def main(argv=None):
         args.n_layer, args.batch, args.seq_len, args.rounds = 4, 2, 64, 3
     device = torch.device(args.device) if args.device else common.default_device()
     torch.set_num_threads(1)
-    cfg = M.ModelConfig(**{**M.PRESETS["tiny"].__dict__, "n_layer": args.n_layer, "seq_len": args.seq_len,
-                           "vocab_size": 257})
+    cfg = model.ModelConfig(**{**model.PRESETS["tiny"].__dict__, "n_layer": args.n_layer, "seq_len": args.seq_len,
+                               "vocab_size": 257})
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen).to(device)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -197,7 +198,7 @@ def main(argv=None):
         "",
         f"- Memory: {memory_how}, above the value before the step (weights, grads, batch). \"kept after fwd\" is "
         "held by the autograd graph between forward and backward; \"peak\" includes backward's working set.",
-        f"- MFU/HFU: FLOPs of M.flops_per_token (PaLM; HFU adds the recomputed layers) per step time, peak "
+        f"- MFU/HFU: FLOPs of model.flops_per_token (PaLM; HFU adds the recomputed layers) per step time, peak "
         f"{peak_flops / 1e12:.3g} TFLOP/s ({peak_src}). HFU/MFU = 1 + recomputed x layer share; MFU falls with "
         "recompute because the useful work is the same and the step is longer.",
         "- every:K checkpoints the blocks whose index is a multiple of K; sqrt = segment:ceil(sqrt N); selective "

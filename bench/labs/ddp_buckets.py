@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-import model as M
+import model
 import optim
 from bench import common
 from bench.ranks import run_ranks
@@ -28,12 +28,12 @@ from parallel.mesh import Mesh
 
 def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed=1337):
     """One DDP model per setting, stepped round-robin so that a busy host slows every setting alike."""
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world)
     runs = []
     for bucket_mb, overlap in settings:
         with torch.device("meta"):
-            gpt = M.GPT(cfg)
+            gpt = model.GPT(cfg)
         init_weights(gpt, seed, "cpu")
         ddp = DDP(nn.ModuleList([gpt]), mesh, bucket_mb=bucket_mb, overlap=overlap)
         runs.append((gpt, ddp, optim.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu"), []))
@@ -73,7 +73,7 @@ def main(argv=None):
         fields, sizes, args.steps = dict(common.QUICK_MODEL, vocab_size=64, seq_len=16), [0, 25], 2
     settings = [(mb, overlap) for mb in sizes for overlap in (True, False)]
     ranks = run_ranks(_sweep, args.world, args=(fields, settings, args.micro_batch, args.steps), timeout=900)
-    P = M.param_counts(M.ModelConfig(**fields))[0]
+    P = model.param_counts(model.ModelConfig(**fields))[0]
     rows = []
     for per_rank in zip(*ranks):  # the slowest rank's medians
         r = per_rank[0]

@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch import nn
 
-import model as M
+import model
 import optim
 from bench import common
 from bench.ranks import run_ranks
@@ -32,10 +32,10 @@ def storage_bytes(tensors):
 
 
 def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world, dp_shard=shard)
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     module = nn.ModuleList([gpt])
     init = lambda name, p, flat=None, out=None: local_init(name, p, cfg, seed, flat, out)
     if mode == "ddp":
@@ -73,15 +73,15 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=2)
     args = p.parse_args(argv)
-    fields = {**M.PRESETS[args.model].__dict__, "seq_len": args.seq_len}
+    fields = {**model.PRESETS[args.model].__dict__, "seq_len": args.seq_len}
     fields["vocab_size"] = fields["vocab_size"] or 257  # the pystdlib byte vocabulary, as train.py uses
     layouts = [("ddp", 2, None), ("fsdp", 1, None), ("fsdp", 2, None), ("fsdp", 4, None), ("fsdp", 8, None),
                ("hsdp", 8, 2), ("hsdp", 8, 4)]
     if args.quick:
         fields = dict(fields, **common.QUICK_MODEL, seq_len=16)
         layouts = [("ddp", 2, None), ("fsdp", 1, None), ("fsdp", 2, None), ("hsdp", 4, 2)]
-    cfg = M.ModelConfig(**fields)
-    P, E = M.param_counts(cfg)[0], 2 * cfg.padded_vocab * cfg.d_model + cfg.d_model
+    cfg = model.ModelConfig(**fields)
+    P, E = model.param_counts(cfg)[0], 2 * cfg.padded_vocab * cfg.d_model + cfg.d_model
     rows, fsdp8 = [], None
     for mode, world, shard in layouts:
         r = run_ranks(_one_step, world, args=(mode, shard, fields, args.micro_batch), timeout=300)[-1]  # last rank

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import model
 from bench import common
 from config import DTYPES
 from metrics import read_metrics
@@ -39,10 +39,10 @@ BATCH_TOKENS = {"tiny": 32 * 256, "small": 2 ** 19, "medium": 2 ** 19, "1b": 2 *
 # ---------------------------------------------------------------- L21
 
 def config_of(preset, seq_len=None, vocab_size=None, **overrides):
-    fields = {**M.PRESETS[preset].__dict__, **{k: v for k, v in overrides.items() if v is not None}}
+    fields = {**model.PRESETS[preset].__dict__, **{k: v for k, v in overrides.items() if v is not None}}
     fields["vocab_size"] = vocab_size or fields["vocab_size"] or (257 if preset == "tiny" else 50257)
     fields["seq_len"] = seq_len or fields["seq_len"]
-    return M.ModelConfig(**fields)
+    return model.ModelConfig(**fields)
 
 
 def recomputed_full(cfg):
@@ -52,9 +52,9 @@ def recomputed_full(cfg):
 
 
 def flops_row(name, cfg, tokens):
-    total, non_emb = M.param_counts(cfg)
-    per_token = M.flops_per_token(cfg)
-    recompute = M.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
+    total, non_emb = model.param_counts(cfg)
+    per_token = model.flops_per_token(cfg)
+    recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
     step = per_token * tokens
     return [name, cfg.n_layer, cfg.d_model, cfg.vocab_size, f"{total / 1e9:.3g}", f"{non_emb / 1e9:.3g}", cfg.seq_len,
             f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}",
@@ -221,7 +221,7 @@ def main(argv=None):
     device = common.default_device()
     gpu = device.type == "cuda"
 
-    rows = [flops_row(name, config_of(name), BATCH_TOKENS[name]) for name in M.PRESETS]
+    rows = [flops_row(name, config_of(name), BATCH_TOKENS[name]) for name in model.PRESETS]
     if args.model or args.seq_len or args.global_batch_tokens:
         cfg = config_of(args.model or "tiny", args.seq_len)
         tokens = args.global_batch_tokens or BATCH_TOKENS[args.model or "tiny"]
@@ -229,7 +229,7 @@ def main(argv=None):
     flops_table(rows, args.out)
     big = flops_row("llama3-405b", config_of("llama3-405b"), BATCH_TOKENS["llama3-405b"])
     common.answer("L21", f"llama3-405b at seq 8192: {big[7]} GFLOP/token x 16M tokens = {big[10]} FLOP per step "
-                         f"(6N alone: {6 * M.param_counts(config_of('llama3-405b'))[1] / 1e9:.4g} GFLOP/token)")
+                         f"(6N alone: {6 * model.param_counts(config_of('llama3-405b'))[1] / 1e9:.4g} GFLOP/token)")
     if args.flops_only:
         return
 
@@ -255,7 +255,7 @@ def main(argv=None):
                                    args.threads_per_rank)
     ok = sweep_table(results, peaks, base, device, steps, args.out, args.name)
     cfg = config_of(preset, seq_len)
-    predicted = M.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / M.flops_per_token(cfg)
+    predicted = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / model.flops_per_token(cfg)
     ckpt = [r for r in ok if "--ckpt" in r[3]]
     measured = f"; measured {ckpt[0][4]['hfu'] / ckpt[0][4]['mfu']:.3f} ({ckpt[0][0]})" if ckpt else \
         " (no --ckpt run in this sweep succeeded: predicted only)"

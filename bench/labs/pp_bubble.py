@@ -33,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
-import model as M
+import model
 from bench import common
 from bench.ranks import run_ranks
 from parallel import pp, pp_bw_split
@@ -82,14 +82,14 @@ def _measure(rank, world, cfg_fields, seqs, schedules, micro_counts, steps, min_
     """Per (schedule, M): each measured step's (utilization, seconds), peak activation sets, median F/B/W seconds (a
     stage's worth). The schedules take turns step by step, so a stall from another job on the machine hits them
     alike."""
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world, pp=world)
     gen = torch.Generator().manual_seed(0)
     runs = {}
     for schedule in schedules:
         V = chunks_per_rank(schedule)
         with torch.device("meta"):
-            full = M.GPT(cfg)
+            full = model.GPT(cfg)
         chunks = pp.split(full, mesh, max(micro_counts), schedule, V, (cfg.n_layer // (world * V),) * (world * V))
         for chunk in chunks:
             if schedule in S.SPLIT_BACKWARD:  # zb1, zbv: weight gradients wait for the schedule's W

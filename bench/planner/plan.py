@@ -15,7 +15,7 @@ Closed formulas, no simulation; each module's docstring states the formulas it i
   step_time.py  seconds per step and MFU (step_time)
   search.py     the layouts tried and the best kept (plan, evaluate)
   published.py  published runs priced, and ours' factors derived from torchtitan's
-This file is the command line, and `from bench.planner import plan as P` reaches the public names of all of them.
+This file is the command line, and `from bench.planner import plan` reaches the public names of all of them.
 
 Whose code (--code). "reference", the default, describes the implementation Llama 3 and Megatron-LM report, with
 Megatron's distributed optimizer and TP communication overlap among the options searched; "ours" describes this

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import model as M
+import model
 from bench import common
 from bench.ranks import run_ranks
 from bench.vs_torch import peers
@@ -43,7 +43,7 @@ def build(impl, cfg, mesh, seed):
     """(module to call, optimizer params, our wrapper or None) for one implementation, from the same initial
     weights."""
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     if impl == "ours-fsdp":
         wrapper = FSDP(nn.ModuleList([gpt]), mesh, mesh.dp_cp_group,
                        lambda name, p, flat=None, out=None: local_init(name, p, cfg, seed, flat, out), "cpu")
@@ -63,7 +63,7 @@ def build(impl, cfg, mesh, seed):
 
 
 def _run(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed):
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     mesh = Mesh(rank, world)
     torch.manual_seed(seed)
     net, params, wrapper = build(impl, cfg, mesh, seed)
@@ -131,7 +131,7 @@ def main(argv=None):
                      f"{cpu_s[ours] * 1e3:.1f}", f"{cpu_s[theirs] * 1e3:.1f}", f"{cpu_s[ours] / cpu_s[theirs]:.2f}",
                      f"{diff:.1e}", match, "yes" if ratio <= 1.10 else "no"])
         answers.append(f"{pair}: {ours} {ratio:.2f}x {theirs} (losses {match})")
-    n_params = M.param_counts(M.ModelConfig(**fields))[0]
+    n_params = model.param_counts(model.ModelConfig(**fields))[0]
     notes = [f"world {args.world} gloo ranks, 1 thread each; GPT {fields}, {n_params / 1e6:.2f}M params, micro-batch "
              f"{args.micro_batch}; {args.rounds} alternating runs x {args.steps} timed steps (after 2 warm-up)",
              f"tp and pp pairs: GPT {peer_fields}; tp ranks read one batch of {args.micro_batch}; pp steps run "

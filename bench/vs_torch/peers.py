@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-import model as M
+import model
 import optim
 from parallel import pp, tp, tp_fused, tp_ring
 from parallel.ddp import DDP
@@ -71,7 +71,7 @@ def build_tp(impl, cfg, rank, world, seed, sp, ring=False):
     """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism. ring: ours
     with tp_ring's overlapped sp collectives (train.py --sp-ring)."""
     with torch.device("meta"):
-        gpt = M.GPT(cfg)
+        gpt = model.GPT(cfg)
     if impl == "ours-tp":
         mesh = Mesh(rank, world, tp=world)
         tp.parallelize(gpt, mesh, sequence_parallel=sp)
@@ -96,7 +96,7 @@ def build_tp(impl, cfg, rank, world, seed, sp, ring=False):
 
 
 def run_tp(rank, world, impl, cfg_fields, micro_batch, steps, warmup, seed, sp, ring=False):
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     torch.manual_seed(seed)
     net, params, wrapper, loss_ctx = build_tp(impl, cfg, rank, world, seed, sp, ring)
     gen = torch.Generator().manual_seed(seed * 1000)  # tp ranks read the same batch
@@ -136,11 +136,11 @@ def timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen, loss
 
 
 def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps, warmup, seed):
-    cfg = M.ModelConfig(**cfg_fields)
+    cfg = model.ModelConfig(**cfg_fields)
     torch.manual_seed(seed)
     mesh = Mesh(rank, world, pp=world)
     with torch.device("meta"):
-        full = M.GPT(cfg)
+        full = model.GPT(cfg)
     chunks = pp.split(full, mesh, n_micro, schedule, VIRTUAL[schedule])
     for chunk in chunks:
         init_weights(chunk, seed, "cpu")
@@ -154,7 +154,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
             else {}  # the loss is already / M, as ours (older torch never scales)
         cls = TORCH_SCHEDULES[schedule]
         sched = cls(stages if schedule == "interleaved" else stages[0], n_micro,
-                    loss_fn=lambda out, y: M.cross_entropy_loss(out, y) / n_micro, **options)
+                    loss_fn=lambda out, y: model.cross_entropy_loss(out, y) / n_micro, **options)
         params, wrapper = [p for c in chunks for p in c.parameters()], None
     opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
     gen = torch.Generator().manual_seed(seed * 1000)
