@@ -74,9 +74,9 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
 
 def test_short_jobs_of_every_dp_mode_exit_0():
     """torchrun reported a 4-rank HSDP job as failed in 1 of 5 tries: a rank aborted after its last step, tearing down
-    while a peer was still in the last collective. Each dp mode once here (`python -m bench.labs.clean_exits --repeat
-    N` runs them again and again)."""
-    assert exits.main(["--repeat", "1", "--steps", "3"]) == 0
+    while a peer was still in the last collective. Each dp mode, and the tp x pp resume from an FSDP save, once here
+    (`python -m bench.labs.clean_exits --repeat N --parallel 2` runs every layout family again and again)."""
+    assert exits.main(["--repeat", "1", "--steps", "3", "--families", "ddp,fsdp,hsdp,fsdp -> tp pp resume"]) == 0
 
 
 def test_under_torchrun_our_error_line_ends_the_console(tmp_path):

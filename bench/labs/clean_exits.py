@@ -1,52 +1,86 @@
-"""Every short job ends with exit 0: torchrun jobs of each data-parallel mode, run again and again on gloo.
+"""Every short job ends with exit 0, every rank: torchrun jobs of each layout family, again and again.
 
-    python -m bench.labs.clean_exits --repeat 20   # ddp and fsdp on 2 ranks, hsdp (2 x 2) on 4; 10 steps each
+    python -m bench.labs.clean_exits --repeat 10 --parallel 2   # every family, two jobs at a time (load)
+    python -m bench.labs.clean_exits --families ddp,fsdp,hsdp --repeat 20
 
-A run that ended its last step can still abort (SIGABRT, "terminate called without an active exception") if a rank
-tears down its process group while a peer is still in the last collective: torchrun then reports the job as failed.
-train.py leaves together (a barrier after the last collective, the loader's thread joined, then the group destroyed);
-this counts the exit statuses to show it. One line per job; exit 1 if any job failed.
+A run that ended its last step can still abort (SIGABRT, "terminate called without an active
+exception") if a rank tears its process group down while a peer is still in a collective, or a C++
+thread is still joinable at exit: torchrun then reports the job as failed, and --max-restarts would
+run it again. Families: each data-parallel mode, tp (± sp), pp with each schedule, cp with each mode,
+a 3D layout, with saves and --async-save, and a tp x pp run resumed from an FSDP save. One line per
+job; exit 1 if any job failed or any rank aborted.
 """
 import argparse
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import REPO
 
-MODES = {"ddp": (2, []), "fsdp": (2, ["--dp-mode", "fsdp"]), "hsdp": (4, ["--dp-mode", "hsdp", "--dp-shard", "2"])}
+PP = ["--pp", "2", "--global-batch", "8", "--micro-batch", "2"]
+FAMILIES = {  # name: [(ranks, flags), ...]: the jobs of one run, in order (a resume follows its first job)
+    "ddp": [(2, [])], "fsdp": [(2, ["--dp-mode", "fsdp"])],
+    "hsdp": [(4, ["--dp-mode", "hsdp", "--dp-shard", "2"])],
+    "tp": [(2, ["--tp", "2"])], "tp sp": [(2, ["--tp", "2", "--sp"])],
+    "pp 1f1b": [(2, PP)], "pp gpipe": [(2, PP + ["--pp-schedule", "gpipe"])],
+    "pp interleaved": [(2, PP + ["--pp-schedule", "interleaved", "--pp-virtual", "2"])],
+    "pp zb1": [(2, PP + ["--pp-schedule", "zb1"])], "pp zbv": [(2, PP + ["--pp-schedule", "zbv"])],
+    "cp ring": [(2, ["--cp", "2"])], "cp ulysses": [(2, ["--cp", "2", "--cp-mode", "ulysses"])],
+    "cp allgather": [(2, ["--cp", "2", "--cp-mode", "allgather"])],
+    "3d": [(8, ["--dp-mode", "fsdp", "--tp", "2", "--sp", "--pp", "2", "--micro-batch", "1"])],
+    "fsdp saves": [(2, ["--dp-mode", "fsdp", "--save-every", "3"])],
+    "tp pp async saves": [(4, ["--tp", "2", "--pp", "2", "--save-every", "3", "--async-save"])],
+    "fsdp -> tp pp resume": [(4, ["--dp-mode", "fsdp", "--save-every", "5", "--steps", "5"]),
+                             (4, ["--tp", "2", "--pp", "2", "--resume", "--steps", "10"])],
+}
 FLAGS = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--device", "cpu",
          "--log-every", "0"]
 
 
-def job(mode, steps, out):
-    """(exit status, seconds, the output's last line) of one torchrun job."""
-    world, flags = MODES[mode]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), "train.py",
-           *FLAGS, "--steps", str(steps), "--out", str(out), *flags]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-    return done.returncode, time.perf_counter() - t0, last[0][-120:]
+def run(family, steps, out):
+    """(exit status, seconds, ranks that aborted, the output's last line) of one family's jobs."""
+    t0, code, aborted, last = time.perf_counter(), 0, 0, ""
+    for ranks, flags in FAMILIES[family]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               "train.py", *FLAGS, "--steps", str(steps), "--out", str(out), *flags]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        text = done.stdout + done.stderr
+        aborted += text.count("terminate called") + text.count("Signals.SIGABRT")
+        last = (text.strip().splitlines() or [""])[-1][-120:]
+        code = done.returncode
+        if code:
+            break
+    return code, time.perf_counter() - t0, aborted, last
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=20, help="jobs per mode")
+    p.add_argument("--repeat", type=int, default=10, help="runs per family")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time: others' jobs load the machine")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
     args = p.parse_args(argv)
-    failed = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            for i in range(args.repeat):
-                code, seconds, last = job(mode, args.steps, Path(tmp) / f"{mode}{i}")
-                failed += code != 0
-                print(f"{mode} {i + 1}/{args.repeat}: exit {code} in {seconds:.1f} s" + (f": {last}" if code else ""),
-                      flush=True)
-    print(f"{failed} of {args.repeat * len(args.modes.split(','))} jobs failed")
+    families = args.families.split(",")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or min(args.repeat, args.steps, args.parallel) < 1:
+        p.error(f"unknown families {unknown}" if unknown else "--repeat, --steps and --parallel must be >= 1")
+    jobs = [(f, i) for f in families for i in range(args.repeat)]
+    counts = {f: [0, 0] for f in families}  # family: [clean, failed]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        outs = {job: Path(tmp) / f"{job[0].replace(' ', '_')}_{job[1]}" for job in jobs}
+        for (family, i), (code, seconds, aborted, last) in zip(jobs, pool.map(
+                lambda job: run(job[0], args.steps, outs[job]), jobs)):
+            clean = code == 0 and not aborted
+            counts[family][not clean] += 1
+            note = "" if clean else f": exit {code}, {aborted} aborted rank(s): {last}"
+            print(f"{family} {i + 1}/{args.repeat}: exit {code} in {seconds:.1f} s{note}", flush=True)
+    for family, (clean, failed) in counts.items():
+        print(f"{family:22s} {clean} clean, {failed} failed")
+    failed = sum(f for _, f in counts.values())
+    print(f"{failed} of {len(jobs)} runs failed")
     return 1 if failed else 0
 
 

@@ -237,7 +237,7 @@ def main(argv=None):
     seq_len = args.seq_len or (32 if args.quick else (1024 if gpu else 256))
     global_batch = args.global_batch or (4 if args.quick else (32 if gpu else 16))
     steps = args.steps or (2 if args.quick else (10 if gpu else 5))
-    micro = [int(m) for m in (args.accum_steps or ("2" if args.quick else ("4,8" if gpu else "2,8"))).split(",")]
+    micro = [int(m) for m in (args.micro_batches or ("2" if args.quick else ("4,8" if gpu else "2,8"))).split(",")]
     dtype = args.dtype or ("bf16" if gpu else "fp32")
     max_world = torch.cuda.device_count() if gpu else min(2, common.cpu_cores())
     if args.layout:

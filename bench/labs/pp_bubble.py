@@ -160,7 +160,7 @@ def main(argv=None):
     p.add_argument("--micro-batches", default="8,16", help="comma-separated M values")
     p.add_argument("--steps", type=int, default=5, help="measured steps per M (after one warmup step)")
     args = p.parse_args(argv)
-    P, micro_counts = args.stages, [int(m) for m in args.accum_steps.split(",")]
+    P, micro_counts = args.stages, [int(m) for m in args.micro_batches.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
     cfg, seqs, steps, min_micro_batches = (QUICK, 1, 1, 0) if args.quick else (FULL, 2, args.steps, 16)
     t0, load_before = time.time(), os.getloadavg()[0]
