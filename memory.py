@@ -32,10 +32,11 @@ def stage_bytes(cfg, run, pp_rank):
                     weights' compute-dtype copies, which each micro-batch in flight saves.
     activations     per layer and token in the compute dtype: the norms' inputs and outputs,
                     attention's q, k, v (after RoPE) and output, the MLP's gate, up and product
-                    (what autograd saves, counted), fp32 1/rms. A checkpointed layer keeps its
-                    input; one layer is remade at a time. As many sets as the schedule keeps.
+                    (what autograd saves, counted), fp32 1/rms. As many sets as the schedule keeps.
     logits          on the last stage: the logits of each set in flight, their gradient, one fp32
                     chunk of the loss.
+    The peak is the fuller of two moments: the loss's backward (the logits), or a layer's backward
+    (its gradients, and checkpointed its remade activations: activations grow by a layer or two).
     token ids       the step's inputs and targets.
     """
     e = 4 if run.dtype == "fp32" else 2
@@ -52,6 +53,7 @@ def stage_bytes(cfg, run, pp_rank):
     kv = 2 * d * cfg.n_kv_head / cfg.n_head  # k and v per token
     per_layer = e * (4 * d / sh + (2 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
+    layer = per_layer  # a layer's backward: its gradients (selective: and its remade outputs)
     if kind == "selective":
         per_layer -= e * (2 * d / sh + f / t)
     checkpointed = kind not in ("none", "selective")
@@ -67,9 +69,19 @@ def stage_bytes(cfg, run, pp_rank):
     summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
     return {"model state": 16 * params / shard + summed,
             "weights in use": in_use,
-            "activations": tokens * (sets * kept + per_layer * checkpointed),
-            "logits": last * (e * tokens * vocab * (last_sets + 1) + 4 * loss_chunk(tokens, vocab)),
+            **peak_moment(tokens * sets * kept, tokens * layer * (1 + checkpointed),
+                          last * e * tokens * vocab, last_sets,
+                          last * 4 * loss_chunk(tokens, vocab)),
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
+
+
+def peak_moment(kept, layer_backward, logits, sets, chunk):
+    """{activations, logits} at the fuller moment: the loss's backward (every set's logits, their
+    gradient, one fp32 chunk) or a layer's backward (the other sets' logits stay)."""
+    loss = logits * (sets + 1) + chunk
+    if loss >= layer_backward + logits * (sets - 1):
+        return {"activations": kept, "logits": loss}
+    return {"activations": kept + layer_backward, "logits": logits * (sets - 1)}
 
 
 def loss_chunk(tokens, vocab):

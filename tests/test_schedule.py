@@ -63,7 +63,7 @@ def test_a_wsd_run_logs_its_schedule_and_its_time_to_target(tmp_path, capsys):
 
 
 def test_the_summary_names_the_best_loss_when_the_target_is_not_reached():
-    rows = [{"step": s, "loss": 5.0, "tokens": 10, "tok_s": 1.0, "mfu": None, "mem_gb": None,
+    rows = [{"step": s, "loss": 5.0, "tokens": 10, "tok_s": 1.0, "mfu": None, "mem_gb": None, "dt_s": 1.0,
              "elapsed_s": float(s), **({"val_loss": v} if v else {})}
             for s, v in ((1, None), (2, 4.0), (3, None), (4, 3.5), (5, 3.6))]
     s = run_summary(rows, 9.0, "r", {}, target_loss=3.28)
