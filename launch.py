@@ -112,7 +112,7 @@ def timed_out(error):
                                                     PEER_LEFT.search(str(error)))
 
 
-def name_the_hang(mesh, step, error, grace_s=5.0):
+def name_the_hang(mesh, step, error, grace_s=6.0):
     """One line for a collective that timed out: the step, the collective, its group, and the
     ranks of the group that had not arrived, as far as this rank can tell.
 

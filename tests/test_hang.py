@@ -66,8 +66,8 @@ def test_a_stopped_rank_is_named_by_every_other_rank(tmp_path):
     assert sorted(ended) == [0, 1, 3], (ended, [o[1][-2000:] for o in outputs])
     rows, _ = read_metrics(out / "metrics.jsonl")
     compute = rows[-1]["dt_s"]  # the other ranks' work in step 4 before its first collective, at most
-    for rank in (0, 1, 3):  # the timeout, a few seconds to name the late rank, then gone
-        assert ended[rank] <= compute + TIMEOUT + 5, (rank, ended, compute, outputs[rank][1][-1500:])
+    for rank in (0, 1, 3):  # the timeout, name_the_hang's 6 s for the late rank's word, then gone
+        assert ended[rank] <= compute + TIMEOUT + 8, (rank, ended, compute, outputs[rank][1][-1500:])
         assert procs[rank].returncode == 3, outputs[rank][1][-2000:]
         line = outputs[rank][1].strip().splitlines()[-1]
         assert re.match(rf"error: step {STOP_AT}: all_reduce #1 of the step on group dp_cp \(ranks 0\.\.3\) "
