@@ -59,6 +59,8 @@ nonnegative_int = typed("non-negative integer", int, lambda v: v >= 0)
 positive_float = typed("positive number", float, lambda v: math.isfinite(v) and v > 0)
 nonnegative_float = typed("non-negative number", float, lambda v: math.isfinite(v) and v >= 0)
 probability = typed("number in [0, 1)", float, lambda v: 0 <= v < 1)
+seconds = typed("number of seconds in [0.001, 10^6]", float,
+                lambda v: math.isfinite(v) and 1e-3 <= v <= 1e6)  # the process group's ms, in range
 
 
 def one_of(choices, what):
@@ -173,10 +175,10 @@ def parse_args(argv=None):
     g("--compile", action=argparse.BooleanOptionalAction,
       help="torch.compile each transformer block (default: on for cuda, off for cpu)")
     g("--peak-tflops", type=positive_float, help="device peak for MFU (default: the device table)")
-    g("--timeout", type=positive_float, default=600.0,
+    g("--timeout", type=seconds, default=600.0,
       help="seconds a collective may wait once the first steps are done (a hung rank stops the "
            "job)")
-    g("--startup-timeout", type=positive_float, default=3600.0,
+    g("--startup-timeout", type=seconds, default=3600.0,
       help="seconds a collective may wait during set-up, the first two steps and the first "
            "evaluation")
 

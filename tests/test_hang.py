@@ -8,6 +8,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
 
 import launch
 from bench.ranks import free_port
@@ -82,3 +87,26 @@ def test_nccl_runs_keep_a_flight_recorder_in_the_run_folder(tmp_path):
     env = launch.flight_recorder(tmp_path)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path))
+
+
+def test_nccl_makes_its_communicators_at_start_up_with_the_flight_recorder_on(tmp_path, monkeypatch):
+    """init_process_group gets this rank's device (NCCL then builds its communicators at once, not at each
+    group's first collective) and the flight recorder's variables are set before it."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(backend, **kwargs):
+        seen.update(kwargs, backend=backend, env=dict(os.environ))
+        raise Stop
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    run = SimpleNamespace(backend="nccl", device="cuda:3", world=8, rank=3, startup_timeout=60.0, out=str(tmp_path),
+                          tf32=True)
+    with pytest.raises(Stop):
+        launch.start_distributed(run)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda:3")
+    assert seen["env"]["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")

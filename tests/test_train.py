@@ -130,6 +130,8 @@ BAD_INPUTS = {
     "negative bucket": (["--bucket-mb", "-1"], "--bucket-mb"),
     "negative grad-clip": (["--grad-clip", "-1"], "--grad-clip"),
     "negative peak": (["--peak-tflops", "-1"], "--peak-tflops"),
+    "absurd startup timeout": (["--startup-timeout", "1e300"], "--startup-timeout"),  # was an OverflowError
+    "timeout below a millisecond": (["--timeout", "1e-9"], "--timeout"),
     "unknown cp mode at cp 1": (["--cp-mode", "zigzag"], "--cp-mode"),
     "unknown schedule at pp 1": (["--pp-schedule", "zb9"], "--pp-schedule"),
     "out is a file": (["--out", "FILE"], "--out"),
