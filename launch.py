@@ -117,8 +117,9 @@ def name_the_hang(mesh, step, error, grace_s=6.0):
     ranks of the group that had not arrived, as far as this rank can tell.
 
     Each rank that times out posts its collective to the process group's store. A member that
-    posts nothing within grace_s, or posts another collective, had not arrived at this one. Then
-    each waits (grace_s at most) until the others have read: the store's host must not leave first.
+    posts nothing within grace_s, or posts another collective, had not arrived at this one. Rank 0
+    may host the store (torchrun's agent hosts it otherwise), so it leaves last: it waits (grace_s
+    at most) until every member that posted has read.
     """
     stats = mesh.stats
     waiting = stats.in_flight()
@@ -139,7 +140,8 @@ def name_the_hang(mesh, step, error, grace_s=6.0):
         posted = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
         absent = [r for r in keys if posted.get(r) != mine]
         store.set(f"hang/{step}/{mesh.global_rank}/read", "1")
-        wait_for(store, [f"hang/{step}/{r}/read" for r in keys if r not in absent], grace_s)
+        if mesh.global_rank == 0:
+            wait_for(store, [f"hang/{step}/{r}/read" for r in keys if r not in absent], grace_s)
     except (RuntimeError, ValueError):  # the store itself does not answer
         return f"{where} {how}; the store does not answer, so which ranks are late is unknown"
     ranks = f"ranks {group.ranks[0]}..{group.ranks[-1]}" if group and len(group.ranks) > 2 else \
