@@ -3,6 +3,7 @@
 Exit status: 0 done, 2 bad input (before anything is written), 3 a run that failed after it
 started (the newest good save is named and intact), 130 Ctrl-C. Each failure is one line.
 """
+import gc
 import json
 import os
 import re
@@ -184,7 +185,12 @@ def run_or_exit(job):
         code, error = 130, e
     finally:
         if not joined and dist.is_initialized() and not hung:
-            dist.destroy_process_group()  # a clean exit: no collective thread left at the end
+            dist.destroy_process_group()
+            # The groups sit in reference cycles (hooks, modules, the mesh). Freed now, each joins
+            # its worker threads; left to the interpreter's exit, a worker that drops a tensor
+            # there needs the GIL and aborts the process ("terminate called without an active
+            # exception") after a run that succeeded.
+            gc.collect()
     report_to_launcher(error)
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
         print(f"error: {error}", file=sys.stderr)

@@ -79,6 +79,35 @@ def test_short_jobs_of_every_dp_mode_exit_0():
     assert exits.main(["--repeat", "1", "--steps", "3", "--families", "ddp,fsdp,hsdp,fsdp -> tp pp resume"]) == 0
 
 
+THREADS = """
+import os, sys, threading
+import train
+def native_threads():  # the process's threads that are not Python's (tqdm's monitor is one of those)
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+before = native_threads()
+try:
+    train.main(sys.argv[1:])
+except SystemExit:
+    pass
+print(f"threads {before} {native_threads()}", flush=True)
+"""
+
+
+def test_a_finished_run_leaves_no_thread_to_the_interpreters_exit(tmp_path):
+    """The process groups' worker threads (C++) are joined before main returns. Left to the interpreter's
+    exit (the groups sit in reference cycles), a worker dropping a tensor there aborts the process
+    after its last step, now and then, under load."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), *BASE, *STEPS, "--tp", "2", "--out", str(tmp_path / "run")],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("threads ")]
+    assert len(counts) == 2 and all(before == after for before, after in counts), counts
+
+
 def test_under_torchrun_our_error_line_ends_the_console(tmp_path):
     """torchrun follows a failed worker with ~45 lines of its own; its report now ends with our line as the root
     cause (the worker's error file) instead of a pointer to its documentation."""
