@@ -27,16 +27,23 @@ def stage_bytes(cfg, run, pp_rank):
 
     model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded;
                     --accumulate unsharded keeps every unit's flat gradient all step too.
-    weights in use  FSDP: the largest unit gathered, with its flat gradient (its backward); under
-                    pp the stage's units stay gathered all step. DDP under autocast: the matmul
-                    weights' compute-dtype copies, which each micro-batch in flight saves.
+    weights in use  FSDP: the largest unit gathered, with its flat gradient (its backward; none
+                    apart under --accumulate unsharded); under pp the stage's units stay gathered
+                    all step. DDP under autocast: the matmul weights' compute-dtype copies, which
+                    each micro-batch in flight saves.
     activations     per layer and token in the compute dtype: the norms' inputs and outputs,
                     attention's q, k, v (after RoPE) and output, the MLP's gate, up and product
                     (what autograd saves, counted), fp32 1/rms. As many sets as the schedule keeps.
+                    zb1, zbv: a deferred norm also keeps its fp32 x-hat; from B to W a set holds
+                    each matmul's input and output gradient and each norm's x-hat and output
+                    gradient, whatever --ckpt (B remade the set).
     logits          on the last stage: the logits of each set in flight, their gradient, one fp32
                     chunk of the loss.
     The peak is the fuller of two moments: the loss's backward (the logits), or a layer's backward
-    (its gradients, and checkpointed its remade activations: activations grow by a layer or two).
+    (its gradients, and checkpointed its remade activations: activations grow by a layer or two;
+    FSDP: the layer's weight gradient in the compute dtype and, without pp, the next unit
+    prefetched; sp: three whole (tokens, d) tensors, the input gathered again, the output's
+    gradient gathered, the input's gradient).
     token ids       the step's inputs and targets.
     """
     e = 4 if run.dtype == "fp32" else 2
@@ -53,35 +60,44 @@ def stage_bytes(cfg, run, pp_rank):
     kv = 2 * d * cfg.n_kv_head / cfg.n_head  # k and v per token
     per_layer = e * (4 * d / sh + (2 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
+    split = run.pp > 1 and run.pp_schedule in S.SPLIT_BACKWARD
     layer = per_layer  # a layer's backward: its gradients (selective: and its remade outputs)
-    if kind == "selective":
-        per_layer -= e * (2 * d / sh + f / t)
+    held = per_layer + e * (2 * d / sh + 2 * d) - 8 / sh if split else 0  # from B to W
+    if kind == "selective":  # split: the deferred norms are not what selective remakes
+        per_layer -= e * (f / t if split else 2 * d / sh + f / t)
+    elif kind == "none" and split:
+        per_layer += 8 * d / sh
     checkpointed = kind not in ("none", "selective")
     kept = e * d / sh if checkpointed else per_layer  # what a layer of a set in flight keeps
-    sets, last_sets = sets_in_flight(run, pp_rank, tuple(chunks))
+    (sets, waiting), last_sets = sets_in_flight(run, pp_rank, tuple(chunks), kept, held)
     vocab = cfg.padded_vocab / t
     if run.dp_mode == "ddp":  # autocast's copies (none in fp32), one per set in flight
         in_use = e * (block * sets + head * last * last_sets) * (e < 4)
     elif run.pp > 1:
-        in_use = e * params + r * unit
+        in_use = e * params + r * unit * (run.accumulate != "unsharded")
     else:
-        in_use = e * unit + r * unit
+        in_use = e * unit + r * unit * (run.accumulate != "unsharded")
+    layer_weights = 0 if run.dp_mode == "ddp" else e * block * (1 + (run.pp == 1))
+    regather = 3 * e * d * (t > 1 and run.sp)
     summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
+    moment = peak_moment(tokens * (sets * kept + waiting * held),
+                         tokens * (layer * (1 + checkpointed) + regather), layer_weights,
+                         last * e * tokens * vocab, last_sets, last * 4 * loss_chunk(tokens, vocab))
     return {"model state": 16 * params / shard + summed,
-            "weights in use": in_use,
-            **peak_moment(tokens * sets * kept, tokens * layer * (1 + checkpointed),
-                          last * e * tokens * vocab, last_sets,
-                          last * 4 * loss_chunk(tokens, vocab)),
+            "weights in use": in_use + moment.pop("weights in use"),
+            **moment,
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
 
 
-def peak_moment(kept, layer_backward, logits, sets, chunk):
-    """{activations, logits} at the fuller moment: the loss's backward (every set's logits, their
-    gradient, one fp32 chunk) or a layer's backward (the other sets' logits stay)."""
+def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk):
+    """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
+    backward (every set's logits, their gradient, one fp32 chunk) or a layer's backward (the
+    other sets' logits stay)."""
     loss = logits * (sets + 1) + chunk
-    if loss >= layer_backward + logits * (sets - 1):
-        return {"activations": kept, "logits": loss}
-    return {"activations": kept + layer_backward, "logits": logits * (sets - 1)}
+    if loss >= layer_backward + layer_weights + logits * (sets - 1):
+        return {"weights in use": 0, "activations": kept, "logits": loss}
+    return {"weights in use": layer_weights, "activations": kept + layer_backward,
+            "logits": logits * (sets - 1)}
 
 
 def loss_chunk(tokens, vocab):
@@ -99,29 +115,37 @@ def stage_layout(cfg, run, pp_rank):
     return [counts[v] for v in stages], 0 in stages, len(counts) - 1 in stages
 
 
-def sets_in_flight(run, pp_rank, chunks):
-    """(the most layer-sets alive at once, the most micro-batches alive on the head's chunk).
+def sets_in_flight(run, pp_rank, chunks, kept=1.0, held=0.0):
+    """((forward layer-sets, layer-sets between B and W) at the fullest moment, the most
+    micro-batches alive on the head's chunk).
 
-    A micro-batch's forward through a chunk keeps that chunk's layers' activations until its
-    backward (under zb1 and zbv: its W). Counted from the schedule's own action list."""
+    A micro-batch's forward through a chunk keeps that chunk's layers' activations (`kept` bytes a
+    layer) until its backward; under zb1 and zbv until its B, then `held` bytes a layer until its
+    W. Counted from the schedule's own action list."""
     if run.pp == 1:
-        return chunks[0], 1
-    return schedule_peak(run.pp_schedule, run.pp, run.accum_steps, run.pp_virtual, pp_rank, chunks)
+        return (chunks[0], 0), 1
+    return schedule_peak(run.pp_schedule, run.pp, run.accum_steps, run.pp_virtual, pp_rank, chunks,
+                         kept, held)
 
 
-@lru_cache(maxsize=256)
-def schedule_peak(schedule, P, M, V, rank, chunks):
+@lru_cache(maxsize=4096)
+def schedule_peak(schedule, P, M, V, rank, chunks, kept=1.0, held=0.0):
     actions = S.build(schedule, P, M, V)[rank]
     split = any(a.op == "W" for a in actions)
     vshape, end = schedule in S.VSHAPED, P * len(chunks) - 1
     last_chunk = next((c for c in range(len(chunks)) if S.stage_of(rank, c, P, vshape) == end),
                       None)
-    alive, peak, head_peak = set(), 0, 0
+    alive, waiting, peak, head_peak = set(), set(), (0, 0), 0
     for a in actions:
         if a.op == "F":
             alive.add((a.chunk, a.mb))
-        elif a.op == ("W" if split else "B"):
+        elif a.op == "B" and split:
             alive.discard((a.chunk, a.mb))
-        peak = max(peak, sum(chunks[c] for c, _ in alive))
-        head_peak = max(head_peak, sum(c == last_chunk for c, _ in alive))
+            waiting.add((a.chunk, a.mb))
+        elif a.op in ("B", "W"):
+            alive.discard((a.chunk, a.mb))
+            waiting.discard((a.chunk, a.mb))
+        now = sum(chunks[c] for c, _ in alive), sum(chunks[c] for c, _ in waiting)
+        peak = max(peak, now, key=lambda n: n[0] * kept + n[1] * held)
+        head_peak = max(head_peak, sum(c == last_chunk for c, _ in alive | waiting))
     return peak, max(head_peak, 1)
