@@ -1,8 +1,9 @@
 """The memory one rank holds at the peak of a training step, estimated from the shapes, per stage.
 
-One model of this code serves three readers: the check before a run starts (config.check_fits
-refuses a step over the device's memory less MARGIN), the dry run's expected column, and the
-planner (bench/planner). The fake-CUDA rehearsal measures what it misses (tests/test_dry_run.py).
+One model of this code serves the check before a run starts (config.check_fits refuses a step
+over the device's memory less MARGIN) and the dry run's expected column. The fake-CUDA rehearsal
+measures what it misses (tests/test_dry_run.py). The planner (bench/planner/ours.py) still keeps
+a finer model of its own, fitted to CPU runs.
 """
 from functools import lru_cache
 
