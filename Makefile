@@ -60,7 +60,7 @@ gpt2: install
 sample: install
 	$(PY) sample.py --run $(RUN) --prompt "def " --max-new-tokens 300 --temperature 0.8 --top-k 40
 
-# The whole suite (CI runs it), and the core's for someone changing one parallelism (under 3 minutes on 2 cores).
+# The whole suite (CI runs it), and the core's for someone changing one parallelism (about 6.5 minutes on 2 cores).
 test: install-dev
 	$(PY) -m pytest -q --durations=10 tests
 
