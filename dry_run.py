@@ -50,6 +50,7 @@ import model
 import optim
 from config import UsageError
 from data.loader import DataError, read_meta
+from metrics import resizes_seen
 from parallel import fsdp
 from parallel.comm import Group
 from parallel.mesh import LayoutError, Mesh
@@ -420,18 +421,12 @@ class Ledger(TorchDispatchMode):
         self.label, self.held, self.shapes, self.units, self.vocab = None, {}, set(), set(), None
 
     def __enter__(self):
-        self.resize = resize = torch.UntypedStorage.resize_
-
-        def counted_resize(storage, n):
-            before = storage.nbytes()
-            out = resize(storage, n)
-            self.resized(storage, before)
-            return out
-        torch.UntypedStorage.resize_ = counted_resize
+        self.resizes = resizes_seen(self.resized)
+        self.resizes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self.resize
+        self.resizes.__exit__(*exc)
         return super().__exit__(*exc)
 
     @contextmanager

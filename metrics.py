@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -290,16 +291,50 @@ def storage_bytes(tensors):
     return sum(s.nbytes() for s in storages.values())
 
 
+@contextmanager
+def resizes_seen(resized):
+    """Calls resized(storage, bytes before) after every UntypedStorage.resize_ while active. The
+    pipeline frees what it sent that way (parallel/pp.py); no finalizer sees it."""
+    resize = torch.UntypedStorage.resize_
+
+    def counted(storage, n):
+        before = storage.nbytes()
+        out = resize(storage, n)
+        resized(storage, before)
+        return out
+    torch.UntypedStorage.resize_ = counted
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize
+
+
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops create while it is active, from creation until freed; `peak`
-    is the most at once. A finalizer on each storage marks its free."""
+    """Bytes of the storages that ops create while it is active, from creation until freed or
+    resized; `peak` is the most at once. A finalizer on each storage marks its free."""
 
     def __init__(self):
         super().__init__()
         self.live, self.now, self.peak = {}, 0, 0
 
+    def __enter__(self):
+        self.resizes = resizes_seen(self._resized)
+        self.resizes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.resizes.__exit__(*exc)
+        return super().__exit__(*exc)
+
     def _free(self, key):
         self.now -= self.live.pop(key)
+
+    def _resized(self, storage, before):
+        key = id(storage)
+        if key in self.live:
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes() - before
+            self.peak = max(self.peak, self.now)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
