@@ -53,19 +53,22 @@ def min_max_partition(n, parts, cost):
 def balanced_counts(cfg, parts):
     """Minimizes the slowest chunk's FLOPs, then, among those splits, the largest chunk's memory."""
     c = cost_model(cfg)
+    return list(balanced_split(cfg.n_layer, parts, c["layer"], c["head"], c["embed"]))
 
+
+@lru_cache(maxsize=4096)  # the planner asks for the same splits across thousands of layouts
+def balanced_split(n, parts, layer, head, embed):
+    """balanced_counts of n layers, each cost a (FLOPs, params) pair."""
     def flops(k, m):
-        return (m * c["layer"][0] + (c["head"][0] if k == parts - 1 else 0)
-                + (c["embed"][0] if k == 0 else 0))
+        return m * layer[0] + (head[0] if k == parts - 1 else 0) + (embed[0] if k == 0 else 0)
 
     def memory(k, m):
         if flops(k, m) > slowest:
             return math.inf
-        return (m * c["layer"][1] + (c["head"][1] if k == parts - 1 else 0)
-                + (c["embed"][1] if k == 0 else 0))
+        return m * layer[1] + (head[1] if k == parts - 1 else 0) + (embed[1] if k == 0 else 0)
 
-    slowest = min_max_partition(cfg.n_layer, parts, flops)[0]
-    return min_max_partition(cfg.n_layer, parts, memory)[1]
+    slowest = min_max_partition(n, parts, flops)[0]
+    return tuple(min_max_partition(n, parts, memory)[1])
 
 
 def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
@@ -74,11 +77,10 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
     if n < parts:
         raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; "
                                   f"the model has {n}")
-    try:
-        actions_for(schedule, P, n_micro, V, 0)
-    except S.DeadlockError as e:  # the simulator found no way to run it
+    deadlock = schedule_deadlock(schedule, P, n_micro, V)
+    if deadlock:  # the simulator found no way to run it
         raise LayoutError("--pp-schedule", f"{schedule} cannot run M = {n_micro} micro-batches "
-                                           f"on {P} stages: {e}") from None
+                                           f"on {P} stages: {deadlock}")
     if schedule == "interleaved" and n_micro > P and n_micro % P:
         raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count "
                           f"M = global-batch / (micro-batch·dp) = {n_micro} to be a multiple "
@@ -96,6 +98,16 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
         raise LayoutError("--pp-split",
                           f"counts {shown} sum to {sum(counts)}, the model has {n} layers")
     return counts
+
+
+@lru_cache(maxsize=4096)
+def schedule_deadlock(schedule, P, M, V):
+    """Why the schedule's simulator cannot run M micro-batches on P stages, or None."""
+    try:
+        S.build(schedule, P, M, V)
+    except S.DeadlockError as e:
+        return str(e)
+    return None
 
 
 def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
