@@ -1,9 +1,9 @@
 """The memory one rank holds at the peak of a training step, estimated from the shapes, per stage.
 
 One model of this code serves the check before a run starts (config.check_fits refuses a step
-over the device's memory less MARGIN) and the dry run's expected column. The fake-CUDA rehearsal
-measures what it misses (tests/test_dry_run.py). The planner (bench/planner/ours.py) still keeps
-a finer model of its own, fitted to CPU runs.
+over the device's memory less MARGIN), the dry run's expected column and the planner's --code ours.
+Measured against it: fake-CUDA rehearsals at full world size (tests/test_dry_run.py), fp32 CPU runs
+of every layout family (tests/test_plan_measured.py) and whole CPU runs (tests/test_runs.py).
 """
 from functools import lru_cache
 
@@ -40,11 +40,13 @@ def stage_bytes(cfg, run, pp_rank):
                     gradient, whatever --ckpt (B remade the set).
     logits          on the last stage: the logits of each set in flight, their gradient, one fp32
                     chunk of the loss.
+                    On the last stage, each set's final norm: its input and output (zb1, zbv: from
+                    B to W its x-hat, output and output gradient).
     The peak is the fuller of two moments: the loss's backward (the logits), or a layer's backward
-    (its gradients, and checkpointed its remade activations: activations grow by a layer or two;
-    FSDP: the layer's weight gradient in the compute dtype and, without pp, the next unit
-    prefetched; sp: three whole (tokens, d) tensors, the input gathered again, the output's
-    gradient gathered, the input's gradient).
+    (SwiGLU's: the gradients of the product, gate and up, silu(gate) remade, the residual's
+    gradient; checkpointed, also its remade activations; FSDP: the layer's weight gradient in the
+    compute dtype and, without pp, the next unit prefetched; sp: three whole (tokens, d) tensors,
+    the input gathered again, the output's gradient gathered, the input's gradient).
     token ids       the step's inputs and targets.
     """
     e = 4 if run.dtype == "fp32" else 2
@@ -62,7 +64,11 @@ def stage_bytes(cfg, run, pp_rank):
     per_layer = e * (4 * d / sh + (2 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
     split = run.pp > 1 and run.pp_schedule in S.SPLIT_BACKWARD
-    layer = per_layer  # a layer's backward: its gradients (selective: and its remade outputs)
+    # a layer's backward at its fullest, SwiGLU's: the gradients of the product, gate and up,
+    # silu(gate) remade, the residual's gradient; the product is freed by then (split: W holds it)
+    layer = e * ((3 + split) * f / t + d / sh)
+    if kind == "selective" and not split:  # the product was never kept; a norm's output is remade
+        layer += e * (f / t + d / sh)
     held = per_layer + e * (2 * d / sh + 2 * d) - 8 / sh if split else 0  # from B to W
     if kind == "selective":  # split: the deferred norms are not what selective remakes
         per_layer -= e * (f / t if split else 2 * d / sh + f / t)
@@ -81,29 +87,34 @@ def stage_bytes(cfg, run, pp_rank):
     layer_weights = 0 if run.dp_mode == "ddp" else e * block * (1 + (run.pp == 1))
     regather = 3 * e * d * (t > 1 and run.sp)
     summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
+    # the final norm of each set on the head's chunk: its input and output; from B to W its x-hat,
+    # output and output gradient
+    norm = last * e * tokens * (2 + split) * d / sh
     moment = peak_moment(tokens * (sets * kept + waiting * held),
-                         tokens * (layer * (1 + checkpointed) + regather), layer_weights,
-                         last * e * tokens * vocab, last_sets, last * 4 * loss_chunk(tokens, vocab))
+                         tokens * (layer + checkpointed * per_layer + regather), layer_weights,
+                         last * e * tokens * vocab, last_sets, last * 4 * loss_chunk(tokens, vocab),
+                         norm)
     return {"model state": 16 * params / shard + summed,
             "weights in use": in_use + moment.pop("weights in use"),
             **moment,
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
 
 
-def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk):
+def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm=0):
     """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
-    backward (every set's logits, their gradient, one fp32 chunk) or a layer's backward (the
-    other sets' logits stay)."""
+    backward (every set's logits and final norm, their gradient, one fp32 chunk) or a layer's
+    backward (the other sets' logits and final norms stay)."""
     loss = logits * (sets + 1) + chunk
-    if loss >= layer_backward + layer_weights + logits * (sets - 1):
-        return {"weights in use": 0, "activations": kept, "logits": loss}
-    return {"weights in use": layer_weights, "activations": kept + layer_backward,
+    if loss + norm >= layer_backward + layer_weights + (logits + norm) * (sets - 1):
+        return {"weights in use": 0, "activations": kept + norm * sets, "logits": loss}
+    return {"weights in use": layer_weights,
+            "activations": kept + layer_backward + norm * (sets - 1),
             "logits": logits * (sets - 1)}
 
 
 def loss_chunk(tokens, vocab):
     """Elements of the loss's fp32 chunk (model.loss_chunks)."""
-    return min(tokens, 2 ** 25 / vocab) * vocab
+    return min(tokens * vocab, 2 ** 25)
 
 
 def stage_layout(cfg, run, pp_rank):
@@ -129,24 +140,47 @@ def sets_in_flight(run, pp_rank, chunks, kept=1.0, held=0.0):
                          kept, held)
 
 
-@lru_cache(maxsize=4096)
 def schedule_peak(schedule, P, M, V, rank, chunks, kept=1.0, held=0.0):
-    actions = S.build(schedule, P, M, V)[rank]
-    split = any(a.op == "W" for a in actions)
-    vshape, end = schedule in S.VSHAPED, P * len(chunks) - 1
-    last_chunk = next((c for c in range(len(chunks)) if S.stage_of(rank, c, P, vshape) == end),
-                      None)
-    alive, waiting, peak, head_peak = set(), set(), (0, 0), 0
-    for a in actions:
-        if a.op == "F":
-            alive.add((a.chunk, a.mb))
-        elif a.op == "B" and split:
-            alive.discard((a.chunk, a.mb))
-            waiting.add((a.chunk, a.mb))
-        elif a.op in ("B", "W"):
-            alive.discard((a.chunk, a.mb))
-            waiting.discard((a.chunk, a.mb))
-        now = sum(chunks[c] for c, _ in alive), sum(chunks[c] for c, _ in waiting)
-        peak = max(peak, now, key=lambda n: n[0] * kept + n[1] * held)
-        head_peak = max(head_peak, sum(c == last_chunk for c, _ in alive | waiting))
-    return peak, max(head_peak, 1)
+    moments, head_peak = schedule_moments(schedule, P, M, V)[rank]
+
+    def layers(counts):
+        return sum(n * layer_count for n, layer_count in zip(counts, chunks))
+    alive, waiting = max(moments, key=lambda m: layers(m[0]) * kept + layers(m[1]) * held)
+    return (layers(alive), layers(waiting)), head_peak
+
+
+@lru_cache(maxsize=256)  # the planner prices thousands of layouts on a few schedules
+def schedule_moments(schedule, P, M, V):
+    """Per rank: the fullest moments of its action list, each (micro-batches alive in forward,
+    micro-batches between B and W) per chunk, and the most micro-batches on the head's chunk."""
+    out = []
+    for rank, actions in enumerate(S.build(schedule, P, M, V)):
+        n = S.chunks_per_rank(schedule, V)
+        split = any(a.op == "W" for a in actions)
+        vshape, end = schedule in S.VSHAPED, P * n - 1
+        head = next((c for c in range(n) if S.stage_of(rank, c, P, vshape) == end), None)
+        alive, waiting, moments, head_peak = [0] * n, [0] * n, set(), 0
+        for a in actions:
+            if a.op == "F":
+                alive[a.chunk] += 1
+            elif a.op == "B" and split:
+                alive[a.chunk] -= 1
+                waiting[a.chunk] += 1
+            elif a.op == "B":
+                alive[a.chunk] -= 1
+            elif a.op == "W":
+                waiting[a.chunk] -= 1
+            moments.add((tuple(alive), tuple(waiting)))
+            if head is not None:
+                head_peak = max(head_peak, alive[head] + waiting[head])
+        out.append((fullest(moments), max(head_peak, 1)))
+    return out
+
+
+def fullest(moments):
+    """The moments no other moment holds at least as much as in every chunk."""
+    flat = {m: m[0] + m[1] for m in moments}
+
+    def covers(a, b):
+        return a != b and all(x >= y for x, y in zip(flat[a], flat[b]))
+    return tuple(m for m in moments if not any(covers(o, m) for o in moments))
