@@ -13,19 +13,25 @@ Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a laye
 chunks per rank in a V (parallel/pp_schedule.py): rank 0 holds the first and the last of 2P chunks, so the embedding
 and the head, and sends 2 activations per microbatch, as does rank P-1 (its two chunks meet on the rank); stages()
 places them so, while the time model's stage loads (layers) keep 1F1B's placement.
-A layout fits below HBM less Cluster.margin (MEM_MARGIN, 5%). tp_comm_overlap and dist_opt are Megatron-LM's
-options, the reference's only (invalid() refuses them for --code ours: train.py has neither).
+A layout fits below HBM less Cluster.margin (the reference: MEM_MARGIN, 5%; ours: memory.MARGIN, 10%). --code ours
+also refuses a layout train.py's own split of the layers refuses (parallel/pp.py's layer_counts). tp_comm_overlap and
+dist_opt are Megatron-LM's options, the reference's only (invalid() refuses them for --code ours: train.py has neither).
 """
 from dataclasses import dataclass, fields
+from typing import Optional
 
+import memory
 from model import layer_param_count
+from parallel.mesh import LayoutError
+from parallel.pp import layer_counts
 
 W_B, G_B, MASTER_B, ADAM_B, ACT_B = 2, 4, 4, 8, 2  # bytes: bf16 weights, fp32 grads, fp32 master, Adam, bf16
 BUCKET_MB = 25       # DDP bucket (PyTorch's default)
 GB = 1e9
-# A layout fits only below HBM minus this share of it: room for what the memory model does not see (allocator spikes,
-# NCCL buffers beyond its OVERHEAD_GB, a CUDA context larger than assumed) and for the model's own error, -9 ... +10%
-# on the runs tests/test_plan_measured.py measures. torchtitan and Megatron-LM users keep 5-10% of HBM free.
+# --code reference: a layout fits only below HBM minus this share of it, beyond the reference model's own OVERHEAD_GB
+# and FRAG (memory.py): room for allocator spikes, NCCL buffers, a CUDA context larger than assumed. torchtitan and
+# Megatron-LM users keep 5-10% of HBM free. --code ours uses train.py's one policy instead: memory.MARGIN of HBM for
+# all that fake tensors cannot see, as train.py's check and --dry-run do.
 MEM_MARGIN = 0.05
 CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (plan.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")  # parallel/pp_schedule.py
@@ -53,11 +59,15 @@ class Cluster:
     # 0 on GPUs, whose kernels run while the host launches the next ones
     host_us: float = 0.0
     factors: object = None      # factors.Factors; None: those of the code priced (step_time.py)
-    margin: float = MEM_MARGIN  # share of hbm_gb a layout must leave free to fit
+    margin: Optional[float] = None  # share of hbm_gb a layout must leave free; None: the code's (margin_of)
 
-    @property
-    def usable_gb(self):
-        return self.hbm_gb * (1 - self.margin)
+    def margin_of(self, code):
+        if self.margin is not None:
+            return self.margin
+        return memory.MARGIN if code == "ours" else MEM_MARGIN
+
+    def usable_gb(self, code):
+        return self.hbm_gb * (1 - self.margin_of(code))
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,11 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
     ]:
         if bad:
             return why
+    if code == "ours" and lay.pp > 1:  # train.py's own split of the layers over the stages
+        try:
+            layer_counts(cfg, lay.pp, lay.V, batch // (lay.dp * lay.micro), None, lay.schedule)
+        except LayoutError as e:
+            return str(e)
     return None
 
 

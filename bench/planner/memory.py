@@ -1,5 +1,5 @@
 """Peak memory per GPU of a layout: the reference implementation (the one Llama 3 and Megatron-LM report);
---code ours is ours.py. Notation and stage sizes: layout.py.
+--code ours is train.py's own model (memory.step_bytes, through ours.py). Notation and stage sizes: layout.py.
 
 Memory per GPU, the fuller of the first and last pipeline stage. Bytes/param: bf16 weights 2, fp32 master 4,
 fp32 grads 4, Adam 8. ddp replicates all (with dist_opt, Megatron's distributed optimizer, master and Adam are
@@ -17,16 +17,14 @@ until its W) plus logits 6*t*vocab/tp (bf16 + fp32).
 Plus OVERHEAD_GB and FRAG of the rest.
 """
 from bench.planner.layout import ACT_B, ADAM_B, G_B, GB, MASTER_B, W_B, Shape, in_flight, shard_size
-from bench.planner.ours import ours_act_per_token, ours_memory
+from bench.planner.ours import ours_memory
 
 OVERHEAD_GB = 4.0    # CUDA context, NCCL buffers, cuBLAS workspaces
 FRAG = 0.05          # caching-allocator fragmentation: reserved exceeds allocated by ~5%
 
 
 def act_per_token(s, ckpt, a_bytes=ACT_B):
-    """Activation bytes one layer keeps per token on this GPU until its backward."""
-    if s.code == "ours":
-        return ours_act_per_token(s, ckpt, a_bytes)
+    """Activation bytes one layer keeps per token on this GPU until its backward (the reference's)."""
     d, f, tp = s.cfg.d_model, s.cfg.ffn_dim, s.lay.tp
     sh = tp if s.lay.sp else 1  # sequence parallel shards the residual stream and the norms
     kv = 2 * s.cfg.head_dim * s.kv_local
@@ -43,9 +41,10 @@ def memory(cfg, lay, seq, batch, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B
 
 
 def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B):
-    """memory() of a Shape."""
+    """memory() of a Shape. --code ours: memory.step_bytes's parts, which leave overhead and fragmentation to the
+    margin (memory.MARGIN)."""
     if s.code == "ours":
-        return ours_memory(s, overhead_gb, frag, w_bytes, a_bytes)
+        return ours_memory(s, a_bytes)
     lay, P, M = s.lay, s.lay.pp, s.M
     S = shard_size(lay) if lay.dp_mode != "ddp" else 1
     S_opt = lay.dp * lay.cp if lay.dist_opt else S  # Megatron's distributed optimizer shards master and Adam

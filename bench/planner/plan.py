@@ -7,8 +7,8 @@
 Closed formulas, no simulation; each module's docstring states the formulas it implements:
   layout.py     the notation, a layout, whether it can run, its per-GPU sizes, the memory margin
   comm.py       bytes each rank sends per step, by group (comm_bytes)
-  memory.py     peak memory per GPU (memory)
-  ours.py       both of those for --code ours
+  memory.py     peak memory per GPU (memory); --code ours: train.py's own model (the top-level memory.py)
+  ours.py       the bytes for --code ours, and its memory through train.py's model
   factors.py    the efficiency factors of each code, their sources and ranges
   links.py      links, and what hidden communication costs
   overlap.py    what hides under what, ring hops, fp8's casts
@@ -23,7 +23,8 @@ repository's parallel/*.py (tests/test_plan_measured.py holds its bytes and memo
 factors of its own (factors.py; --factors: what `python -m bench.gpu` measured). The output: the top layouts by
 predicted MFU, the best of each dp x tp x pp x cp mesh, the MFU at both ends of each uncertain factor, and where the
 winner's step time and memory go; --layout prices one layout instead; --compare-fsdp-scope adds the winner's mesh with
-its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin.
+its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin (by default
+the code's own: the reference's 5% beyond its overhead, ours memory.MARGIN, the margin train.py's check refuses by).
 """
 import sys
 import time
@@ -37,6 +38,7 @@ from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
 from bench.planner.step_time import rates, step_time
 from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
+from memory import MARGIN
 from model import PRESETS, param_counts
 
 __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
@@ -61,7 +63,7 @@ def bill(p, cl):
     t, m = p.time, p.mem
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if k not in ("total", "mfu", "hfu") and v > 0)
     mems = ", ".join(f"{k} {v / GB:.1f}" for k, v in m.items() if v > 0)
-    fits = f"fits below {cl.usable_gb:.1f}" if p.fits else f"DOES NOT FIT below {cl.usable_gb:.1f}"
+    fits = f"fits below {p.usable_gb:.1f}" if p.fits else f"DOES NOT FIT below {p.usable_gb:.1f}"
     return (f"{p.layout}\n  MFU {t['mfu']:.1%}  HFU {t['hfu']:.1%}  step {t['total']:.3g} s = {parts}\n"
             f"  memory {sum(m.values()) / GB:.1f} GB of {cl.hbm_gb:g} ({fits}): {mems}")
 
@@ -157,8 +159,9 @@ def main(argv=None):
     ap.add_argument("--compare-fsdp-scope", action="store_true",
                     help="L15: the winner's mesh with its FSDP group inside one node (hsdp) vs across nodes")
     ap.add_argument("--factors", help="--code ours: the factors `python -m bench.gpu` measured (its JSON file)")
-    ap.add_argument("--mem-margin", type=probability, default=MEM_MARGIN,
-                    help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error)")
+    ap.add_argument("--mem-margin", type=probability,
+                    help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error); "
+                    f"default: the reference's {MEM_MARGIN:.0%}, ours {MARGIN:.0%} (train.py's check)")
     try:
         args = ap.parse_args(argv)
     except UsageError as e:
@@ -208,8 +211,9 @@ def main(argv=None):
           + ("; code: ours (parallel/*.py)" if args.code == "ours" else ""))
     whose = (f"measured ({', '.join(measured)}: {args.factors})" if factors
              else "this code's" if args.code == "ours" else "the reference's")
-    print(f"a layout fits below {cl.usable_gb:.4g} GB: {cl.hbm_gb:g} GB less a {cl.margin:.0%} margin (allocator, "
-          f"NCCL buffers, CUDA context, the memory model's error); efficiency factors: {whose} (factors.py)")
+    print(f"a layout fits below {cl.usable_gb(args.code):.4g} GB: {cl.hbm_gb:g} GB less a "
+          f"{cl.margin_of(args.code):.0%} margin (allocator, NCCL buffers, CUDA context, the memory model's error); "
+          f"efficiency factors: {whose} (factors.py)")
     if lay:
         p = evaluate(cfg, cl, lay, seq, batch, checked=True, code=args.code)
         print(bill(p, cl))

@@ -69,14 +69,16 @@ def scale(gpus, compiled=True, sac=False):
 
 def best(cfg, cl, seq, batch, mesh, code):
     """The best fitting variant of a published mesh (dp, tp, pp, cp) under FSDP, one sequence per microbatch: V,
-    checkpointing, accumulation (ours) and the cp kernel are not published; None if none fits."""
+    checkpointing, accumulation (ours) and the cp kernel are not published; None if none fits. Ours also tries
+    1F1B: train.py splits 126 layers into 16 x V chunks for no V > 1 without an explicit --pp-split."""
     dp, tp, pp, cp = mesh
     found = None
-    for V in (2, 4, 8):
+    schedules = [("interleaved", V) for V in (2, 4, 8)] + [("1f1b", 1)] * (code == "ours")
+    for schedule, V in schedules:
         for ckpt in ("none", "selective", "full"):
             for acc in ("sharded", "unsharded")[:1 + (code == "ours")]:
                 for cp_mode in ("ring", "allgather") if cp > 1 else ("ring",):
-                    lay = Layout(dp, tp, pp, cp, "fsdp", 0, 1, ckpt, "interleaved", V, cp_mode, accumulate=acc)
+                    lay = Layout(dp, tp, pp, cp, "fsdp", 0, 1, ckpt, schedule, V, cp_mode, accumulate=acc)
                     try:
                         p = evaluate(cfg, cl, lay, seq, batch, need_fit=True, code=code)
                     except ValueError:

@@ -27,6 +27,7 @@ class Plan:
     time: dict
     mem: dict
     fits: bool
+    usable_gb: float  # what fits: HBM less the margin
 
     @property
     def mfu(self):
@@ -40,8 +41,8 @@ def evaluate(cfg, cl, lay, seq, batch, need_fit=False, checked=False, code="refe
         raise ValueError(f"{lay}: {why}")
     s = Shape(cfg, lay, seq, batch, code)
     mem = shape_memory(s)
-    fits = sum(mem.values()) <= cl.usable_gb * GB  # below HBM less the margin (layout.MEM_MARGIN)
-    return Plan(lay, shape_step_time(s, cl), mem, fits) if fits or not need_fit else None
+    fits = sum(mem.values()) <= cl.usable_gb(code) * GB  # below HBM less the code's margin (Cluster.margin_of)
+    return Plan(lay, shape_step_time(s, cl), mem, fits, cl.usable_gb(code)) if fits or not need_fit else None
 
 
 def pow2(limit):
