@@ -161,7 +161,7 @@ def main(argv=None):
     ap.add_argument("--factors", help="--code ours: the factors `python -m bench.gpu` measured (its JSON file)")
     ap.add_argument("--mem-margin", type=probability,
                     help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error); "
-                    f"default: the reference's {MEM_MARGIN:.0%}, ours {MARGIN:.0%} (train.py's check)")
+                    f"default: the reference's {MEM_MARGIN * 100:.0f}%%, ours {MARGIN * 100:.0f}%% (train.py's check)")
     try:
         args = ap.parse_args(argv)
     except UsageError as e:
