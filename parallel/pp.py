@@ -52,8 +52,7 @@ def min_max_partition(n, parts, cost):
 
 def balanced_counts(cfg, parts):
     """Minimizes the slowest chunk's FLOPs, then, among those splits, the largest chunk's memory."""
-    c = cost_model(cfg)
-    return list(balanced_split(cfg.n_layer, parts, c["layer"], c["head"], c["embed"]))
+    return list(balanced_split(cfg.n_layer, parts, *cost_model(cfg).values()))  # layer, head, embed
 
 
 @lru_cache(maxsize=4096)  # the planner asks for the same splits across thousands of layouts
@@ -77,10 +76,11 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
     if n < parts:
         raise LayoutError("--pp", f"{P} stages x {V} chunks need at least {parts} layers; "
                                   f"the model has {n}")
-    deadlock = schedule_deadlock(schedule, P, n_micro, V)
-    if deadlock:  # the simulator found no way to run it
+    try:
+        actions_for(schedule, P, n_micro, V, 0)
+    except S.DeadlockError as e:  # the simulator found no way to run it
         raise LayoutError("--pp-schedule", f"{schedule} cannot run M = {n_micro} micro-batches "
-                                           f"on {P} stages: {deadlock}")
+                                           f"on {P} stages: {e}") from None
     if schedule == "interleaved" and n_micro > P and n_micro % P:
         raise LayoutError("--micro-batch", f"interleaved needs the micro-batch count "
                           f"M = global-batch / (micro-batch·dp) = {n_micro} to be a multiple "
@@ -98,16 +98,6 @@ def layer_counts(cfg, P, V, n_micro, layer_split=None, schedule="1f1b"):
         raise LayoutError("--pp-split",
                           f"counts {shown} sum to {sum(counts)}, the model has {n} layers")
     return counts
-
-
-@lru_cache(maxsize=4096)
-def schedule_deadlock(schedule, P, M, V):
-    """Why the schedule's simulator cannot run M micro-batches on P stages, or None."""
-    try:
-        S.build(schedule, P, M, V)
-    except S.DeadlockError as e:
-        return str(e)
-    return None
 
 
 def split(full, mesh, n_micro, schedule="1f1b", n_virtual=1, layer_split=None):
