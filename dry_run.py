@@ -50,7 +50,7 @@ import model
 import optim
 from config import UsageError
 from data.loader import DataError, read_meta
-from metrics import resizes_seen
+from metrics import StorageMode
 from parallel import fsdp
 from parallel.comm import Group
 from parallel.mesh import LayoutError, Mesh
@@ -406,7 +406,7 @@ def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 GATHERS = (fsdp.Unit.start_gather.__code__, fp8.FP8Gather.__call__.__code__)  # FSDP's gathers
 
 
-class Ledger(TorchDispatchMode):
+class Ledger(StorageMode):
     """Every CUDA storage an op creates, from then until it is freed (a finalizer; a storage resized
     in place, as the pipeline frees what it sent, counts its new size). `peak` is the most alive at
     once. The parts of that moment are told apart by what holds each storage between steps
@@ -419,15 +419,6 @@ class Ledger(TorchDispatchMode):
         super().__init__()
         self.live, self.now, self.peak, self.at_peak, self.serial = {}, 0, 0, {}, 0
         self.label, self.held, self.shapes, self.units, self.vocab = None, {}, set(), set(), None
-
-    def __enter__(self):
-        self.resizes = resizes_seen(self.resized)
-        self.resizes.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.resizes.__exit__(*exc)
-        return super().__exit__(*exc)
 
     @contextmanager
     def labelled(self, part):

@@ -100,7 +100,7 @@ def stage_bytes(cfg, run, pp_rank):
             "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
 
 
-def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm=0):
+def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm):
     """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
     backward (every set's logits and final norm, their gradient, one fp32 chunk) or a layer's
     backward (the other sets' logits and final norms stay)."""
@@ -153,11 +153,9 @@ def schedule_peak(schedule, P, M, V, rank, chunks, kept=1.0, held=0.0):
 def schedule_moments(schedule, P, M, V):
     """Per rank: the fullest moments of its action list, each (micro-batches alive in forward,
     micro-batches between B and W) per chunk, and the most micro-batches on the head's chunk."""
-    out = []
+    n, split = S.chunks_per_rank(schedule, V), schedule in S.SPLIT_BACKWARD
+    vshape, end, out = schedule in S.VSHAPED, P * n - 1, []
     for rank, actions in enumerate(S.build(schedule, P, M, V)):
-        n = S.chunks_per_rank(schedule, V)
-        split = any(a.op == "W" for a in actions)
-        vshape, end = schedule in S.VSHAPED, P * n - 1
         head = next((c for c in range(n) if S.stage_of(rank, c, P, vshape) == end), None)
         alive, waiting, moments, head_peak = [0] * n, [0] * n, set(), 0
         for a in actions:

@@ -8,7 +8,6 @@ import os
 import statistics
 import time
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -291,25 +290,31 @@ def storage_bytes(tensors):
     return sum(s.nbytes() for s in storages.values())
 
 
-@contextmanager
-def resizes_seen(resized):
-    """Calls resized(storage, bytes before) after every UntypedStorage.resize_ while active. The
-    pipeline frees what it sent that way (parallel/pp.py); no finalizer sees it."""
-    resize = torch.UntypedStorage.resize_
+class StorageMode(TorchDispatchMode):
+    """A dispatch mode that also hears of every UntypedStorage.resize_ while active, through
+    resized(storage, bytes before). The pipeline frees what it sent that way (parallel/pp.py); no
+    finalizer sees it."""
 
-    def counted(storage, n):
-        before = storage.nbytes()
-        out = resize(storage, n)
-        resized(storage, before)
-        return out
-    torch.UntypedStorage.resize_ = counted
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = resize
+    def __enter__(self):
+        self.resize = resize = torch.UntypedStorage.resize_
+
+        def counted(storage, n):
+            before = storage.nbytes()
+            out = resize(storage, n)
+            self.resized(storage, before)
+            return out
+        torch.UntypedStorage.resize_ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self.resize
+        return super().__exit__(*exc)
+
+    def resized(self, storage, before):
+        raise NotImplementedError
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(StorageMode):
     """Bytes of the storages that ops create while it is active, from creation until freed or
     resized; `peak` is the most at once. A finalizer on each storage marks its free."""
 
@@ -317,19 +322,10 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live, self.now, self.peak = {}, 0, 0
 
-    def __enter__(self):
-        self.resizes = resizes_seen(self._resized)
-        self.resizes.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.resizes.__exit__(*exc)
-        return super().__exit__(*exc)
-
     def _free(self, key):
         self.now -= self.live.pop(key)
 
-    def _resized(self, storage, before):
+    def resized(self, storage, before):
         key = id(storage)
         if key in self.live:
             self.live[key] = storage.nbytes()
