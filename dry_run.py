@@ -1,24 +1,26 @@
-"""--dry-run: the command a user would launch, rehearsed in one process on a CPU, at full scale.
+"""--dry-run: the command a user would launch, rehearsed on a CPU, at full scale.
 
     python train.py --model llama3-405b --tp 8 --pp 16 --dp-mode fsdp --micro-batch 1 \
         --global-batch 2048 --dry-run --world 16384 --gpu h100
 
 For one rank of each pipeline stage (mesh.rank_of(pp=s): a stage's tp, cp and dp ranks do alike),
-this process becomes rank r of a world of N on torch's `fake` process group, which accepts every
-collective and sends nothing. It runs the real config.resolve, train.prepare and two steps of
-train.train_step on fake CUDA tensors (FakeTensorMode: shapes, dtypes and devices, no data), on
-random tokens of the model's vocabulary.
+a process (as many at once as CPU cores, or --jobs) becomes rank r of a world of N on torch's
+`fake` process group, which accepts every collective and sends nothing. It runs the real
+config.resolve, train.prepare and two steps of train.train_step on fake CUDA tensors
+(FakeTensorMode: shapes, dtypes and devices, no data), on random tokens of the model's vocabulary.
 What it proves, per rank: the step fits the GPU (the peak of the live CUDA storages, in parts,
 beside the memory model, memory.stage_bytes); it touches no CPU tensor and reads nothing back to
 the host; every collective obeys NCCL's rules (CUDA, dense, contiguous, this rank's device, one
 dtype, sizes that split evenly over the group); and what each group sends (parallel/comm.py).
 What it cannot: compiled graphs (it runs eagerly), kernels and their speed, numerics (no value
-exists), the order of collectives across ranks (one rank runs at a time). It sees no CUDA context,
+exists), the order of collectives across ranks (each rank runs alone). It sees no CUDA context,
 NCCL buffer or fragmentation: memory.MARGIN stands for them. Initial values are not drawn, and
 attention runs the kernel a GPU would pick.
 """
 import ctypes
 import hashlib
+import importlib
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -28,7 +30,9 @@ import time
 import traceback
 import weakref
 from collections import Counter, defaultdict
-from contextlib import contextmanager
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +44,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import config
 import fp8
@@ -57,6 +60,7 @@ from parallel.mesh import LayoutError, Mesh
 
 HERE = Path(__file__).resolve().parent
 _ATEN = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default  # C++ asks it of fake tensors more often than any op
 STEPS = 2  # the first step creates Adam's state; the second is every later one
 
 
@@ -87,6 +91,8 @@ def parse_args(argv):
     p.add_argument("--world", type=config.positive_int, required=True, help="GPUs to rehearse")
     p.add_argument("--gpu", default="h100", type=config.one_of(GPUS, "GPU"), help=", ".join(GPUS))
     p.add_argument("--gpus-per-node", type=config.positive_int, help="default: 8")
+    p.add_argument("--jobs", type=config.positive_int,
+                   help="stages rehearsed at once, a process each (default: one per CPU core)")
     args, rest = p.parse_known_args(argv)
     for flag in ("--device", "--compile"):
         if flag in rest:
@@ -103,10 +109,15 @@ def main(argv, training):
         gpu = GPUS[args.gpu]
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
-        reports = rehearse(training, train_argv, args.world, gpu, per_node, show=True)
+        jobs = args.jobs or cpu_cores()
+        reports = rehearse(training, train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenProcessPool:
+        print(f"error: --jobs: a rehearsing process died (out of memory?); {jobs} ran at once",
+              file=sys.stderr)
+        return 3
     print(f"rehearsed {len(reports)} rank(s), one per pipeline stage, of {args.world} {args.gpu} "
           f"GPUs in {time.perf_counter() - t0:.1f} s")
     broken = next((r for r in reports if r.failure or r.violations), None)
@@ -121,6 +132,11 @@ def main(argv, training):
               f"{gpu.memory / 1e9:.1f} GB of an {args.gpu}", file=sys.stderr)
         return 2
     return 0
+
+
+def cpu_cores():
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # ---------------------------------------------------------------- one rank per stage
@@ -176,25 +192,48 @@ class Report:
         return "--dp-mode" if self.run.dp_mode == "ddp" else "--tp"
 
 
-def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None, show=False):
-    """[Report] of one rank per pipeline stage (or per stage in `stages`), one after the other:
-    the stage's rank 0, or its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}).
+def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None, show=False,
+             jobs=1):
+    """[Report] of one rank per pipeline stage (or per stage in `stages`): the stage's rank 0, or
+    its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}). `jobs` ranks at once, each
+    in a process of its own (a rank is one thread's work; they share nothing).
     training: train.py's module, whose prepare and train_step run."""
     env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": str(per_node)}
     with FakeGPUs(gpu, per_node):
         layout = config.resolve(train_argv, environ=env)  # the flags, checked before any rank
-        mesh = Mesh(0, world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
-                    dp_shard=layout.dp_shard)
-        if show:
-            print(mesh.describe(per_node), flush=True)
-        reports = []
-        for stage in range(layout.pp) if stages is None else stages:
-            rank = mesh.rank_of(pp=stage, **(at or {}))
-            reports.append(rehearse_rank(training, train_argv, rank, world, per_node, gpu))
+    mesh = Mesh(0, world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
+                dp_shard=layout.dp_shard)
+    ranks = [mesh.rank_of(pp=s, **(at or {})) for s in (range(layout.pp) if stages is None
+                                                           else stages)]
+    jobs = min(jobs, len(ranks))
+    if show:
+        print(mesh.describe(per_node), flush=True)
+        print(f"rehearsing {len(ranks)} rank(s), {jobs} at a time", flush=True)
+    reports = []
+    with ExitStack() as stack:
+        if jobs == 1:
+            stack.enter_context(FakeGPUs(gpu, per_node))
+            done = (rehearse_rank(training, train_argv, r, world, per_node, gpu) for r in ranks)
+        else:
+            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+            stack.callback(pool.shutdown, cancel_futures=True)
+            task = [(training.__name__, train_argv, r, world, per_node, gpu) for r in ranks]
+            done = pool.map(rehearse_in_process, *zip(*task))
+        for report in done:  # in stage order, each as soon as it and those before it are done
+            reports.append(report)
             if show:
-                print(reports[-1].describe(), flush=True)
-        return reports
+                print(report.describe(), flush=True)
+    return reports
+
+
+def rehearse_in_process(module, train_argv, rank, world, per_node, gpu):
+    """rehearse_rank in a fresh process, with train.py's module imported by name (as __main__ when
+    train.py is the script: spawn loads the parent's script under that name)."""
+    torch.set_num_threads(1)  # fake tensors hold no data: nothing to compute on more threads
+    with FakeGPUs(gpu, per_node):
+        return rehearse_rank(importlib.import_module(module), train_argv, rank, world, per_node,
+                             gpu)
 
 
 def rehearse_rank(training, train_argv, rank, world, per_node, gpu):
@@ -320,7 +359,11 @@ class FakeCUDA(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is _DEVICE:  # the fake tensor's property answers it
+            return args[0].device
+        if args and isinstance(args[0], FakeTensor):  # most ops: at once
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        tensors = list(tensors_in((args, kwargs)))
         device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else None
         on_meta = all(t.is_meta and not isinstance(t, FakeTensor) for t in tensors) and (
             device.type == "meta" if device is not None else bool(tensors))
@@ -461,11 +504,11 @@ class Ledger(StorageMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # as Rules answers it
+            return args[0].device
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.prim.device.default:
-            return out
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        for t in tensors_in(out):
+            if t.device.type == "cuda":
                 storage = t.untyped_storage()
                 if storage._cdata not in self.live:
                     self.add(storage, t)
@@ -535,8 +578,8 @@ class Rules(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.prim.device.default:
-            return func(*args, **kwargs)
+        if func is _DEVICE:  # a fake tensor's device property answers it, without the modes below
+            return args[0].device
         if func is torch.ops.aten._local_scalar_dense.default:
             self.broke("a host read (.item(), bool() or float() of a tensor)")
         if on_cpu((args, kwargs)):
@@ -550,7 +593,7 @@ class Rules(TorchDispatchMode):
         return out
 
     def check_collective(self, name, args):
-        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        tensors = list(tensors_in(args))
         for t in tensors:
             if t.device != self.device:
                 self.broke(f"c10d.{name} on {t.device}, not this rank's {self.device}")
@@ -575,8 +618,19 @@ class Rules(TorchDispatchMode):
 
 def on_cpu(tree):
     """Whether a CPU tensor of more than 0 dimensions (a scalar is fine) is in the tree."""
-    return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
-               for t in tree_leaves(tree))
+    return any(t.device.type == "cpu" and t.dim() > 0 for t in tensors_in(tree))
+
+
+def tensors_in(tree):
+    """The tensors in an op's arguments or results: nested tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from tensors_in(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from tensors_in(x)
 
 
 def group_size(args):

@@ -157,6 +157,18 @@ def test_peak_memory_is_the_memory_models(name, rehearsed):
     assert all(abs(memory_error(r)) <= MEMORY_BOUND for r in rs), [f"{memory_error(r):+.1%}" for r in rs]
 
 
+@pytest.mark.parametrize("name", ["pp 1f1b"])
+def test_stages_rehearsed_in_processes_of_their_own_report_what_one_process_does(name, rehearsed):
+    """--jobs: each stage's rank rehearsed in a fresh process (spawned, train.py imported by name) finds the same peak,
+    parts, traffic, launches and broken rules as the same ranks one after the other in one process."""
+    flags, world, stages, at = rehearsal_plan(name)
+    apart = dry_run.rehearse(train, flags, world, GPU, stages=stages, at=at, jobs=2)
+
+    def seen(r):
+        return r.rank, r.peak, r.parts, r.steps, r.launches, r.violations, r.failure
+    assert [seen(r) for r in apart] == [seen(r) for r in reports(rehearsed, name)]
+
+
 # ---------------------------------------------------------------- the rules themselves
 
 def _broken_collectives(rank, world):
