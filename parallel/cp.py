@@ -30,6 +30,7 @@ from parallel.ring_attention import (
     attend_blocks_backward,
     local_chunks,
     pick_kernel,
+    running_output,
 )
 
 MODES = ("ring", "ulysses", "allgather")
@@ -179,7 +180,7 @@ class _ChunkAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, blocks):
         kernel = pick_kernel(q)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = running_output(q)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         ctx.aux = attend_blocks(q, kv, blocks, kernel, out, lse)
         out = out.to(q.dtype)

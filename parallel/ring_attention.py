@@ -180,6 +180,14 @@ def pick_kernel(q):
 
 # ------------------------------------------ blocks merged by log-sum-exp (ring and allgather)
 
+def running_output(q):
+    """The fp32 output the blocks merge into: (B, H, T, hd), laid out (B, T, H, hd) as a flash
+    kernel lays out its own. The model's o_proj input, y.transpose(1, 2), is then a view of it, and
+    backward saves one copy of the output, not two."""
+    B, H, T, hd = q.shape
+    return torch.zeros(B, T, H, hd, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+
 def attend_blocks(q, kv, blocks, kernel, out, lse):
     """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)].
 
@@ -233,7 +241,7 @@ class _RingAttentionFn(torch.autograd.Function):
         mine = local_chunks(rank, cp, ring.layout)
         c = q.shape[2] // len(mine)  # tokens per chunk
         kv = torch.stack([k, v])  # (2, B, Hkv, T, hd): one message per hop
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = running_output(q)  # .to(q.dtype) keeps its layout
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         aux = []
         for step in range(cp):
