@@ -228,7 +228,7 @@ def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None,
 
 
 def rehearse_in_process(module, train_argv, rank, world, per_node, gpu):
-    """rehearse_rank in a fresh process, with train.py's module imported by name (as __main__ when
+    """rehearse_rank in a worker process, with train.py's module imported by name (as __main__ when
     train.py is the script: spawn loads the parent's script under that name)."""
     torch.set_num_threads(1)  # fake tensors hold no data: nothing to compute on more threads
     with FakeGPUs(gpu, per_node):

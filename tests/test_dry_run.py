@@ -159,8 +159,8 @@ def test_peak_memory_is_the_memory_models(name, rehearsed):
 
 @pytest.mark.parametrize("name", ["pp 1f1b"])
 def test_stages_rehearsed_in_processes_of_their_own_report_what_one_process_does(name, rehearsed):
-    """--jobs: each stage's rank rehearsed in a fresh process (spawned, train.py imported by name) finds the same peak,
-    parts, traffic, launches and broken rules as the same ranks one after the other in one process."""
+    """--jobs: the stages' ranks rehearsed in two spawned worker processes (train.py imported by name) find the same
+    peaks, parts, traffic, launches and broken rules as the same ranks one after the other in one process."""
     flags, world, stages, at = rehearsal_plan(name)
     apart = dry_run.rehearse(train, flags, world, GPU, stages=stages, at=at, jobs=2)
 

@@ -67,6 +67,7 @@ LAYOUTS = {  # name: (world, flags, micro-batch, microbatches per step); the glo
     "cp2 allgather": (2, LONG + ["--cp", "2", "--cp-mode", "allgather"], 2, 2),
     "cp2 ulysses": (2, ["--cp", "2", "--cp-mode", "ulysses"], 2, 2),
     "hsdp 2x2": (4, ["--dp-mode", "hsdp", "--dp-shard", "2"], 2, 2),
+    "hsdp x cp2": (4, ["--dp-mode", "hsdp", "--dp-shard", "1", "--cp", "2"], 2, 2),  # a shard group of cp ranks
     "tp2 x fsdp2": (4, LONG + ["--tp", "2", "--dp-mode", "fsdp"], 2, 2),
     "pp2 x dp2": (4, ["--pp", "2"], 1, 4),
     "pp2 x fsdp2": (4, SHORT + ["--pp", "2", "--dp-mode", "fsdp"], 1, 4),
