@@ -19,7 +19,6 @@ attention runs the kernel a GPU would pick.
 """
 import ctypes
 import hashlib
-import importlib
 import multiprocessing
 import os
 import shutil
@@ -218,7 +217,7 @@ def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None,
         else:
             pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
             stack.callback(pool.shutdown, cancel_futures=True)
-            task = [(training.__name__, train_argv, r, world, per_node, gpu) for r in ranks]
+            task = [(training.prepare, train_argv, r, world, per_node, gpu) for r in ranks]
             done = pool.map(rehearse_in_process, *zip(*task))
         for report in done:  # in stage order, each as soon as it and those before it are done
             reports.append(report)
@@ -227,12 +226,13 @@ def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None,
     return reports
 
 
-def rehearse_in_process(module, train_argv, rank, world, per_node, gpu):
-    """rehearse_rank in a worker process, with train.py's module imported by name (as __main__ when
-    train.py is the script: spawn loads the parent's script under that name)."""
+def rehearse_in_process(prepare, train_argv, rank, world, per_node, gpu):
+    """rehearse_rank in a worker process. train.py's module comes as its prepare function: pickle
+    sends a function by name and imports its module here (as __main__ when train.py is the script:
+    spawn loads the parent's script under that name)."""
     torch.set_num_threads(1)  # fake tensors hold no data: nothing to compute on more threads
     with FakeGPUs(gpu, per_node):
-        return rehearse_rank(importlib.import_module(module), train_argv, rank, world, per_node,
+        return rehearse_rank(sys.modules[prepare.__module__], train_argv, rank, world, per_node,
                              gpu)
 
 
