@@ -97,6 +97,8 @@ def layer_split(text):
 
 def parse_args(argv=None):
     p = OneLineParser(description="Train a Llama-style GPT on any (dp x pp x cp x tp) layout.",
+                      epilog="Before you launch, rehearse: add --dry-run --world N to the command "
+                             "(train.py --dry-run --help).",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model").add_argument
     g("--model", default="tiny", type=one_of(model.PRESETS, "preset"),

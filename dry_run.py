@@ -85,8 +85,9 @@ PARTS = ("weights", "gradients", "optimizer state", "weights in use", "activatio
 
 def parse_args(argv):
     """(the dry run's options, train.py's own flags) of one command line."""
-    p = config.OneLineParser(prog="train.py --dry-run", add_help=False)
-    p.add_argument("--dry-run", action="store_true")
+    p = config.OneLineParser(prog="train.py --dry-run", description="Rehearse the train.py command "
+                             "given with these flags on fake GPUs, one rank per pipeline stage.")
+    p.add_argument("--dry-run", action="store_true", help="with train.py's flags (train.py --help)")
     p.add_argument("--world", type=config.positive_int, required=True, help="GPUs to rehearse")
     p.add_argument("--gpu", default="h100", type=config.one_of(GPUS, "GPU"), help=", ".join(GPUS))
     p.add_argument("--gpus-per-node", type=config.positive_int, help="default: 8")

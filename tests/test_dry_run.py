@@ -9,9 +9,12 @@ runs at 2 and 4 ranks); the peak memory is memory.stage_bytes's within MEMORY_BO
 family once however many tests read it (-k runs only the chosen ones).
 """
 import io
+import subprocess
+import sys
 import time
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ from parallel.pp_schedule import chunks_per_rank
 # 1B's width (d 2048, 32 heads of 64, 8 kv heads, ffn 8192) in 4 layers, a 32k vocabulary, 2k tokens a sequence
 MODEL = ["--model", "1b", "--n-layer", "4", "--vocab-size", "32768", "--seq-len", "2048", "--micro-batch", "1"]
 GPU = dry_run.GPUS["h100"]
+REPO = Path(__file__).resolve().parent.parent
 PP = ["--n-layer", "8", "--pp", "4", "--global-batch", "64"]  # 4 stages of 2 layers, 4 micro-batches at dp 16
 LAYOUTS = {  # name: (world, flags); every layout's global batch gives each dp rank 2 micro-batches unless set
     "ddp": (64, []),
@@ -223,6 +227,18 @@ def test_the_command_line_exit_codes(tmp_path):
     assert code == 2 and err.startswith("error: --ckpt: rank 0") and err.count("\n") == 1, err
     code, err = run_ranks(_main, 1, args=(small + ["--gpu", "tpu"],), init=False)[0]
     assert code == 2 and err.startswith("error: --gpu: unknown GPU 'tpu'"), err
+
+
+def test_help_shows_the_dry_runs_flags_and_train_py_help_points_to_them():
+    """train.py --dry-run --help lists the rehearsal's own flags, exit 0 (it used to demand --world first);
+    train.py --help says how to rehearse."""
+    rehearsal = subprocess.run([sys.executable, "train.py", "--dry-run", "--help"], cwd=REPO, capture_output=True,
+                               text=True, timeout=120)
+    assert rehearsal.returncode == 0, rehearsal.stderr
+    assert all(flag in rehearsal.stdout for flag in ("--world", "--gpu", "--gpus-per-node", "--jobs"))
+    training = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    assert training.returncode == 0 and "--dry-run --world N" in training.stdout, training.stderr
 
 
 def _main(rank, world, args):
