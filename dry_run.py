@@ -52,6 +52,7 @@ import model
 import optim
 from config import UsageError
 from data.loader import DataError, read_meta
+from data.text import usable_cores
 from metrics import StorageMode
 from parallel import fsdp
 from parallel.comm import Group
@@ -109,7 +110,7 @@ def main(argv, training):
         gpu = GPUS[args.gpu]
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
-        jobs = args.jobs or cpu_cores()
+        jobs = args.jobs or usable_cores()
         reports = rehearse(training, train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -132,11 +133,6 @@ def main(argv, training):
               f"{gpu.memory / 1e9:.1f} GB of an {args.gpu}", file=sys.stderr)
         return 2
     return 0
-
-
-def cpu_cores():
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # ---------------------------------------------------------------- one rank per stage

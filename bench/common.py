@@ -9,7 +9,6 @@ the hardware, so a number in the README can always be traced back and re-run:
 A bench script runs from the repository root as a module: `python -m bench.labs.NAME`.
 """
 import datetime
-import os
 import platform
 import shlex
 import statistics
@@ -26,6 +25,7 @@ import model
 import train
 from config import DTYPES
 from data.prepare import prepare
+from data.text import usable_cores as cpu_cores
 from machine import PEAK_TFLOPS
 from parallel.materialize import init_weights
 
@@ -51,10 +51,6 @@ def cpu_name():
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
-
-
-def cpu_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def hardware_line(backend=None):
