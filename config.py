@@ -16,17 +16,14 @@ from typing import Optional
 
 import torch
 
-import fp8
-import machine
-import memory
 import model
+from data.hf import init_from
 from data.loader import data_identity, read_meta
-from parallel import ckpt, cp, pp, tp
+from data.run import holds_a_run
+from parallel import ckpt, cp, fp8, memory, pp, tp
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
-from saves.hf import init_from
-from saves.run import holds_a_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
@@ -529,7 +526,7 @@ def check_fits(cfg, run):
     largest part and the flag that moves it."""
     if cfg.vocab_size >= 2 ** 31:
         raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
-    parts, (limit, where) = memory.step_bytes(cfg, run), machine.device_memory(run)
+    parts, (limit, where) = memory.step_bytes(cfg, run), memory.device_memory(run)
     need = sum(parts.values())
     if need > (1 - memory.MARGIN) * limit:
         largest = max(parts, key=parts.get)

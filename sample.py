@@ -24,11 +24,10 @@ import torch
 
 import model
 from config import OneLineParser, UsageError, nonnegative_int
+from data import SaveError
 from data.loader import DataError
+from data.saves import check_layers, complete_saves, model_tensors
 from data.tokenizer import get_tokenizer
-from saves import SaveError
-from saves.load import check_layers, model_tensors
-from saves.write import complete_saves
 
 
 @torch.no_grad()

@@ -8,30 +8,36 @@ data-parallel wrapper, which materializes this rank's weights -> the loop. The g
 step depends only on (seed, step), and the loss is the mean over all its tokens, so every layout
 trains the same model as one process.
 """
+import gc
+import json
 import math
+import os
+import signal
+import subprocess
 import sys
-from contextlib import nullcontext
+import threading
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import config
-import dry_run
-import fp8
-import launch
-import metrics
 import model
-import optim
-from config import DTYPES
-from data.loader import TokenLoader
+from config import DTYPES, UsageError
+from data import SaveError, TrainingFailure, metrics
+from data.loader import DataError, TokenLoader
 from data.prepare import prepared_folder
+from data.run import RunFolder
 from parallel import (
     ckpt,
     compiled,
     cp,
     ddp,
+    fp8,
     fsdp,
     fsdp_accumulate,
     hsdp,
@@ -41,11 +47,13 @@ from parallel import (
     tp_fused,
     tp_ring,
 )
-from parallel.comm import ALL_GATHER
+from parallel.comm import global_grad_norm, replica_mean
 from parallel.materialize import local_init
-from parallel.mesh import Mesh
+from parallel.mesh import LayoutError, Mesh, init_process_group, name_the_hang, timed_out
 from parallel.pp_schedule import SPLIT_BACKWARD
-from saves.run import RunFolder
+
+REPO = Path(__file__).resolve().parent
+STARTUP_STEPS = 2  # steps under --startup-timeout (they compile, stage after stage), then --timeout
 
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
@@ -57,7 +65,7 @@ class Trainer:
     wrapper: object  # the protocol in parallel/__init__.py
     mesh: Mesh
     opt: torch.optim.Optimizer
-    scaler: optim.LossScaler
+    scaler: object  # LossScaler
     autocast: object
     micro_batch: int
     dtype: torch.dtype  # the compute dtype: matmul inputs, the residual stream, what is sent
@@ -118,10 +126,98 @@ def prepare(run, cfg, mesh):
     device = torch.device(run.device)
     dtype = DTYPES[run.dtype]
     autocast = torch.autocast(device.type, dtype=dtype) if run.dtype != "fp32" else nullcontext()
-    opt = optim.make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
-    scaler = optim.LossScaler(run.dtype == "fp16", device)
+    opt = make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
+    scaler = LossScaler(run.dtype == "fp16", device)
     return Trainer(chunks, wrapper, mesh, opt, scaler, autocast, run.micro_batch, dtype)
 
+
+# ---------------------------------------------------------------- AdamW, schedule, loss scale
+
+def make_adamw(params, lr, weight_decay, device):
+    """AdamW over fp32 master weights. Matrices decay; norms (1-D) do not.
+
+    Fused (one kernel for all parameters) where torch has it for the device."""
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    except RuntimeError:  # no fused kernel for this device in this torch
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step, lr, min_lr, warmup, total, warmdown=None):
+    """Linear warmup from lr/warmup to lr in `warmup` steps, then a decay to min_lr at `total`.
+
+    warmdown None: cosine from the end of the warmup. warmdown K (warmup-stable-decay): lr until
+    the last K steps, then linear to min_lr. A longer `total` lengthens the stable part.
+    """
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if warmdown is not None:
+        left = min(1.0, max(0, total - step) / warmdown) if warmdown else 1.0  # 1 while stable
+        return min_lr + left * (lr - min_lr)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def adamw_step(opt, found_inf=None):
+    """opt.step(), skipped where found_inf (a 0-dim device tensor) is 1.
+
+    Fused AdamW reads the flag on the device. Without a fused kernel it is read on the host."""
+    if found_inf is None or opt.defaults.get("fused"):
+        opt.found_inf = found_inf
+        opt.step()
+    elif not found_inf.item():
+        opt.step()
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16. A disabled scaler (fp32, bf16) is 1.
+
+    The loss is multiplied by `scale` so small gradients survive fp16. The gradients are divided
+    back before the step. On inf or nan the step is skipped and the scale halved. After
+    `interval` clean steps it doubles. The scale and the count of clean steps live on the device."""
+
+    def __init__(self, enabled, device="cpu", scale=2.0 ** 16, interval=2000):
+        self.enabled, self.interval = enabled, interval
+        self.scale = torch.tensor(scale if enabled else 1.0, device=device)  # 0-dim fp32
+        self.clean_steps = torch.zeros((), dtype=torch.int32, device=device)
+
+    def state_dict(self):
+        return {"scale": self.scale.item(), "clean_steps": int(self.clean_steps.item())}
+
+    def load_state_dict(self, d):
+        self.scale.fill_(d["scale"])
+        self.clean_steps.fill_(d["clean_steps"] % self.interval)
+
+    def update(self, found_inf):
+        """After the step: halve on overflow (found_inf 1), double after `interval` clean steps."""
+        if self.enabled:
+            torch._amp_update_scale_(self.scale, self.clean_steps, found_inf, 2.0, 0.5,
+                                     self.interval)
+
+
+@torch.no_grad()
+def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, bad_losses=None):
+    """Divides the gradients by the loss scale and clips them to max_norm (0: no clipping).
+
+    One pass, with no branch on a device value. Returns (norm, bad). norm: the pre-clip norm of
+    the unscaled gradients, inf or nan if any gradient anywhere overflowed. bad: how many ranks
+    had `bad_losses` 1, a loss that was not finite."""
+    grads = [g for g, _ in grads_and_replicas]
+    local_bad = bad_losses if bad_losses is not None else torch.zeros(
+        (), device=grads[0].device if grads else "cpu")
+    scaled_norm, bad = global_grad_norm(grads_and_replicas, world_group, also_sum=local_bad)
+    norm = scaled_norm / loss_scale
+    coef = 1 / loss_scale
+    if max_norm > 0:
+        coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return norm, bad
+
+
+# ---------------------------------------------------------------- the step
 
 def split_batch(x, y, micro_batch, mesh):
     """This rank's rows -> [(x, y)] micro-batches (cp: this rank's tokens), their positions."""
@@ -162,10 +258,10 @@ def optimizer_step(trainer, loss, grad_clip):
     t = trainer
     t.wrapper.finish_grad_sync()  # waits for the reductions in flight, averages over dp x cp
     bad_loss = (~torch.isfinite(loss)).float()
-    grad_norm, bad_losses = optim.unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group,
-                                                   t.scaler.scale, grad_clip, bad_loss)
+    grad_norm, bad_losses = unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group,
+                                             t.scaler.scale, grad_clip, bad_loss)
     overflow = (~torch.isfinite(grad_norm)).float()
-    optim.optimizer_step(t.opt, overflow if t.scaler.enabled else None)
+    adamw_step(t.opt, overflow if t.scaler.enabled else None)
     t.scaler.update(overflow)
     t.wrapper.zero_grad()
     return torch.stack([grad_norm, overflow, bad_losses])
@@ -188,27 +284,9 @@ def evaluate(trainer, loader, n_batches):
     return replica_mean(total / n_batches, t.mesh).item()
 
 
-def replica_mean(local_loss, mesh):
-    """The global mean loss, on the device, from each rank's local mean: the sum over the tp-rank-0
-    ranks, in rank order, over dp x cp. Only the last pipeline stage's losses are not zeros.
-    Gathered and summed in a fixed order, not all-reduced, so it does not depend on how many
-    losses are reduced at once. Scalars: not counted as traffic."""
-    if mesh.world == 1:
-        return local_loss
-    flat = local_loss.reshape(-1).contiguous()
-    gathered = flat.new_empty(mesh.world * flat.numel())
-    ALL_GATHER(gathered, flat, group=mesh.world_group.pg)
-    gathered = gathered.view(mesh.world, -1)  # (world, n): row r is rank r's losses
-    owners = range(0, mesh.world, mesh.tp)  # tp rank 0 of each tp group: tp is innermost
-    total = gathered[owners[0]]
-    for r in owners[1:]:
-        total = total + gathered[r]
-    return (total / mesh.dp_cp_group.size).reshape(local_loss.shape)
-
-
 def train(run):
     """Trains the resolved run; returns every step's global mean loss."""
-    mesh = launch.start_distributed(run)
+    mesh = start_distributed(run)
     data = prepared_folder(run.data, run.rank, run.world)
     spec = config.model_for(run, data)  # the model, checked against every constraint and the device
     cfg = spec.cfg
@@ -231,14 +309,18 @@ def train(run):
         raise
     if run.rank == 0:
         print(f"run folder: {run.out}", flush=True)
+        if run.warmup >= run.steps:
+            last = lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
+            print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate never "
+                  f"reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
     log = metrics.StepLog(run, cfg, mesh, start, trainer, metrics_file)
     profiler = metrics.start_profiler(run.profile, Path(run.out), run.rank)
     try:
-        with launch.CtrlC() as ctrl_c:
+        with CtrlC() as ctrl_c:
             for step in log.bar:
                 t0 = log.start_step()
                 x, y = loader.get(step)
-                lr = optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
+                lr = lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
                 local_loss, health = train_step(trainer, x, y, lr, run.grad_clip)
                 loss = replica_mean(local_loss, mesh)
                 row = log.end_step(step, loss, health, trainer, t0, loader.wait_s)  # 1 host read
@@ -246,7 +328,7 @@ def train(run):
                 if row["bad_losses"] or (overflow and not trainer.scaler.enabled):
                     raise folder.non_finite(step + 1, row["loss"], row["grad_norm"])
                 if run.eval_every and (step + 1) % run.eval_every == 0:
-                    with launch.startup_timeout(mesh, run, first=step + 1 == run.eval_every):
+                    with startup_timeout(mesh, run, first=step + 1 == run.eval_every):
                         row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
                 if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
                     row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt,
@@ -254,17 +336,17 @@ def train(run):
                 folder.progress(step + 1)
                 log.write(row)
                 profiler.step()
-                if step + 1 - start == launch.STARTUP_STEPS:
+                if step + 1 - start == STARTUP_STEPS:
                     mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is real
                 if ctrl_c.pressed:
                     raise KeyboardInterrupt
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
-        raise launch.Interrupted(folder.interrupted()) from None
+        raise Interrupted(folder.interrupted()) from None
     except RuntimeError as e:
-        if not launch.timed_out(e):
+        if not timed_out(e):
             raise
-        raise launch.Hung(folder.hung(launch.name_the_hang(mesh, step, e))) from None
+        raise Hung(folder.hung(name_the_hang(mesh, step, e))) from None
     finally:
         profiler.stop()
         loader.close()  # joins its thread
@@ -275,11 +357,120 @@ def train(run):
     return losses
 
 
+# ---------------------------------------------------------------- start and end
+
+def start_distributed(run):
+    """The process group (a caller's, in tests, is used as it is) and the mesh of the run."""
+    if run.backend == "nccl":
+        torch.cuda.set_device(run.device)
+    # fp32 means fp32: matmuls that stay fp32 use TF32 only where the run asks
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = run.tf32
+    if run.world > 1 and not dist.is_initialized():
+        init_process_group(run.backend, run.device, run.rank, run.world, run.startup_timeout,
+                           run.out)
+    return Mesh(run.rank, run.world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp,
+                dp_shard=run.dp_shard, timeout_s=run.startup_timeout)
+
+
+class Interrupted(Exception):
+    """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
+
+
+class Hung(TrainingFailure):
+    """A collective timed out: one line naming it (exit 3). The process leaves at once: tearing
+    the process group down would wait on the peer that does not answer."""
+
+
+@contextmanager
+def startup_timeout(mesh, run, first):
+    """Runs a block under --startup-timeout if `first` (the first evaluation compiles again)."""
+    if first:
+        mesh.set_timeout(run.startup_timeout)
+    try:
+        yield
+    finally:
+        if first:
+            mesh.set_timeout(run.timeout)
+
+
+class CtrlC:
+    """While the loop runs, Ctrl-C ends the step in progress, then stops the run. A second one stops
+    it at once. (Raised at once, the first could land in a finalizer, where Python drops it.) Off
+    the main thread, or where SIGINT was ignored from the start, nothing changes."""
+
+    def __init__(self):
+        self.pressed, self.previous = False, None
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def report_to_launcher(error):
+    """Under torchrun the error line also goes to this worker's error file. torchrun's report then
+    ends with it as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        report = {"message": f"error: {error}", "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps(report))
+
+
+def run_or_exit(job):
+    """job()'s result; or, if it fails as a run can, one line on stderr and the exit status."""
+    joined = dist.is_initialized()  # a caller's process group (tests) outlives this run
+    hung = False
+    try:
+        return job()
+    except KeyboardInterrupt:
+        code, error = 130, "interrupted before training started; nothing was written"
+    except (UsageError, LayoutError, DataError, SaveError) as e:
+        code, error = 2, e
+    except Hung as e:
+        code, error, hung = 3, e, True
+    except TrainingFailure as e:
+        code, error = 3, e
+    except Interrupted as e:
+        code, error = 130, e
+    finally:
+        if not joined and dist.is_initialized() and not hung:
+            dist.destroy_process_group()
+            # The groups sit in reference cycles (hooks, modules, the mesh). Freed now, each joins
+            # its worker threads; left to the interpreter's exit, a worker that drops a tensor
+            # there needs the GIL and aborts the process ("terminate called without an active
+            # exception") after a run that succeeded.
+            gc.collect()
+    report_to_launcher(error)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
+        print(f"error: {error}", file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        time.sleep(1)  # torchrun stops every worker once one exits: let rank 0's line out first
+    if hung and not joined:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv=None):
-    """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C."""
-    if "--dry-run" in (sys.argv[1:] if argv is None else argv):  # rehearse on fake GPUs instead
-        sys.exit(dry_run.main(argv, sys.modules[__name__]))
-    return launch.run_or_exit(lambda: train(config.resolve(argv)))
+    """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C.
+    --dry-run hands the command to the rehearsal, bench/dry_run.py, which runs this file's step
+    on fake GPUs."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
+            "PYTHONPATH", "")]).rstrip(os.pathsep)}
+        sys.exit(subprocess.call([sys.executable, "-m", "bench.dry_run", *argv], env=env))
+    return run_or_exit(lambda: train(config.resolve(argv)))
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 
 import config
-import launch
 import model
 import train
 from config import DTYPES
+from data.metrics import PEAK_TFLOPS
 from data.prepare import prepare
 from data.text import usable_cores as cpu_cores
-from machine import PEAK_TFLOPS
 from parallel.materialize import init_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -209,7 +208,7 @@ class TrainStep:
                      "--out", str(RESULTS / ".unwritten")] + flags
         run = config.resolve(self.argv, environ={})
         cfg = config.model_config(run, overrides.get("vocab_size") or 257)
-        self.trainer = train.prepare(run, cfg, launch.start_distributed(run))
+        self.trainer = train.prepare(run, cfg, train.start_distributed(run))
         self.model, self.opt, self.scaler = self.trainer.chunks[0], self.trainer.opt, self.trainer.scaler
 
     def batch(self, x):

@@ -1,0 +1,9 @@
+"""Data a run reads and writes: token shards, saves, the run folder, Hugging Face folders."""
+
+
+class SaveError(Exception):
+    """A missing, corrupt or mismatched save, or another run's folder: one line, exit status 2."""
+
+
+class TrainingFailure(Exception):
+    """The run stopped itself: one line, exit status 3."""

@@ -1,6 +1,6 @@
 """Files and folders that are never half-written, read through a link, or blocked on.
 
-data/ and saves/ share these; saves/ imports data/, never the reverse.
+The token shards, the saves and the run folder all write through these.
 
     atomic_write, write_json   readers see the old file or the whole new one, never a part
     read_bytes, read_text      a regular file's bytes; a FIFO or a device is refused, not waited on

@@ -204,3 +204,44 @@ def all_reduce_max(group, value, device="cpu"):
     if group.size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
     return t.item()
+
+
+# ---------------------------------------------------------------- scalars over the world
+
+def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
+    """The L2 norm of the full gradient. Returns the norm, or (norm, summed also_sum).
+
+    Each entry is (grad, r): a tensor this rank holds, and how many ranks hold the same copy.
+    So every element counts once. One _foreach_norm runs per replica count, then one all-reduce
+    of the squared sum. `also_sum`, a 0-dim tensor, is summed over the world in the same call."""
+    by_replicas = defaultdict(list)
+    for g, replicas in grads_and_replicas:
+        by_replicas[replicas].append(g)
+    device = next((g.device for g, _ in grads_and_replicas), torch.device("cpu"))
+    sums = torch.zeros(2, device=device, dtype=torch.float32)  # [sum of squares, also_sum]
+    for replicas, grads in by_replicas.items():
+        sums[0] += torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum() / replicas
+    if also_sum is not None:
+        sums[1] = also_sum
+    if world_group.size > 1:
+        dist.all_reduce(sums, group=world_group.pg)  # two scalars: not counted as traffic
+    norm = sums[0].sqrt()
+    return norm if also_sum is None else (norm, sums[1])
+
+
+def replica_mean(local_loss, mesh):
+    """The global mean loss, on the device, from each rank's local mean: the sum over the tp-rank-0
+    ranks, in rank order, over dp x cp. Only the last pipeline stage's losses are not zeros.
+    Gathered and summed in a fixed order, not all-reduced, so it does not depend on how many
+    losses are reduced at once. Scalars: not counted as traffic."""
+    if mesh.world == 1:
+        return local_loss
+    flat = local_loss.reshape(-1).contiguous()
+    gathered = flat.new_empty(mesh.world * flat.numel())
+    ALL_GATHER(gathered, flat, group=mesh.world_group.pg)
+    gathered = gathered.view(mesh.world, -1)  # (world, n): row r is rank r's losses
+    owners = range(0, mesh.world, mesh.tp)  # tp rank 0 of each tp group: tp is innermost
+    total = gathered[owners[0]]
+    for r in owners[1:]:
+        total = total + gathered[r]
+    return (total / mesh.dp_cp_group.size).reshape(local_loss.shape)

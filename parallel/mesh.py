@@ -8,8 +8,13 @@ Besides the four axes there is `dp_cp`, the group gradients are synchronized ove
 the same weights and see different tokens. HSDP splits dp_cp into `shard` (inner, fast links) and
 `replicate` (outer). With dp_shard = K, the dp coordinate is dp_i = rep_i · K + shard_i.
 """
+import os
+import re
+import time
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -143,3 +148,95 @@ class Mesh:
             lines.append(f"  {name:9s} size {len(g):4d}  {len(members):4d} groups  "
                          f"e.g. ranks {shown}  {scope}")
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- starting, and naming a hang
+
+def init_process_group(backend, device, rank, world, timeout_s, trace_dir):
+    """The default process group: NCCL on CUDA, its communicators made now, not at each group's
+    first collective, its flight recorder dumping into trace_dir on a timeout; gloo on CPU."""
+    options = {"device_id": torch.device(device)} if backend == "nccl" else {}
+    if backend == "nccl":
+        for name, value in flight_recorder(trace_dir).items():
+            os.environ.setdefault(name, value)  # what the user set stays
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **options,
+                            **restart_store(rank, world))
+
+
+def flight_recorder(out):
+    """NCCL's flight recorder: the last collectives of each rank, dumped into the run folder when
+    one times out (torch reads these variables when the process group starts)."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out) / "nccl_trace_rank_")}
+
+
+def restart_store(rank, world):
+    """init_process_group's store arguments: each attempt gets its own key prefix.
+
+    Under torchrun --max-restarts the rendezvous store outlives a failed attempt. Its keys
+    (a killed peer's address) would be read again, and new workers would wait on a dead port.
+    Outside torchrun's restarts this returns {}."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return {}
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timedelta(minutes=5))
+    return {"store": dist.PrefixStore(f"attempt_{restart}", store), "rank": rank,
+            "world_size": world}
+
+
+TIMED_OUT = re.compile(r"timed out|timeout", re.I)
+PEER_LEFT = re.compile(r"connection (closed|reset) by peer", re.I)  # a peer that timed out first
+
+
+def timed_out(error):
+    """Whether an error is a collective that waited past its timeout, or lost a peer that did
+    (gloo's or NCCL's words)."""
+    return isinstance(error, RuntimeError) and bool(TIMED_OUT.search(str(error)) or
+                                                    PEER_LEFT.search(str(error)))
+
+
+def name_the_hang(mesh, step, error, grace_s=6.0):
+    """One line for a collective that timed out: the step, the collective, its group, and the
+    ranks of the group that had not arrived, as far as this rank can tell.
+
+    Each rank that times out posts its collective to the process group's store. A member that
+    posts nothing within grace_s, or posts another collective, had not arrived at this one. Rank 0
+    may host the store (torchrun's agent hosts it otherwise), so it leaves last: it waits (grace_s
+    at most) until every member that posted has read.
+    """
+    stats = mesh.stats
+    waiting = stats.in_flight()
+    if not waiting:
+        return f"step {step + 1}: a collective timed out outside the counted ones"
+    index = waiting[0]
+    kind, name, _ = stats.log[index]
+    group = getattr(mesh, f"{name}_group", None)
+    nth = sum(g == name for _, g, _ in stats.log[:index]) + 1  # the same on every member
+    mine = f"{nth} {kind} {name}"
+    where = f"step {step + 1}: {kind} #{nth} of the step on group {name}"
+    how = "timed out" if TIMED_OUT.search(str(error)) else "lost a peer that timed out"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"hang/{step}/{mesh.global_rank}", mine)
+        keys = {r: f"hang/{step}/{r}" for r in (group.ranks if group else [])}
+        wait_for(store, keys.values(), grace_s)
+        posted = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        absent = [r for r in keys if posted.get(r) != mine]
+        store.set(f"hang/{step}/{mesh.global_rank}/read", "1")
+        if mesh.global_rank == 0:
+            wait_for(store, [f"hang/{step}/{r}/read" for r in keys if r not in absent], grace_s)
+    except (RuntimeError, ValueError):  # the store itself does not answer
+        return f"{where} {how}; the store does not answer, so which ranks are late is unknown"
+    ranks = f"ranks {group.ranks[0]}..{group.ranks[-1]}" if group and len(group.ranks) > 2 else \
+        f"ranks {group.ranks}" if group else "its ranks"
+    late = ", ".join(map(str, absent)) or "none (all arrived: look at the network)"
+    return f"{where} ({ranks}) {how}; had not arrived: rank {late}"
+
+
+def wait_for(store, keys, seconds):
+    """Until every key is in the store, or the seconds are up."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(store.check([k]) for k in keys):
+        time.sleep(0.05)

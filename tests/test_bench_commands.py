@@ -35,7 +35,7 @@ def documented():
 
 
 def test_the_readmes_show_the_main_commands():
-    assert {"bench.gpu", "bench.planner", "bench.cluster", "bench.vs_torch", "bench.run_all", "compare.py",
+    assert {"bench.gpu", "bench.planner", "bench.cluster", "bench.vs_torch", "bench.run_all", "bench.compare",
             "bench.labs.pp_draw", "bench.labs.placement"} <= set(documented())
 
 

@@ -14,17 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import data.export
+import data.saves
 import model
-import optim
 import sample
-import saves.export
-import saves.load
-import saves.write
 import train
 from bench.ranks import run_ranks
 from data.loader import TokenLoader
+from data.metrics import read_metrics
 from data.prepare import prepared_folder
-from metrics import read_metrics
 from tests.layouts import BASE
 
 ARGS = BASE + ["--peak-tflops", "1", "--keep", "0"]
@@ -51,7 +49,7 @@ def drop_saves_after(run, step, rank):
     """As if the run had died right after the save of `step`."""
     dist.barrier()
     if rank == 0:
-        for save in saves.write.complete_saves(run):
+        for save in data.saves.complete_saves(run):
             if int(save.name.split("_")[1]) > step:
                 shutil.rmtree(save)
     dist.barrier()
@@ -94,7 +92,7 @@ def test_same_layout_resume_is_bitwise(resume_runs, name):
 
 def test_each_element_is_written_once(resume_runs):
     """The 4D save: one writer per element (dp, cp and tp replicas deduplicated), pieces spread over ranks."""
-    saved = saves.load.Saved(resume_runs[0] / "4d" / "step_0000002").validate()
+    saved = data.saves.Saved(resume_runs[0] / "4d" / "step_0000002").validate()
     full = model.GPT(model.config_from_dict(saved.meta["config"]["model"]))
     assert set(saved.tensors) == {n for n, _ in full.named_parameters()}
     for name, t in saved.tensors.items():
@@ -133,12 +131,12 @@ def reshard_runs(tmp_path_factory):
     runs = run_ranks(_reshard_rank, 4, args=(str(root),), timeout=400)[0]
     one = root / "one-process"
     shutil.copytree(root / "fsdp4" / "step_0000003", one / "step_0000003")
-    assembled, tensor = [], saves.load.Saved.tensor
-    saves.load.Saved.tensor = lambda *args: assembled.append(args[1:]) or tensor(*args)
+    assembled, tensor = [], data.saves.Saved.tensor
+    data.saves.Saved.tensor = lambda *args: assembled.append(args[1:]) or tensor(*args)
     try:
         runs["one-process"] = quiet(train.main, ARGS + ["--out", str(one), "--steps", "8", "--resume"])
     finally:
-        saves.load.Saved.tensor = tensor
+        data.saves.Saved.tensor = tensor
     runs["full tensors assembled"] = assembled
     return root, runs
 
@@ -169,7 +167,7 @@ def read_safetensors(path):
 def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypatch, capsys):
     """model.py export streams one full tensor at a time; the exported model's loss on step 4's batch is the one
     the fsdp-4 run logged; sample.py runs on the sharded save."""
-    read, live, most = saves.load.Saved.tensor, [0], [0]
+    read, live, most = data.saves.Saved.tensor, [0], [0]
 
     def counted(self, name, kind="param"):
         t = read(self, name, kind)
@@ -178,12 +176,12 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
         weakref.finalize(t, lambda: live.__setitem__(0, live[0] - 1))
         return t
 
-    monkeypatch.setattr(saves.load.Saved, "tensor", counted)
+    monkeypatch.setattr(data.saves.Saved, "tensor", counted)
     save = reshard_runs[0] / "fsdp4" / "step_0000003"
-    assert saves.export.main([str(save), str(tmp_path)]) == 0
+    assert data.export.main([str(save), str(tmp_path)]) == 0
     assert most[0] == 1
     tensors = read_safetensors(tmp_path / "model.safetensors")
-    config = saves.load.Saved(save).meta["config"]
+    config = data.saves.Saved(save).meta["config"]
     cfg = model.config_from_dict(config["model"])
     gpt = model.GPT(cfg)
     padded = lambda t: torch.cat([t, t.new_zeros(cfg.padded_vocab - len(t), *t.shape[1:])])  # the export: true vocab
@@ -210,7 +208,7 @@ def test_resume_auto_keep_k_and_incomplete_saves_are_ignored_then_removed(tmp_pa
     without `complete` are skipped by the next resume, which removes them."""
     assert len(run1(["--out", str(tmp_path), "--steps", "3", "--save-every", "1", "--keep", "2",
                      "--resume", "auto"])) == 3
-    assert [p.name for p in saves.write.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
+    assert [p.name for p in data.saves.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
     killed = tmp_path / ".tmp_step_0000004_abcdef"  # a save killed mid-write
     unmarked = tmp_path / "step_0000005"  # no `complete`: not a save
     for folder in (killed, unmarked):
@@ -218,7 +216,7 @@ def test_resume_auto_keep_k_and_incomplete_saves_are_ignored_then_removed(tmp_pa
         (folder / "rank00000.bin").write_bytes(b"junk")
     assert run1(["--out", str(tmp_path), "--steps", "3", "--resume", "auto"]) == []  # resumed at the end: step 3
     assert not killed.exists() and not unmarked.exists()
-    assert [p.name for p in saves.write.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
+    assert [p.name for p in data.saves.complete_saves(tmp_path)] == ["step_0000002", "step_0000003"]
 
 
 def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
@@ -226,7 +224,7 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     would block the loop: the writer would time out); saves never overlap; the metrics show the stall; and the
     save, a snapshot taken before step 3, resumes bitwise."""
     steps_started, seen, in_flight, most = [], [], [0], [0]
-    lr_at, write_rank = optim.lr_at, saves.write.write_rank
+    lr_at, write_rank = train.lr_at, data.saves.write_rank
     later = threading.Event()
 
     def tracking_lr_at(step, *args):
@@ -244,22 +242,22 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
         write_rank(folder, rank, pieces, info)
         in_flight[0] -= 1
 
-    monkeypatch.setattr(optim, "lr_at", tracking_lr_at)
-    monkeypatch.setattr(saves.write, "write_rank", slow_write)
+    monkeypatch.setattr(train, "lr_at", tracking_lr_at)
+    monkeypatch.setattr(data.saves, "write_rank", slow_write)
     metrics = tmp_path / "m.jsonl"
     straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
     assert seen == [True, True] and most[0] == 1, (seen, most)
     rows = read_metrics(metrics)[0]
     assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
-    monkeypatch.setattr(saves.write, "write_rank", write_rank)
+    monkeypatch.setattr(data.saves, "write_rank", write_rank)
     shutil.rmtree(tmp_path / "step_0000004")
     assert run1(["--out", str(tmp_path), "--steps", "4", "--resume"]) == straight[2:]
 
 
 def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     """An overflow at step 1 halves the scale to 2^15; the resumed run continues with 2^15, bitwise."""
-    unscale_and_clip, calls = optim.unscale_and_clip, []
+    unscale_and_clip, calls = train.unscale_and_clip, []
 
     def overflow_once(grads_and_replicas, *args):
         calls.append(1)
@@ -267,7 +265,7 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
             grads_and_replicas[0][0].view(-1)[0] = float("inf")
         return unscale_and_clip(grads_and_replicas, *args)
 
-    monkeypatch.setattr(optim, "unscale_and_clip", overflow_once)
+    monkeypatch.setattr(train, "unscale_and_clip", overflow_once)
     fp16 = ["--dtype", "fp16", "--seq-len", "32", "--out", str(tmp_path), "--steps", "3"]
     straight = run1(fp16 + ["--save-every", "2"])
     shutil.rmtree(tmp_path / "step_0000003")

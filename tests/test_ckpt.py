@@ -14,7 +14,7 @@ import model
 import train
 from bench.labs.ckpt_memory import heap_reader, measure_memory
 from bench.ranks import run_ranks
-from metrics import read_metrics
+from data.metrics import read_metrics
 from parallel import ckpt
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError

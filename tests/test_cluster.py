@@ -17,7 +17,7 @@ import pytest
 from bench.cluster import measure as cluster
 from bench.cluster.measure import torchrun
 from bench.cluster.net import Net, can_admin_net, namespaces, sh
-from metrics import read_metrics
+from data.metrics import read_metrics
 from tests.layouts import BASE
 
 needs_net_admin = pytest.mark.skipif(not can_admin_net(), reason="needs root (CAP_NET_ADMIN) for network namespaces")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import compare
+from bench import compare
 
 REPO = Path(__file__).resolve().parent.parent
 

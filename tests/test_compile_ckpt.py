@@ -11,7 +11,6 @@ import torch
 import torch._dynamo
 
 import config
-import launch
 import train
 from bench.ranks import run_ranks
 from parallel import keep_saved
@@ -28,7 +27,7 @@ def saved_bytes(rank, world, flags):
     torch._dynamo.reset()
     run = config.resolve(MODEL + flags, environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
     cfg = config.model_config(run, 257)
-    mesh = launch.start_distributed(run)
+    mesh = train.start_distributed(run)
     trainer = train.prepare(run, cfg, mesh)
     chunk, seen = trainer.chunks[0], {}
 
@@ -92,7 +91,7 @@ def _grads(flags, dynamo_disabled=False):
     torch._dynamo.reset()
     run = config.resolve(MODEL + ["--dtype", "fp32", "--ckpt", "selective"] + flags, environ={})
     cfg = config.model_config(run, 257)
-    trainer = train.prepare(run, cfg, launch.start_distributed(run))
+    trainer = train.prepare(run, cfg, train.start_distributed(run))
     ids = torch.randint(0, cfg.vocab_size, (run.micro_batch, cfg.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     with torch._dynamo.config.patch(disable=dynamo_disabled):

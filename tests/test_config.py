@@ -1,13 +1,14 @@
 """config.py: the device peak table by full name, the CPU peak from the run's own matmul, the CUDA defaults."""
 import argparse
+from unittest import mock
 
 import pytest
 import torch
 
 import config
-import launch
-import machine
 import model
+import train
+from data import metrics
 
 CFG = model.ModelConfig(vocab_size=257)
 
@@ -19,7 +20,7 @@ CFG = model.ModelConfig(vocab_size=257)
 def test_the_peak_table_tells_gpus_apart_by_full_name(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     run = argparse.Namespace(peak_tflops=None, backend="nccl", device="cuda:0")  # the lookup alone
-    peak, source = machine.peak_flops(run)
+    peak, source = metrics.peak_flops(run)
     assert peak == pytest.approx(tflops * 1e12)
     assert ("--peak-tflops" in source) == (tflops == 0.0)
 
@@ -27,9 +28,9 @@ def test_the_peak_table_tells_gpus_apart_by_full_name(name, tflops, monkeypatch)
 def test_a_cpu_has_no_peak_unless_one_is_given():
     """A measured CPU matmul rate read anything from 0.004 to 0.305 TFLOP/s on shared cores (MFU 167%): no MFU there
     without --peak-tflops."""
-    peak, source = machine.peak_flops(config.resolve(["--device", "cpu"], environ={}))
+    peak, source = metrics.peak_flops(config.resolve(["--device", "cpu"], environ={}))
     assert peak == 0 and "--peak-tflops" in source
-    assert machine.peak_flops(config.resolve(["--device", "cpu", "--peak-tflops", "2"], environ={}))[0] == 2e12
+    assert metrics.peak_flops(config.resolve(["--device", "cpu", "--peak-tflops", "2"], environ={}))[0] == 2e12
 
 
 @pytest.fixture
@@ -57,7 +58,8 @@ def test_fp32_means_fp32_tf32_only_where_asked(a_cuda_machine, flags, tf32):
     (it used to), unless --tf32 asks."""
     run = config.resolve(flags, environ={})
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
-    launch.matmul_precision(run)
+    with mock.patch.object(torch.cuda, "set_device"):  # a stand-in CUDA machine has no device to set
+        train.start_distributed(run)  # sets the matmul precision
     assert run.tf32 == tf32 == torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32
 
 

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 
 import config
-import launch
 import model
-import optim
 import train
 from bench.ranks import run_ranks
 from data.loader import TokenLoader
+from data.metrics import read_metrics
 from data.prepare import prepared_folder
-from metrics import read_metrics
+from parallel.comm import global_grad_norm
 from tests.layouts import BASE, assert_same_losses
 from tests.wrapper_state import full_grads
 
@@ -26,7 +25,7 @@ from tests.wrapper_state import full_grads
 def _first_step_and_losses(rank, world, flags, out_dir):
     argv = BASE + ["--out", out_dir, "--metrics", f"{out_dir}/metrics.jsonl"] + flags
     args = config.resolve(argv)
-    mesh = launch.start_distributed(args)
+    mesh = train.start_distributed(args)
     dp, n_micro = mesh.dp, args.accum_steps
     folder = prepared_folder(args.data, rank, world)
     cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
@@ -41,7 +40,7 @@ def _first_step_and_losses(rank, world, flags, out_dir):
     wrapper.finish_grad_sync()
     calls, sent, all_gathers = dict(mesh.stats.calls), dict(mesh.stats.bytes), dict(getattr(wrapper, "all_gathers", {}))
     grads = full_grads(wrapper)
-    norm = optim.global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item()
+    norm = global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item()
     result = dict(  # numpy, not tensors: tensors cross processes as file descriptors that die with the rank
         grads={k: v.numpy() for k, v in grads.items()}, norm=norm, x=x.numpy(),
         rows=(loader.rows.start, loader.rows.stop), micro_batches=n_micro,

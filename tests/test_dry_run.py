@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import config
-import dry_run
 import train
+from bench import dry_run
 from bench.planner import plan
 from bench.ranks import run_ranks
 from parallel.comm import ALL_GATHER
@@ -81,7 +81,7 @@ def _rehearse(rank, world, names):
         t0 = time.process_time()
         try:
             flags, size, stages, at = rehearsal_plan(name)
-            out[name] = dry_run.rehearse(train, flags, size, GPU, stages=stages, at=at), time.process_time() - t0
+            out[name] = dry_run.rehearse(flags, size, GPU, stages=stages, at=at), time.process_time() - t0
         except Exception:  # noqa: BLE001 - reported by that layout's tests
             out[name] = traceback.format_exc(), 0.0
     return out
@@ -166,7 +166,7 @@ def test_stages_rehearsed_in_processes_of_their_own_report_what_one_process_does
     """--jobs: the stages' ranks rehearsed in two spawned worker processes (train.py imported by name) find the same
     peaks, parts, traffic, launches and broken rules as the same ranks one after the other in one process."""
     flags, world, stages, at = rehearsal_plan(name)
-    apart = dry_run.rehearse(train, flags, world, GPU, stages=stages, at=at, jobs=2)
+    apart = dry_run.rehearse(flags, world, GPU, stages=stages, at=at, jobs=2)
 
     def seen(r):
         return r.rank, r.peak, r.parts, r.steps, r.launches, r.violations, r.failure
@@ -210,7 +210,7 @@ def _leaves_torch_as_it_was(rank, world):
         return [getattr(torch.cuda, name) for name in ("is_available", "get_device_properties", "set_device")] + [
             F.scaled_dot_product_attention, lib.dry_run_gpu_installed()]
     before = state()
-    dry_run.rehearse(train, MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
+    dry_run.rehearse(MODEL + ["--n-layer", "2", "--global-batch", "8"], 8, GPU)
     return before == state(), before[-1]
 
 

@@ -1,4 +1,4 @@
-"""python -m saves.export as a writer of folders: of two exports into one new folder started together exactly one
+"""python -m data.export as a writer of folders: of two exports into one new folder started together exactly one
 wins whole and the other says so (exit 2); an export stopped by SIGTERM or Ctrl-C leaves nothing behind; an empty
 path and a config claiming 10^6 layers are one line. The exports that must not hang run in child processes with a
 timeout, so that a hang fails the test instead of the suite."""
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-import saves.export
+import data.export
 from tests.test_checkpoint import run1
 from tests.test_save_integrity import one_error_line
 
 REPO = Path(__file__).resolve().parent.parent
 # an export whose write of model.safetensors is followed by `then` (a pause, a signal to itself)
 EXPORT_THEN = """import os, signal, sys, time
-import saves.export as export
+from data import export
 write, then = export.write_safetensors, sys.argv.pop(1)
 marker = sys.argv.pop(1) if then == "pause" else None
 def written_then(*args, **kwargs):
@@ -49,7 +49,7 @@ def test_of_two_exports_into_one_new_folder_exactly_one_wins_whole(saved, tmp_pa
     """Was: both exited 0, and the folder held the one that renamed last (or, in between, a mix). The first here
     pauses with its files written, before its rename; the second, started then, is refused and changes nothing."""
     alone = tmp_path / "alone"
-    assert saves.export.main([str(saved / "step_0000002"), str(alone)]) == 0
+    assert data.export.main([str(saved / "step_0000002"), str(alone)]) == 0
     out, paused = tmp_path / "hf", tmp_path / "paused"
     first = export_then("pause", paused, saved / "step_0000002", out)
     deadline = time.time() + 120
@@ -57,7 +57,7 @@ def test_of_two_exports_into_one_new_folder_exactly_one_wins_whole(saved, tmp_pa
         assert first.poll() is None and time.time() < deadline, first.communicate()
         time.sleep(0.05)
     capsys.readouterr()
-    assert saves.export.main([str(saved / "step_0000004"), str(out)]) == 2
+    assert data.export.main([str(saved / "step_0000004"), str(out)]) == 2
     assert one_error_line(capsys.readouterr().err) == (f"error: {out} is being written by another process (an export "
                                                        "into it): wait for it to end, or export into another folder "
                                                        "(nothing was changed)")
@@ -82,7 +82,7 @@ def test_an_export_stopped_by_a_signal_leaves_nothing_behind(saved, tmp_path, si
 
 def test_an_empty_path_is_one_line(saved, capsys):
     for argv, which in (([str(saved), ""], "OUT_DIR"), (["", "x"], "RUN_DIR")):
-        assert saves.export.main(argv) == 2
+        assert data.export.main(argv) == 2
         assert one_error_line(capsys.readouterr().err).startswith(f"error: {which} is an empty path; usage: ")
 
 
@@ -94,7 +94,7 @@ def test_a_config_claiming_a_million_layers_is_one_line_not_hours(saved, tmp_pat
     meta["config"]["model"]["n_layer"] = 10 ** 6
     (save / "meta.json").write_text(json.dumps(meta))
     try:
-        out = subprocess.run([sys.executable, "-m", "saves.export", str(save), str(tmp_path / "hf")], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", "data.export", str(save), str(tmp_path / "hf")], cwd=REPO,
                              capture_output=True, text=True, timeout=90)
     except subprocess.TimeoutExpired:
         pytest.fail("the export built a model of 10^6 layers")

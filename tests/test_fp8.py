@@ -12,8 +12,6 @@ import torch
 from torch import nn
 
 import config
-import fp8
-import launch
 import model
 import train
 from bench.planner import plan
@@ -23,7 +21,7 @@ from bench.ranks import run_ranks
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from model import PRESETS
-from parallel import global_name, tp
+from parallel import fp8, global_name, tp
 from parallel.fsdp import FSDP
 from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh
@@ -199,7 +197,7 @@ def _fsdp_gather_rank(rank, world):
 def _step1_grads(rank, world, flags):
     """The step-1 gradients (after the gradient sync) by global name; a tp-sharded one as (its block, tp_shard)."""
     args = config.resolve(BASE + FAST + ["--out", "unwritten"] + flags)
-    mesh = launch.start_distributed(args)
+    mesh = train.start_distributed(args)
     folder = prepared_folder(args.data, rank, world)
     cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     x, y = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,

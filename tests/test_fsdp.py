@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import model
-import optim
+import train
 from bench.ranks import run_ranks
 from parallel import ckpt
+from parallel.comm import global_grad_norm
 from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
 from parallel.materialize import init_weights, local_init
@@ -50,7 +51,7 @@ def batch(rank):
 
 def memory_check(rank, world, mesh):
     fsdp = FSDP(tiny_gpt(), mesh, mesh.dp_cp_group, init_param, "cpu")
-    opt = optim.make_adamw(fsdp.optim_params(), 1e-3, 0.1, "cpu")
+    opt = train.make_adamw(fsdp.optim_params(), 1e-3, 0.1, "cpu")
     gathered_peak = [0]
 
     def count_gathered(*_):
@@ -172,7 +173,7 @@ def norm_check(rank, world):
             results["tp_expected"] = (1 + 4) * sum(matrices) + 9 * sum(vectors)
         else:
             results["hsdp_expected"] = sum(p.numel() for p in model.GPT(CFG).parameters())
-        results[label] = optim.global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item() ** 2
+        results[label] = global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item() ** 2
     return results
 
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 import config
-import optim
 import train
 from data.loader import DataError, TokenLoader, write_shard
-from metrics import read_metrics
+from data.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,7 +99,7 @@ def test_the_recipe_runs_scaled_down_on_cpu(shards, tmp_path, capsys):
     train.main(flags + ["--seq-len", "64", "--device", "cpu", "--data", str(shards), "--out", str(tmp_path / "r"),
                         "--metrics", str(metrics)])
     rows, summaries = read_metrics(metrics)
-    assert [r["lr"] for r in rows] == pytest.approx([optim.lr_at(s, 0.0018, 0, 2, 12, 4) for s in range(12)])
+    assert [r["lr"] for r in rows] == pytest.approx([train.lr_at(s, 0.0018, 0, 2, 12, 4) for s in range(12)])
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8, 12]
     assert summaries[-1]["target"]["step"] == 4 and summaries[-1]["target"]["reached"]
     assert "target: val" in capsys.readouterr().out

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import launch
+import train
 from bench.ranks import free_port
-from metrics import read_metrics
+from data.metrics import read_metrics
+from parallel.mesh import flight_recorder
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def test_a_stopped_rank_is_named_by_every_other_rank(tmp_path):
 
 
 def test_nccl_runs_keep_a_flight_recorder_in_the_run_folder(tmp_path):
-    env = launch.flight_recorder(tmp_path)
+    env = flight_recorder(tmp_path)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path))
 
@@ -107,6 +108,6 @@ def test_nccl_makes_its_communicators_at_start_up_with_the_flight_recorder_on(tm
     run = SimpleNamespace(backend="nccl", device="cuda:3", world=8, rank=3, startup_timeout=60.0, out=str(tmp_path),
                           tf32=True)
     with pytest.raises(Stop):
-        launch.start_distributed(run)
+        train.start_distributed(run)
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda:3")
     assert seen["env"]["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")

@@ -21,10 +21,10 @@ import sample
 import train
 from bench.labs.prepare_speed import train_bpe, write_tiktoken
 from bench.ranks import run_ranks
+from data import export
 from data.loader import TokenLoader
 from data.prepare import prepared_folder
 from data.tokenizer import bytes_tokenizer, file_tokenizer
-from saves import export
 from tests.jobs import Failed, run_jobs
 from tests.layouts import BASE, exit_and_stderr
 

@@ -17,11 +17,10 @@ import torch.distributed as dist
 import transformers
 
 import config
-import launch
 import train
 from bench.ranks import run_ranks
-from saves import export
-from saves.hf import init_from, start_from
+from data import export
+from data.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +68,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
     cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
-    mesh = launch.start_distributed(run)
+    mesh = train.start_distributed(run)
     chunks, wrapper = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
     with torch.no_grad():

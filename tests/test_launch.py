@@ -11,7 +11,7 @@ import numpy as np
 
 from bench.labs import clean_exits as exits
 from bench.ranks import free_port
-from metrics import read_metrics
+from data.metrics import read_metrics
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +48,8 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2",
            "SLURM_JOB_ID": "test", "SLURM_SUBMIT_DIR": str(REPO), "RDZV_PORT": str(free_port())}
     run = BASE + STEPS + ["--cp", "2"]  # world 4 = dp 2 x cp 2: dp spans the two "nodes"
-    launched = subprocess.Popen(["bash", str(REPO / "train.sbatch"), *run, "--out", str(tmp_path / "run"),
+    sbatch = REPO / "bench" / "cluster" / "train.sbatch"
+    launched = subprocess.Popen(["bash", str(sbatch), *run, "--out", str(tmp_path / "run"),
                                  "--metrics", str(tmp_path / "launched.jsonl")],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     single = subprocess.Popen([sys.executable, "train.py", *BASE, *STEPS, "--out", str(tmp_path / "single"),

@@ -5,9 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-import fp8
 import model
-from parallel import fsdp, pp_bw_split, tp, tp_ring
+from parallel import fp8, fsdp, pp_bw_split, tp, tp_ring
 from parallel.materialize import local_init
 from parallel.mesh import Mesh
 

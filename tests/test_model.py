@@ -9,10 +9,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import model
-import model_config
+from data.export import export_hf
 from parallel.materialize import init_weights, local_init
 from parallel.tp import VocabParallelCrossEntropy
-from saves.export import export_hf
 
 try:  # transformers is a test requirement; the tests that need it skip without it
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -215,7 +214,7 @@ def test_a_tied_head_is_the_embedding_one_parameter_through_init():
 def test_a_saved_model_config_must_be_complete_and_consistent(edit, message):
     saved = dict(CFG.__dict__)
     assert model.config_from_dict(saved) == CFG
-    for name in model_config.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
+    for name in model.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
         del saved[name]
     assert model.config_from_dict(saved) == CFG
     edit(saved)

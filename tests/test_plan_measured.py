@@ -21,11 +21,10 @@ import pytest
 import torch
 
 import config
-import launch
-import memory
 import train
 from bench.planner import plan
 from bench.ranks import run_ranks
+from parallel import memory
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
 from tests.memory import LiveBytes, storage_bytes
@@ -100,7 +99,7 @@ def parse(world, flags, micro, accum, rank=0):
 def measure(rank, world, flags, micro, accum):
     """{axis: bytes this rank sent in one step}, and its peak memory in bytes."""
     args, cfg, lay, batch = parse(world, flags, micro, accum, rank)
-    mesh = launch.start_distributed(args)
+    mesh = train.start_distributed(args)
     run = train.prepare(args, cfg, mesh)
     wrapper, opt = run.wrapper, run.opt
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,7 @@ from bench.labs.pp_bubble import TimedPipeline
 from bench.planner.layout import in_flight
 from bench.ranks import run_ranks
 from config import UsageError
-from metrics import read_metrics
+from data.metrics import read_metrics
 from parallel import pp
 from parallel import pp_schedule as S
 from parallel.ddp import DDP

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import config
-import launch
 import model
 import train
 from bench.ranks import run_ranks
@@ -29,7 +28,7 @@ STEPS = 3
 def _dtypes_and_losses(rank, world, flags):
     """({point: dtypes seen}, the global loss of each step) of a few bf16 steps of train.py's own step."""
     run = config.resolve(BF16 + flags)
-    mesh = launch.start_distributed(run)
+    mesh = train.start_distributed(run)
     folder = prepared_folder(run.data, rank, world)
     cfg = config.model_config(run, 257)
     trainer = train.prepare(run, cfg, mesh)

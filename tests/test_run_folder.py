@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import saves.restarts
-import saves.run
-import saves.write
+import data.run
+import data.saves
 import train
 from tests.test_checkpoint import ARGS, quiet, snapshot
 from tests.test_faults import full_disk_open
@@ -76,9 +75,13 @@ def test_a_longer_run_continues_a_finished_one_and_a_shorter_one_is_refused(tmp_
 
 
 def test_a_full_disk_at_the_start_is_one_line_exit_3(tmp_path, monkeypatch):
-    def full(path, *args, **kwargs):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(saves.restarts, "write_json", full)
+    write_json = data.run.write_json
+
+    def full(path, *args, **kwargs):  # the attempt record cannot be written
+        if Path(path).name == "attempts.json":
+            raise OSError(28, "No space left on device")
+        return write_json(path, *args, **kwargs)
+    monkeypatch.setattr(data.run, "write_json", full)
     code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(tmp_path / "run")])
     assert code == 3, err
     assert one_error_line(err).startswith(f"error: cannot write {tmp_path / 'run' / 'attempts.json'} (No space left "
@@ -144,14 +147,14 @@ def test_lr_0_is_accepted_and_moves_no_weight(tmp_path):
 def test_an_async_save_on_a_full_disk_that_takes_the_attempt_record_too_is_one_line_exit_3(tmp_path, monkeypatch):
     """The disk fills during step 4's async save: the rank file and attempts.json both fail. Exit 3, one line naming
     the intact save, no temp folder left (the record could not be written: the message says what could)."""
-    monkeypatch.setattr(saves.write, "open", full_disk_open(4, ".bin"), raising=False)
-    write_json = saves.restarts.write_json
+    monkeypatch.setattr(data.saves, "open", full_disk_open(4, ".bin"), raising=False)
+    write_json = data.run.write_json
 
     def full_after_step_2(path, records, **kwargs):
-        if records[-1]["reached"] > 2:
+        if Path(path).name == "attempts.json" and records[-1]["reached"] > 2:
             raise OSError(28, "No space left on device")
         return write_json(path, records, **kwargs)
-    monkeypatch.setattr(saves.restarts, "write_json", full_after_step_2)
+    monkeypatch.setattr(data.run, "write_json", full_after_step_2)
     out = tmp_path / "run"
     code, err = exit_of(train.main, RUN + ["--steps", "6", "--save-every", "2", "--async-save", "--out", str(out)])
     assert code == 3, err
@@ -258,19 +261,19 @@ def test_a_fresh_run_stopped_before_its_first_save_starts_again_under_the_same_c
 
 def test_holds_a_run_tells_this_runs_attempts_from_another_runs(tmp_path):
     config = {"model": {"n_layer": 1}, "train": {"lr": 1.0, "steps": 5}}
-    assert not saves.run.holds_a_run(tmp_path / "missing", config)
-    assert not saves.run.holds_a_run(tmp_path, config)
+    assert not data.run.holds_a_run(tmp_path / "missing", config)
+    assert not data.run.holds_a_run(tmp_path, config)
     records = [{"attempt": 1, "resumed_from": 0, "reached": 3, "status": "running",
-                "run": saves.run.run_identity({**config, "train": {"lr": 1.0, "steps": 9}})}]
+                "run": data.run.run_identity({**config, "train": {"lr": 1.0, "steps": 9}})}]
     (tmp_path / "attempts.json").write_text(json.dumps(records))
-    assert not saves.run.holds_a_run(tmp_path, config)  # this run's, another --steps
-    assert saves.run.holds_a_run(tmp_path)  # without a config: any attempts count (a default --out's choice)
-    assert saves.run.holds_a_run(tmp_path, {**config, "train": {"lr": 2.0, "steps": 5}})
+    assert not data.run.holds_a_run(tmp_path, config)  # this run's, another --steps
+    assert data.run.holds_a_run(tmp_path)  # without a config: any attempts count (a default --out's choice)
+    assert data.run.holds_a_run(tmp_path, {**config, "train": {"lr": 2.0, "steps": 5}})
     (tmp_path / "attempts.json").write_text(json.dumps([{k: v for k, v in records[0].items() if k != "run"}]))
-    assert saves.run.holds_a_run(tmp_path, config)  # a record of before identities: another run's, as before
+    assert data.run.holds_a_run(tmp_path, config)  # a record of before identities: another run's, as before
     (tmp_path / "attempts.json").write_text(json.dumps(records))
     (tmp_path / "step_0000002").mkdir()
-    assert saves.run.holds_a_run(tmp_path, config)
+    assert data.run.holds_a_run(tmp_path, config)
 
 
 def test_a_metrics_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
@@ -301,8 +304,8 @@ def test_links_in_a_run_folder_are_never_deleted_through(tmp_path):
     for step in (2, 3):
         (run / f"step_000000{step}").mkdir()
         (run / f"step_000000{step}" / "complete").write_text(f"{step}\n")
-    saves.write.remove_incomplete(run)
-    saves.write.prune(run, keep=1)
+    data.saves.remove_incomplete(run)
+    data.saves.prune(run, keep=1)
     assert sorted(p.name for p in run.iterdir()) == [".tmp_step_0000009_abcdef", "step_0000001", "step_0000003"]
     assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
         "killed", "killed/complete", "saved", "saved/complete"]
@@ -321,7 +324,7 @@ def test_an_empty_path_flag_is_one_line(tmp_path, monkeypatch, flag):
 
 def test_an_out_whose_name_is_too_long_is_one_line(tmp_path):
     """Was: OSError: [Errno 36] File name too long, a traceback (config.check_writable's exists(), then the run
-    folder's mkdir: saves.run names the flag)."""
+    folder's mkdir: data.run names the flag)."""
     out = tmp_path / ("x" * 300) / "run"
     code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out)])
     assert code == 2 and one_error_line(err).startswith("error: --out: ") and "File name too long" in err, err

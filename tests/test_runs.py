@@ -8,13 +8,12 @@ import json
 import pytest
 import torch
 
-import compare
 import config
-import machine
-import memory
-import metrics
 import train
-from metrics import read_metrics
+from bench import compare
+from data import metrics
+from data.metrics import read_metrics
+from parallel import memory
 from tests.layouts import BASE
 from tests.test_save_integrity import exit_of, one_error_line
 
@@ -111,7 +110,7 @@ def test_cpu_memory_counts_a_storage_resized_in_place_as_freed():
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(in_tmp, monkeypatch):
     """--model 1b on a 24 GB machine: 24 GB of model state alone passed the old check (against 25.3 GB), and the
     kernel killed the run 14 minutes later. A step's whole estimate, with a margin, refuses it at once."""
-    monkeypatch.setattr(machine, "device_memory", lambda run: (24e9, "a 24 GB machine"))
+    monkeypatch.setattr(memory, "device_memory", lambda run: (24e9, "a 24 GB machine"))
     code, err = exit_of(train.main, ["--model", "1b", "--device", "cpu", "--out", "big", "--micro-batch", "1",
                                      "--global-batch", "8", "--seq-len", "512"])
     assert code == 2 and "a step needs about" in one_error_line(err) and "of a 24 GB machine" in err, err

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+import data.export
+import data.run
+import data.saves
 import model
 import sample
-import saves.export
-import saves.load
-import saves.run
-import saves.write
 import train
 from bench.ranks import run_ranks
 from tests.test_checkpoint import ARGS, quiet, run1, snapshot
@@ -96,30 +95,30 @@ CORRUPTIONS = {"random bytes": os.urandom(4096), "a block of 0xFF": b"\xff" * 40
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
 def test_a_corrupted_save_of_the_right_size_is_refused_on_resume(run, kind):
-    data = run / SAVE / "rank00000.bin"
-    middle = data.stat().st_size // 2
+    binary = run / SAVE / "rank00000.bin"
+    middle = binary.stat().st_size // 2
     if CORRUPTIONS[kind] is None:
-        with open(data, "rb") as f:
+        with open(binary, "rb") as f:
             f.seek(middle)
             byte = f.read(1)[0]
-        damage(data, middle, bytes([byte ^ 0x10]))
+        damage(binary, middle, bytes([byte ^ 0x10]))
     else:
-        damage(data, middle, CORRUPTIONS[kind])
+        damage(binary, middle, CORRUPTIONS[kind])
     line = resume_fails(run)
-    assert line == f"error: --resume: {data} is corrupt: its bytes do not match their CRC-32 in meta.json", line
+    assert line == f"error: --resume: {binary} is corrupt: its bytes do not match their CRC-32 in meta.json", line
 
 
 def test_export_and_sampling_refuse_a_corrupted_save_and_write_nothing(run, tmp_path, capsys):
-    data = run / SAVE / "rank00000.bin"
-    damage(data, 64, b"\xff" * 256)  # inside the first piece's param: export and sampling read it
+    binary = run / SAVE / "rank00000.bin"
+    damage(binary, 64, b"\xff" * 256)  # inside the first piece's param: export and sampling read it
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert saves.export.main([str(run / SAVE), str(out)]) == 2
-    assert one_error_line(capsys.readouterr().err) == f"error: {data} is corrupt: its bytes do not match their " \
+    assert data.export.main([str(run / SAVE), str(out)]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {binary} is corrupt: its bytes do not match their " \
                                                       "CRC-32 in meta.json"
     assert not out.exists()
     assert sample.main(["--run", str(run), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 2
-    assert f"{data} is corrupt" in one_error_line(capsys.readouterr().err)
+    assert f"{binary} is corrupt" in one_error_line(capsys.readouterr().err)
 
 
 def _corrupt_resume_rank(rank, world, run):
@@ -127,8 +126,8 @@ def _corrupt_resume_rank(rank, world, run):
     quiet(train.main, ARGS + flags)
     dist.barrier()
     if rank == 0:  # each fsdp rank reads only its own file back: only rank 1 reads this one
-        data = Path(run) / SAVE / "rank00001.bin"
-        damage(data, data.stat().st_size // 3, os.urandom(64))
+        binary = Path(run) / SAVE / "rank00001.bin"
+        damage(binary, binary.stat().st_size // 3, os.urandom(64))
     dist.barrier()
     return exit_of(train.main, ARGS + flags + ["--resume"])
 
@@ -165,11 +164,11 @@ def test_a_stop_names_a_last_good_save_that_verifies(tmp_path, monkeypatch, caps
 # ---------------------------------------------------------------- sizes, paths, keys
 
 def test_a_file_longer_than_recorded_is_too_long_not_truncated(run):
-    data = run / SAVE / "rank00000.bin"
-    size = data.stat().st_size
-    with open(data, "ab") as f:
+    binary = run / SAVE / "rank00000.bin"
+    size = binary.stat().st_size
+    with open(binary, "ab") as f:
         f.write(b"\0" * 10)
-    assert resume_fails(run) == f"error: --resume: {data} is too long: {size + 10} bytes, meta.json records {size}"
+    assert resume_fails(run) == f"error: --resume: {binary} is too long: {size + 10} bytes, meta.json records {size}"
 
 
 @pytest.mark.parametrize("where", ["../../secret.bin", "absolute"])
@@ -199,7 +198,7 @@ def test_a_meta_json_without_a_key_is_one_line_naming_key_and_file(run, key):
 def test_export_of_a_save_without_its_config_is_one_line(run, tmp_path, capsys):
     edit_meta(run, lambda meta: meta["config"].pop("model"))
     capsys.readouterr()
-    assert saves.export.main([str(run), str(tmp_path / "hf")]) == 2
+    assert data.export.main([str(run), str(tmp_path / "hf")]) == 2
     assert one_error_line(capsys.readouterr().err) == f"error: {run / SAVE / 'meta.json'} has no key 'config.model'"
 
 
@@ -238,24 +237,24 @@ def test_check_fresh_run_folder_refuses_another_runs_folder_and_writes_nothing(b
     else:
         (run / REFUSED[case]).mkdir(parents=True)
     before = snapshot(run)
-    with pytest.raises(saves.SaveError) as error:
-        saves.run.check_fresh_run_folder(run)
+    with pytest.raises(data.SaveError) as error:
+        data.run.check_fresh_run_folder(run)
     assert str(error.value).startswith(f"{run} holds saves of another run (") and \
         str(error.value).endswith("): pass --resume, or choose another --out"), error.value
     assert "\n" not in str(error.value) and snapshot(run) == before
 
 
 def test_check_fresh_run_folder_accepts_a_new_empty_or_unrelated_folder(tmp_path):
-    assert saves.run.check_fresh_run_folder(tmp_path / "new") is None
+    assert data.run.check_fresh_run_folder(tmp_path / "new") is None
     assert not (tmp_path / "new").exists()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / ".tmp_step_0000001_abcdef").mkdir()  # a killed save's leftover: nothing loadable
     before = snapshot(tmp_path)
-    assert saves.run.check_fresh_run_folder(tmp_path) is None
+    assert data.run.check_fresh_run_folder(tmp_path) is None
     assert snapshot(tmp_path) == before
     (tmp_path / "file").write_text("")
-    with pytest.raises(saves.SaveError, match="is not a folder: choose another --out"):
-        saves.run.check_fresh_run_folder(tmp_path / "file")
+    with pytest.raises(data.SaveError, match="is not a folder: choose another --out"):
+        data.run.check_fresh_run_folder(tmp_path / "file")
 
 
 def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, monkeypatch):
@@ -275,7 +274,7 @@ def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, m
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    atomic_write = saves.export.atomic_write
+    atomic_write = data.export.atomic_write
 
     def filling(path, mode="wb"):
         @contextmanager
@@ -283,10 +282,10 @@ def test_export_on_a_full_disk_leaves_no_truncated_file(run, tmp_path, capsys, m
             with atomic_write(path, mode) as f:
                 yield FullDisk(f)
         return wrapped()
-    monkeypatch.setattr(saves.export, "atomic_write", filling)
+    monkeypatch.setattr(data.export, "atomic_write", filling)
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert saves.export.main([str(run / SAVE), str(out)]) == 3  # a failed write, as training's
+    assert data.export.main([str(run / SAVE), str(out)]) == 3  # a failed write, as training's
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "No space left" in err and "\n" not in err, err
     left = [p.name for p in out.iterdir()] if out.exists() else []
@@ -320,14 +319,15 @@ def test_pieces_that_point_at_each_others_bytes_are_refused(run, tmp_path, capsy
     each piece's weights into the other. Each CRC now starts from what its piece is."""
     a, b = "layers.0.input_layernorm.weight", "layers.1.input_layernorm.weight"
     edit_meta(run, lambda meta: swap_pieces(meta, a, b))
-    data = run / SAVE / "rank00000.bin"
-    assert resume_fails(run) == f"error: --resume: {data} is corrupt: its bytes do not match their CRC-32 in meta.json"
-    with pytest.raises(saves.SaveError, match="is corrupt"):
-        saves.load.Saved(run / SAVE).validate().verify()
-    assert saves.write.last_good_save(run) is None
+    binary = run / SAVE / "rank00000.bin"
+    assert resume_fails(run) == (f"error: --resume: {binary} is corrupt: its bytes do not match their CRC-32 in "
+                                 "meta.json")
+    with pytest.raises(data.SaveError, match="is corrupt"):
+        data.saves.Saved(run / SAVE).validate().verify()
+    assert data.saves.last_good_save(run) is None
     capsys.readouterr()
-    assert saves.export.main([str(run), str(tmp_path / "hf")]) == 2
-    assert one_error_line(capsys.readouterr().err) == f"error: {data} is corrupt: its bytes do not match their " \
+    assert data.export.main([str(run), str(tmp_path / "hf")]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {binary} is corrupt: its bytes do not match their " \
                                                       "CRC-32 in meta.json"
 
 
@@ -358,7 +358,7 @@ def test_a_fifo_where_meta_json_should_be_is_one_line_not_a_hang(run, tmp_path):
     expected = f"error: --resume: cannot read {meta}: a FIFO, not a regular file"
     commands = {"--resume": ["train.py", *ARGS, "--micro-batch", "8", "--steps", "3", "--out", str(run), "--resume"],
                 "sample": ["sample.py", "--run", str(run), "--max-new-tokens", "2"],
-                "export": ["-m", "saves.export", str(run), str(tmp_path / "hf")]}
+                "export": ["-m", "data.export", str(run), str(tmp_path / "hf")]}
     for name, argv in commands.items():
         try:
             out = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=90)

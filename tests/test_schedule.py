@@ -4,9 +4,8 @@ import math
 
 import pytest
 
-import optim
 import train
-from metrics import read_metrics, run_summary, summary_line
+from data.metrics import read_metrics, run_summary, summary_line
 from tests.layouts import BASE, exit_and_stderr
 
 
@@ -18,22 +17,22 @@ def test_cosine_is_as_it_was():
         else:
             progress = (step - warmup) / (total - warmup)
             expected = low + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - low)
-        assert optim.lr_at(step, lr, low, warmup, total) == pytest.approx(expected, rel=1e-12)
+        assert train.lr_at(step, lr, low, warmup, total) == pytest.approx(expected, rel=1e-12)
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_k_steps():
-    got = [optim.lr_at(s, 1.0, 0.0, 2, 12, warmdown=4) for s in range(12)]
+    got = [train.lr_at(s, 1.0, 0.0, 2, 12, warmdown=4) for s in range(12)]
     assert got == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
-    assert optim.lr_at(11, 1.0, 0.2, 2, 12, warmdown=4) == pytest.approx(0.2 + 0.25 * 0.8)
+    assert train.lr_at(11, 1.0, 0.2, 2, 12, warmdown=4) == pytest.approx(0.2 + 0.25 * 0.8)
 
 
 def test_a_longer_run_lengthens_wsds_stable_part_where_cosine_bends():
     """Continuing a finished run with a larger --steps: wsd is back at the peak (stable), cosine
     is somewhere down its (now longer) curve."""
     step, old, new = 100, 100, 200
-    assert optim.lr_at(step - 1, 1.0, 0.0, 10, old, warmdown=20) < 0.1  # the first run decayed
-    assert optim.lr_at(step, 1.0, 0.0, 10, new, warmdown=20) == 1.0  # its continuation is stable
-    assert optim.lr_at(step, 1.0, 0.0, 10, new) < 0.99
+    assert train.lr_at(step - 1, 1.0, 0.0, 10, old, warmdown=20) < 0.1  # the first run decayed
+    assert train.lr_at(step, 1.0, 0.0, 10, new, warmdown=20) == 1.0  # its continuation is stable
+    assert train.lr_at(step, 1.0, 0.0, 10, new) < 0.99
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -54,7 +53,7 @@ def test_a_wsd_run_logs_its_schedule_and_its_time_to_target(tmp_path, capsys):
                        "--min-lr", "0", "--eval-every", "2", "--eval-batches", "1", "--target-loss", "100",
                        "--out", str(tmp_path / "r"), "--metrics", str(metrics)])
     rows, summaries = read_metrics(metrics)
-    assert [r["lr"] for r in rows] == pytest.approx([optim.lr_at(s, 3e-3, 0, 2, 8, 3) for s in range(8)])
+    assert [r["lr"] for r in rows] == pytest.approx([train.lr_at(s, 3e-3, 0, 2, 8, 3) for s in range(8)])
     target = summaries[-1]["target"]
     assert target["reached"] and target["step"] == 2 and target["tokens"] == 2 * 8 * 64
     assert target["elapsed_s"] == rows[1]["elapsed_s"]

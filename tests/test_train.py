@@ -12,13 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import data.saves
 import model
-import optim
-import saves.load
-import saves.write
 import train
 from bench.ranks import free_port
-from metrics import read_metrics
+from data.metrics import read_metrics
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +32,7 @@ def test_loss_falls(tmp_path):
 
 
 def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatch):
-    unscale_and_clip = optim.unscale_and_clip
+    unscale_and_clip = train.unscale_and_clip
     calls = []
 
     def overflow_on_the_second_step(grads_and_replicas, *args):
@@ -43,7 +41,7 @@ def test_fp16_scaler_skips_the_step_on_an_injected_overflow(tmp_path, monkeypatc
             grads_and_replicas[0][0].view(-1)[0] = float("inf")
         return unscale_and_clip(grads_and_replicas, *args)
 
-    monkeypatch.setattr(optim, "unscale_and_clip", overflow_on_the_second_step)
+    monkeypatch.setattr(train, "unscale_and_clip", overflow_on_the_second_step)
     metrics = tmp_path / "m.jsonl"
     run(["--steps", "4", "--dtype", "fp16", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "4",
          "--metrics", str(metrics), "--out", str(tmp_path)])
@@ -63,19 +61,19 @@ def test_resume_continues_bitwise(tmp_path):
 
 def _slow_save(run_dir):
     """Resumes at step 1 and trains step 2, whose save stalls after writing its data (the kill lands there)."""
-    write_rank = saves.write.write_rank
+    write_rank = data.saves.write_rank
 
     def slow(folder, *args):
         write_rank(folder, *args)
         time.sleep(120)
-    saves.write.write_rank = slow
+    data.saves.write_rank = slow
     run(["--steps", "2", "--resume", "--out", run_dir])
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run(["--steps", "2", "--save-every", "1", "--out", str(tmp_path)])
     shutil.rmtree(tmp_path / "step_0000002")
-    step1 = saves.load.Saved(tmp_path / "step_0000001").tensor("lm_head.weight")
+    step1 = data.saves.Saved(tmp_path / "step_0000001").tensor("lm_head.weight")
     proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_train as t; t._slow_save({str(tmp_path)!r})"],
                             cwd=REPO)
     deadline = time.time() + 60
@@ -84,7 +82,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert list(tmp_path.glob(".tmp_*")), "the kill should land mid-save"
-    state = saves.load.Saved(saves.write.complete_saves(tmp_path)[-1]).validate()
+    state = data.saves.Saved(data.saves.complete_saves(tmp_path)[-1]).validate()
     assert state.step == 1 and torch.equal(state.tensor("lm_head.weight"), step1)
 
 

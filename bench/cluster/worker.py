@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
-import launch
 import train
 from bench.cluster.net import join_cpu_share
 from bench.labs.collective_bandwidth import bench_rank
@@ -131,7 +130,7 @@ def train_layout(spec, flags, world, rank):
     """[(slowest rank's step seconds, most seconds blocked in collectives)] for each timed step of one layout, each
     train.py's own train_step."""
     args, cfg = layout_args(spec, flags, rank, world)
-    mesh = launch.start_distributed(args)
+    mesh = train.start_distributed(args)
     run = train.prepare(args, cfg, mesh)
     rows = args.global_batch // mesh.dp
     steps = []

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import model
-from saves.export import hf_config
+from data.export import hf_config
 
 try:  # a bench-only dependency (requirements-dev.txt): without it the GPU run says so and never starts this
     import transformers

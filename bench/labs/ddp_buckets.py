@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import model
-import optim
+import train
 from bench import common
 from bench.ranks import run_ranks
 from parallel.ddp import DDP
@@ -36,7 +36,7 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
             gpt = model.GPT(cfg)
         init_weights(gpt, seed, "cpu")
         ddp = DDP(nn.ModuleList([gpt]), mesh, bucket_mb=bucket_mb, overlap=overlap)
-        runs.append((gpt, ddp, optim.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu"), []))
+        runs.append((gpt, ddp, train.make_adamw(ddp.optim_params(), 1e-3, 0.1, "cpu"), []))
     gen = torch.Generator().manual_seed(rank)
     for _ in range(warmup + steps):
         x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import model
-import optim
+import train
 from bench import common
 from bench.ranks import run_ranks
 from parallel.ddp import DDP
@@ -45,7 +45,7 @@ def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
         wrapper = FSDP(module, mesh, mesh.dp_cp_group, init, "cpu")
     else:
         wrapper = HSDP(module, mesh, mesh.shard_group, init, "cpu")
-    opt = optim.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
+    opt = train.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
     x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rank))
     mesh.stats.reset()
     gpt(x[:, :-1], x[:, 1:]).backward()

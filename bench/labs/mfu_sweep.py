@@ -27,7 +27,7 @@ import torch
 import model
 from bench import common
 from config import DTYPES
-from metrics import read_metrics
+from data.metrics import read_metrics
 from parallel.ckpt import recomputed_layers
 
 # Tokens per optimizer step by preset: train.py's default (32 sequences) for tiny, GPT-2's 0.5M for

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fp8
 from bench import common
 from config import DTYPES
 from data.loader import TokenLoader
+from parallel import fp8
 
 LABELS = ["token ids (model input)", "q_proj input (residual stream after RMSNorm)",
           "parameters (master weights)", "q_proj output (Linear activation)",

@@ -20,8 +20,8 @@ dist_opt are Megatron-LM's options, the reference's only (invalid() refuses them
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import memory
 from model import layer_param_count
+from parallel import memory
 from parallel.mesh import LayoutError
 from parallel.pp import layer_counts
 

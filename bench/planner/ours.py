@@ -25,8 +25,8 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
-import memory
 from bench.planner.layout import ACT_B, BUCKET_MB, G_B, W_B, shard_size
+from parallel import memory
 from parallel.cp import allgather_bytes, ulysses_bytes
 from parallel.ddp import all_reduce_bytes
 from parallel.fsdp import gather_reduce_bytes, gathers_per_step

@@ -38,8 +38,8 @@ from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
 from bench.planner.step_time import rates, step_time
 from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
-from memory import MARGIN
 from model import PRESETS, param_counts
+from parallel.memory import MARGIN
 
 __all__ = ["CKPTS", "CODES", "Cluster", "Layout", "Plan", "Shape", "bill", "candidates", "collectives", "comm_bytes",
            "default_batch_tokens", "error_bars", "evaluate", "invalid", "main", "memory", "parse_layout", "plan",

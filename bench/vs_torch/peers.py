@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import model
-import optim
+import train
 from parallel import pp, tp, tp_fused, tp_ring
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
@@ -119,7 +119,7 @@ def timed_steps(net, params, wrapper, cfg, micro_batch, steps, warmup, gen, loss
     """Trains `net` for warmup + steps steps on random batches from `gen`; per step the wall and CPU seconds (after
     the warmup) and the loss. wrapper: ours (its gradient sync and zero_grad, as train.py calls them), or None for
     torch's (zero_grad(set_to_none=True), its idiom); loss_ctx: around forward and backward."""
-    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
+    opt = train.make_adamw(params, 1e-3, 0.1, "cpu")
     losses, times, cpu = [], [], []
     for _ in range(warmup + steps):
         x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
@@ -156,7 +156,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
         sched = cls(stages if schedule == "interleaved" else stages[0], n_micro,
                     loss_fn=lambda out, y: model.cross_entropy_loss(out, y) / n_micro, **options)
         params, wrapper = [p for c in chunks for p in c.parameters()], None
-    opt = optim.make_adamw(params, 1e-3, 0.1, "cpu")
+    opt = train.make_adamw(params, 1e-3, 0.1, "cpu")
     gen = torch.Generator().manual_seed(seed * 1000)
     last = rank == world - 1  # holds the last (virtual) stage in every schedule here
     losses, times, cpu = [], [], []

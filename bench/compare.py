@@ -1,11 +1,11 @@
 """Runs side by side: each run's summary and the flags that differ; with --plot, their curves.
 
 A run's summary is the last line train.py writes to its metrics; --plot draws the curves in one
-picture.
+picture. A run on a GPU the planner knows gets a speed line: its MFU beside the planner's range.
 
-    python compare.py runs/tiny runs/tiny-ckpt=full runs/tiny-dtype=bf16
+    python -m bench.compare runs/tiny runs/tiny-ckpt=full runs/tiny-dtype=bf16
     # a run folder, or its metrics file:
-    python compare.py out/a/metrics.jsonl out/b --plot ablation.png
+    python -m bench.compare out/a/metrics.jsonl out/b --plot ablation.png
 
 One row per run: final train and val loss, median tokens/s and MFU (the first step left out), peak
 memory, wall time, and a column for every flag whose value is not the same in all of them (a flag a
@@ -22,16 +22,26 @@ table still prints; training never imports this file.
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.common import markdown_table
+from bench.planner.layout import Cluster, Layout, invalid
+from bench.planner.plan import error_bars
 from config import OneLineParser, UsageError
-from metrics import read_metrics
+from data.metrics import PEAK_TFLOPS, read_metrics
+from model import ModelConfig
+from parallel import ckpt
+from parallel.pp_schedule import chunks_per_rank
 
 try:  # a tooling dependency (requirements-dev.txt); the table needs none
     from matplotlib.figure import Figure
 except ImportError:
     Figure = None
 
+# What the planner needs of a GPU besides its peak: (memory GB, HBM TB/s, NVLink GB/s a direction)
+SPECS = {"NVIDIA H100 80GB HBM3": (80, 3.35, 450), "NVIDIA H200": (141, 4.8, 450),
+         "NVIDIA H800": (80, 3.35, 200), "NVIDIA A100-SXM4-80GB": (80, 2.04, 300),
+         "NVIDIA A100-SXM4-40GB": (40, 1.56, 300)}
 NUMBER = (int, float)
 # what a summary holds (train.run_summary), and its types
 SUMMARY = {"run": (str,), "steps": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),),
@@ -98,6 +108,58 @@ def table(paths):
     return header, rows
 
 
+def expected_mfu(run, cfg, gpu):
+    """[pessimistic, optimistic] MFU the planner predicts for this model, layout and GPU (its
+    factors' range, --code ours), or None: a CPU, a GPU it has no figures for, a layout it does
+    not price. run: the resolved run, as config.Run or its summary's record."""
+    spec, peak = SPECS.get(gpu), (run.peak_tflops or PEAK_TFLOPS.get(gpu, 0)) * 1e12
+    if spec is None or not peak:
+        return None
+    hbm_gb, hbm_tbs, nvlink_gbs = spec
+    cluster = Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=hbm_gb,
+                      peak_tflops=peak / 1e12, intra_gbs=nvlink_gbs, hbm_tbs=hbm_tbs)
+    kind = ckpt.parse(run.ckpt)[0]
+    layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
+                    shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
+                    ckpt=kind if kind in ("none", "selective") else "full",
+                    schedule=run.pp_schedule,
+                    V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
+                    cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
+                    fp8=run.dtype == "fp8")
+    if invalid(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours"):
+        return None
+    return list(error_bars(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours")["all"])
+
+
+WAITS = {"input_share": "input-bound: the step waited for its batch",
+         "comm_wait_share": "exposed communication: the step waited in collectives",
+         "pp_wait_share": "pipeline bubble: stages waited for their neighbours"}
+
+
+def speed_line(s, expected):
+    """The measured MFU beside the planner's range; below it, the largest measured wait."""
+    low, high = expected
+    said = (f"speed: MFU {s['mfu']:.1%}; the planner predicts {low:.1%}-{high:.1%} for this "
+            "model, layout and GPU")
+    if s["mfu"] >= low:
+        return said + (": within it" if s["mfu"] <= high else ": above it")
+    why = max(WAITS, key=lambda k: s[k])
+    if s[why] < 0.05:
+        return said + ": below it, and no wait explains it (the kernels, compilation, the clocks)"
+    return said + f": below it; {WAITS[why]} {s[why]:.0%} of its time"
+
+
+
+
+def speed(summary):
+    """The speed line of a run's summary, or None: no GPU the planner knows, no MFU."""
+    if summary.get("mfu") is None or not isinstance(summary.get("resolved"), dict):
+        return None
+    run, cfg = SimpleNamespace(**summary["resolved"]), ModelConfig(**summary["model"])
+    expected = expected_mfu(run, cfg, summary.get("gpu"))
+    return f"{summary['run']}: {speed_line(summary, expected)}" if expected else None
+
+
 def plot(paths, out):
     """Draws the runs' curves into the PNG `out`; returns the Figure (its axes in PANELS' order)."""
     runs = [read_run(p, rows_too=True) for p in paths]
@@ -148,6 +210,8 @@ def main(argv=None):
         if args.plot and Figure is None:
             raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
         print(markdown_table(*table(args.runs)))
+        for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
+            print(line)
         if args.plot:
             plot(args.runs, args.plot)
             print(f"wrote {args.plot}")

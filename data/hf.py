@@ -2,7 +2,7 @@
 
 The reader beside export.py's writer. DIR holds config.json and model.safetensors, or
 model.safetensors.index.json and the files it names, as save_pretrained and
-`python -m saves.export` write them. Not both, since which one is the checkpoint would be a guess.
+`python -m data.export` write them. Not both, since which one is the checkpoint would be a guess.
 
 Before anything is built, config.json is held against the run's model. Every shape field must
 equal its flag. Anything this model cannot be is refused with one line naming the field, exit 2:
@@ -48,12 +48,11 @@ from pathlib import Path
 import torch
 
 import model
+from data import SaveError
 from data.files import open_regular, read_text
-from model_config import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
+from data.saves import FileError, cut, global_shape, load
+from model import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
-from saves import SaveError
-from saves.load import FileError, cut, load
-from saves.write import global_shape
 
 SAFETENSORS_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                      "F64": torch.float64}

@@ -2,8 +2,8 @@
 
 --init-from reads the same folder back.
 
-    python -m saves.export RUN_DIR OUT_DIR            # the newest complete save, of any layout
-    python -m saves.export RUN_DIR OUT_DIR --replace  # OUT_DIR may hold files: replaced whole
+    python -m data.export RUN_DIR OUT_DIR            # the newest complete save, of any layout
+    python -m data.export RUN_DIR OUT_DIR --replace  # OUT_DIR may hold files: replaced whole
 
 OUT_DIR gets
     config.json             the model: its shapes, rope_theta and Llama 3's rope scaling,
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from data import SaveError
 from data.files import (
     Interrupted,
     atomic_write,
@@ -53,14 +54,12 @@ from data.files import (
     unlock_folder,
 )
 from data.loader import DataError
+from data.saves import check_layers, complete_saves, model_tensors
 from data.tokenizer import EOT, get_tokenizer
 from model import GPT, config_from_dict
-from saves import SaveError
-from saves.load import check_layers, model_tensors
-from saves.write import complete_saves
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-USAGE = "usage: python -m saves.export RUN_DIR OUT_DIR [--replace]"
+USAGE = "usage: python -m data.export RUN_DIR OUT_DIR [--replace]"
 
 
 def write_safetensors(path, tensors, dtype=None):
@@ -300,7 +299,7 @@ def newest_save(run_dir):
 
 
 def export(run_dir, out, replace):
-    """python -m saves.export RUN_DIR OUT_DIR [--replace], its checks first.
+    """python -m data.export RUN_DIR OUT_DIR [--replace], its checks first.
 
     SaveError names what is wrong."""
     check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read

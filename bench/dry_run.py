@@ -45,20 +45,18 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
-import fp8
-import launch
-import memory
 import model
-import optim
+import train
 from config import UsageError
 from data.loader import DataError, read_meta
 from data.text import usable_cores
-from metrics import StorageMode
-from parallel import fsdp
+from parallel import fp8, fsdp, memory
 from parallel.comm import Group
+from parallel.memory import StorageMode
 from parallel.mesh import LayoutError, Mesh
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 _ATEN = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default  # C++ asks it of fake tensors more often than any op
 STEPS = 2  # the first step creates Adam's state; the second is every later one
@@ -101,8 +99,8 @@ def parse_args(argv):
     return args, rest + ["--no-compile"]
 
 
-def main(argv, training):
-    """train.py --dry-run of `training` (train.py's module: its prepare and train_step). Exit 0;
+def main(argv=None):
+    """train.py --dry-run: the command rehearsed with train.py's prepare and train_step. Exit 0;
     2 for bad flags or a rank that does not fit (naming the flag to change); 3 when the step
     breaks a rule a GPU run would fail on."""
     try:
@@ -111,7 +109,7 @@ def main(argv, training):
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
         jobs = args.jobs or usable_cores()
-        reports = rehearse(training, train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
+        reports = rehearse(train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -188,12 +186,10 @@ class Report:
         return "--dp-mode" if self.run.dp_mode == "ddp" else "--tp"
 
 
-def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None, show=False,
-             jobs=1):
+def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=False, jobs=1):
     """[Report] of one rank per pipeline stage (or per stage in `stages`): the stage's rank 0, or
     its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}). `jobs` ranks at once, each
-    in a process of its own (a rank is one thread's work; they share nothing).
-    training: train.py's module, whose prepare and train_step run."""
+    in a process of its own (a rank is one thread's work; they share nothing)."""
     env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": str(per_node)}
     with FakeGPUs(gpu, per_node):
@@ -210,11 +206,11 @@ def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None,
     with ExitStack() as stack:
         if jobs == 1:
             stack.enter_context(FakeGPUs(gpu, per_node))
-            done = (rehearse_rank(training, train_argv, r, world, per_node, gpu) for r in ranks)
+            done = (rehearse_rank(train_argv, r, world, per_node, gpu) for r in ranks)
         else:
             pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
             stack.callback(pool.shutdown, cancel_futures=True)
-            task = [(training.prepare, train_argv, r, world, per_node, gpu) for r in ranks]
+            task = [(train_argv, r, world, per_node, gpu) for r in ranks]
             done = pool.map(rehearse_in_process, *zip(*task))
         for report in done:  # in stage order, each as soon as it and those before it are done
             reports.append(report)
@@ -223,17 +219,14 @@ def rehearse(training, train_argv, world, gpu, per_node=8, stages=None, at=None,
     return reports
 
 
-def rehearse_in_process(prepare, train_argv, rank, world, per_node, gpu):
-    """rehearse_rank in a worker process. train.py's module comes as its prepare function: pickle
-    sends a function by name and imports its module here (as __main__ when train.py is the script:
-    spawn loads the parent's script under that name)."""
+def rehearse_in_process(train_argv, rank, world, per_node, gpu):
+    """rehearse_rank in a worker process."""
     torch.set_num_threads(1)  # fake tensors hold no data: nothing to compute on more threads
     with FakeGPUs(gpu, per_node):
-        return rehearse_rank(sys.modules[prepare.__module__], train_argv, rank, world, per_node,
-                             gpu)
+        return rehearse_rank(train_argv, rank, world, per_node, gpu)
 
 
-def rehearse_rank(training, train_argv, rank, world, per_node, gpu):
+def rehearse_rank(train_argv, rank, world, per_node, gpu):
     """One rank's Report (inside FakeGPUs)."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
            "LOCAL_WORLD_SIZE": str(per_node)}
@@ -244,7 +237,7 @@ def rehearse_rank(training, train_argv, rank, world, per_node, gpu):
         pp_rank = rank // (run.tp * run.cp) % run.pp
         report = Report(rank, run.device, gpu, run, expected=memory.stage_bytes(cfg, run, pp_rank))
         try:
-            rehearse_steps(training, run, cfg, report)
+            rehearse_steps(run, cfg, report)
         except Exception as e:  # noqa: BLE001 - what stopped it, and where, is the report
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             report.failure = f"{type(e).__name__}: {first} ({where(e)})"
@@ -265,15 +258,15 @@ def model_config(run):
     return cfg
 
 
-def rehearse_steps(training, run, cfg, report):
-    """training.prepare, then STEPS of training.train_step on random tokens, on fake CUDA."""
-    with FakeCUDA(), Ledger() as ledger, no_initial_values(training):
-        mesh = launch.start_distributed(run)
+def rehearse_steps(run, cfg, report):
+    """train.prepare, then STEPS of train.train_step on random tokens, on fake CUDA."""
+    with FakeCUDA(), Ledger() as ledger, no_initial_values():
+        mesh = train.start_distributed(run)
         for group in vars(mesh).values():  # the fake backend stands in for NCCL: means are AVG
             if isinstance(group, Group):
                 group.native_mean = True
         report.coord = mesh.coord
-        trainer = training.prepare(run, cfg, mesh)
+        trainer = train.prepare(run, cfg, mesh)
         ledger.know(trainer, cfg, run)
         rules = Rules(torch.device(run.device))
         for step in range(STEPS):
@@ -283,7 +276,7 @@ def rehearse_steps(training, run, cfg, report):
                 y = torch.randint(0, cfg.vocab_size, x.shape, device=run.device)
             mesh.stats.reset()
             with rules:
-                training.train_step(trainer, x, y, lr(run, step), run.grad_clip)
+                train.train_step(trainer, x, y, lr(run, step), run.grad_clip)
             ledger.step_done(trainer)
             report.steps.append(per_group(mesh.stats))
             report.launches.append(rules.launches)
@@ -292,20 +285,20 @@ def rehearse_steps(training, run, cfg, report):
 
 
 @contextmanager
-def no_initial_values(training):
+def no_initial_values():
     """train.build draws no initial values: fake tensors hold none, and drawing them tile by tile
     on the CPU (parallel/materialize.local_init) would take most of the rehearsal."""
-    draw = training.local_init
-    training.local_init = lambda name, param, cfg, seed, flat=None, out=None: out
+    draw = train.local_init
+    train.local_init = lambda name, param, cfg, seed, flat=None, out=None: out
     try:
         yield
     finally:
-        training.local_init = draw
+        train.local_init = draw
 
 
 def lr(run, step):
     """The learning rate train.py's loop gives the step."""
-    return optim.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
+    return train.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
 
 
 def per_group(stats):
@@ -324,11 +317,11 @@ def where(error=None):
         frames = traceback.extract_stack()
     else:
         frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(str(HERE))
+    ours = [f for f in frames if f.filename.startswith(str(REPO))
             and "site-packages" not in f.filename
             and Path(f.filename).name not in ("dry_run.py", "_contextlib.py")]
     f = (ours or frames)[-1]
-    return f"{Path(f.filename).relative_to(HERE) if ours else f.filename}:{f.lineno} in {f.name}"
+    return f"{Path(f.filename).relative_to(REPO) if ours else f.filename}:{f.lineno} in {f.name}"
 
 
 # ---------------------------------------------------------------- the machine, pretended

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from data import SaveError
 from data.files import open_regular, read_text
-from saves import SaveError
 
 FORMAT = 3  # what write.py writes
 FORMATS = (1, 2, 3)  # what load.py reads

@@ -7,24 +7,16 @@ import json
 import os
 import statistics
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
-import machine
 import model
-import optim
-from bench.planner.layout import Cluster, Layout, invalid
-from bench.planner.plan import error_bars
-from config import UsageError
+from data import SaveError, TrainingFailure
 from data.files import open_append
 from parallel import ckpt
-from parallel.pp_schedule import chunks_per_rank
-from saves import TrainingFailure
+from parallel.memory import CPUMemory
 
 
 def open_metrics(run):
@@ -36,7 +28,7 @@ def open_metrics(run):
         Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
         return open_append(run.metrics, run.out)
     except OSError as e:
-        raise UsageError(f"--metrics: {run.metrics}: {e.strerror or e}") from None
+        raise SaveError(f"--metrics: {run.metrics}: {e.strerror or e}") from None
 
 
 class StepLog:
@@ -45,7 +37,7 @@ class StepLog:
     def __init__(self, run, cfg, mesh, start, trainer, metrics_file):
         self.run, self.cfg, self.mesh, self.rank = run, cfg, mesh, mesh.global_rank
         self.device = torch.device(run.device)
-        self.peak, peak_source = machine.peak_flops(run)
+        self.peak, peak_source = peak_flops(run)
         self.tokens = run.global_batch * cfg.seq_len
         recomputed = ckpt.recomputed_layers(cfg, run.ckpt)
         self.flops_model = model.flops_per_token(cfg) * self.tokens  # MFU's: 6N + 12·L·d·T a token
@@ -61,11 +53,6 @@ class StepLog:
                   f"non-embedding), {self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak "
                   f"{self.peak / 1e12:.3f} TFLOP/s from {peak_source}; {run.global_batch} x "
                   f"{cfg.seq_len} tokens per step", flush=True)
-            if run.warmup >= run.steps:
-                last = optim.lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps,
-                                   run.warmdown)
-                print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate "
-                      f"never reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
         self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps,
                         disable=self.rank != 0, dynamic_ncols=True)
 
@@ -116,10 +103,10 @@ class StepLog:
         if self.rank == 0 and self.rows:
             summary = run_summary(self.rows, time.perf_counter() - self.t0, out, self.run.flags,
                                   self.run.target_loss)
-            summary["expected_mfu"] = expected_mfu(self.run, self.cfg)
+            # what bench/compare.py needs to price the run with the planner
+            summary.update(resolved={k: v for k, v in vars(self.run).items() if k != "flags"},
+                           model=dict(self.cfg.__dict__), gpu=gpu_name(self.run))
             self.bar.write(summary_line(summary))
-            if summary["expected_mfu"] and summary["mfu"] is not None:
-                self.bar.write(speed_line(summary))
             self.append({"summary": summary})
         if self.metrics:
             self.metrics.close()
@@ -196,47 +183,6 @@ def summary_line(s):
     return line + ("\n" + target_line(s["target"]) if "target" in s else "")
 
 
-def expected_mfu(run, cfg):
-    """[pessimistic, optimistic] MFU the planner predicts for this model, layout and GPU (its
-    factors' range, --code ours), or None: a CPU, a GPU it has no figures for, a layout it does
-    not price."""
-    spec, (peak, _) = machine.SPECS.get(machine.gpu_name(run)), machine.peak_flops(run)
-    if spec is None or not peak:
-        return None
-    hbm_gb, hbm_tbs, nvlink_gbs = spec
-    cluster = Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=hbm_gb,
-                      peak_tflops=peak / 1e12, intra_gbs=nvlink_gbs, hbm_tbs=hbm_tbs)
-    kind = ckpt.parse(run.ckpt)[0]
-    layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
-                    shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
-                    ckpt=kind if kind in ("none", "selective") else "full",
-                    schedule=run.pp_schedule,
-                    V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
-                    cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
-                    fp8=run.dtype == "fp8")
-    if invalid(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours"):
-        return None
-    return list(error_bars(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours")["all"])
-
-
-WAITS = {"input_share": "input-bound: the step waited for its batch",
-         "comm_wait_share": "exposed communication: the step waited in collectives",
-         "pp_wait_share": "pipeline bubble: stages waited for their neighbours"}
-
-
-def speed_line(s):
-    """The measured MFU beside the planner's range; below it, the largest measured wait."""
-    low, high = s["expected_mfu"]
-    said = (f"speed: MFU {s['mfu']:.1%}; the planner predicts {low:.1%}-{high:.1%} for this "
-            "model, layout and GPU")
-    if s["mfu"] >= low:
-        return said + (": within it" if s["mfu"] <= high else ": above it")
-    why = max(WAITS, key=lambda k: s[k])
-    if s[why] < 0.05:
-        return said + ": below it, and no wait explains it (the kernels, compilation, the clocks)"
-    return said + f": below it; {WAITS[why]} {s[why]:.0%} of its time"
-
-
 def target_line(t):
     if t["reached"]:
         return (f"target: val {t['val_loss']:.4f} <= {t['loss']:g} first at step {t['step']}, "
@@ -247,106 +193,46 @@ def target_line(t):
             f"{t['tokens']:,} tokens, {t['elapsed_s']:.0f} s")
 
 
-# ---------------------------------------------------------------- memory
+# ---------------------------------------------------------------- the device's peak, and memory
+
+# Dense bf16 tensor-core peaks in TFLOP/s, by the full name torch.cuda.get_device_name() reports
+PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.4, "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.4,
+    "NVIDIA H800": 989.4,
+    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0, "NVIDIA L4": 121.0, "NVIDIA L40": 181.0, "NVIDIA L40S": 362.0,
+    "NVIDIA A10G": 125.0, "NVIDIA GeForce RTX 4090": 165.2,
+}
+
+
+def gpu_name(run):
+    """The GPU's full name, or None on a CPU."""
+    return torch.cuda.get_device_name(run.device) if run.backend == "nccl" else None
+
+
+def peak_flops(run):
+    """Per-device peak FLOP/s and where it came from: --peak-tflops, or the table by the GPU's name.
+
+    A CPU has no honest peak (a measured matmul rate moved 70x between runs on shared cores), so
+    MFU is shown there only with --peak-tflops.
+    """
+    if run.peak_tflops:
+        return run.peak_tflops * 1e12, "--peak-tflops"
+    if run.backend == "nccl":
+        name = torch.cuda.get_device_name(run.device)
+        if name in PEAK_TFLOPS:
+            return PEAK_TFLOPS[name] * 1e12, f"{name} bf16 dense peak"
+        return 0.0, f"{name} is not in the peak table; pass --peak-tflops"
+    return 0.0, "no peak for a CPU: pass --peak-tflops for MFU"
+
+
+
 
 def cuda_memory_gb(device):
     """The step's peak of allocated and reserved memory (the caching allocator's)."""
     return {"mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
             "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
-
-
-class CPUMemory:
-    """mem_gb on CPU: the tensors the run keeps (weights, gradients, Adam's state) plus the peak of
-    what a step allocates, counted once, in the first step (every step is the same).
-    count=False (a compiled run): nothing is counted, mem_gb is None."""
-
-    def __init__(self, trainer, count=True):
-        self.trainer, self.peak, self.counting = trainer, None, LiveBytes() if count else None
-        if count:
-            self.counting.__enter__()
-
-    def gb(self):
-        if self.counting is None:
-            return {"mem_gb": None, "mem_reserved_gb": None}
-        if self.peak is None:
-            self.counting.__exit__(None, None, None)
-            t = self.trainer
-            params = list(t.wrapper.optim_params())
-            kept = params + [p.grad for p in params if p.grad is not None]
-            kept += [v for s in t.opt.state.values() for v in s.values()
-                     if isinstance(v, torch.Tensor)]
-            self.peak = (storage_bytes(kept) + self.counting.peak) / 1e9
-        return {"mem_gb": self.peak, "mem_reserved_gb": None}
-
-
-def storage_bytes(tensors):
-    """Bytes of the distinct storages behind the tensors: views of one buffer count once. None and
-    meta tensors, which hold no memory, are skipped."""
-    storages = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and not t.is_meta:
-            storage = t.untyped_storage()
-            storages[id(storage)] = storage  # held here, so ids stay distinct
-    return sum(s.nbytes() for s in storages.values())
-
-
-class StorageMode(TorchDispatchMode):
-    """A dispatch mode that also hears of every UntypedStorage.resize_ while active, through
-    resized(storage, bytes before). The pipeline frees what it sent that way (parallel/pp.py); no
-    finalizer sees it."""
-
-    def __enter__(self):
-        self.resize = resize = torch.UntypedStorage.resize_
-
-        def counted(storage, n):
-            before = storage.nbytes()
-            out = resize(storage, n)
-            self.resized(storage, before)
-            return out
-        torch.UntypedStorage.resize_ = counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self.resize
-        return super().__exit__(*exc)
-
-    def resized(self, storage, before):
-        raise NotImplementedError
-
-
-class LiveBytes(StorageMode):
-    """Bytes of the storages that ops create while it is active, from creation until freed or
-    resized; `peak` is the most at once. A finalizer on each storage marks its free."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def resized(self, storage, before):
-        key = id(storage)
-        if key in self.live:
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes() - before
-            self.peak = max(self.peak, self.now)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key, n = id(storage), storage.nbytes()
-            if n and key not in inputs and key not in self.live:  # not a view, not in place
-                self.live[key] = n
-                self.now += n
-                weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 # ---------------------------------------------------------------- profiler

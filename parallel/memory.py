@@ -5,7 +5,13 @@ over the device's memory less MARGIN), the dry run's expected column and the pla
 Measured against it: fake-CUDA rehearsals at full world size (tests/test_dry_run.py), fp32 CPU runs
 of every layout family (tests/test_plan_measured.py) and whole CPU runs (tests/test_runs.py).
 """
+import os
+import weakref
 from functools import lru_cache
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import model
 from parallel import ckpt
@@ -182,3 +188,109 @@ def fullest(moments):
     def covers(a, b):
         return a != b and all(x >= y for x, y in zip(flat[a], flat[b]))
     return tuple(m for m in moments if not any(covers(o, m) for o in moments))
+
+
+# ---------------------------------------------------------------- the device, and measured memory
+
+def device_memory(run):
+    """(bytes one rank may use, what they are): the GPU's memory, or on CPU the memory available
+    now, shared by the ranks on this machine."""
+    if run.backend == "nccl":
+        name = torch.cuda.get_device_name(run.device)
+        return torch.cuda.get_device_properties(run.device).total_memory, name
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available / run.ranks_here, f"this machine's available RAM / {run.ranks_here} rank(s)"
+
+
+class CPUMemory:
+    """mem_gb on CPU: the tensors the run keeps (weights, gradients, Adam's state) plus the peak of
+    what a step allocates, counted once, in the first step (every step is the same).
+    count=False (a compiled run): nothing is counted, mem_gb is None."""
+
+    def __init__(self, trainer, count=True):
+        self.trainer, self.peak, self.counting = trainer, None, LiveBytes() if count else None
+        if count:
+            self.counting.__enter__()
+
+    def gb(self):
+        if self.counting is None:
+            return {"mem_gb": None, "mem_reserved_gb": None}
+        if self.peak is None:
+            self.counting.__exit__(None, None, None)
+            t = self.trainer
+            params = list(t.wrapper.optim_params())
+            kept = params + [p.grad for p in params if p.grad is not None]
+            kept += [v for s in t.opt.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor)]
+            self.peak = (storage_bytes(kept) + self.counting.peak) / 1e9
+        return {"mem_gb": self.peak, "mem_reserved_gb": None}
+
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages behind the tensors: views of one buffer count once. None and
+    meta tensors, which hold no memory, are skipped."""
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            storage = t.untyped_storage()
+            storages[id(storage)] = storage  # held here, so ids stay distinct
+    return sum(s.nbytes() for s in storages.values())
+
+
+class StorageMode(TorchDispatchMode):
+    """A dispatch mode that also hears of every UntypedStorage.resize_ while active, through
+    resized(storage, bytes before). The pipeline frees what it sent that way (parallel/pp.py); no
+    finalizer sees it."""
+
+    def __enter__(self):
+        self.resize = resize = torch.UntypedStorage.resize_
+
+        def counted(storage, n):
+            before = storage.nbytes()
+            out = resize(storage, n)
+            self.resized(storage, before)
+            return out
+        torch.UntypedStorage.resize_ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self.resize
+        return super().__exit__(*exc)
+
+    def resized(self, storage, before):
+        raise NotImplementedError
+
+
+class LiveBytes(StorageMode):
+    """Bytes of the storages that ops create while it is active, from creation until freed or
+    resized; `peak` is the most at once. A finalizer on each storage marks its free."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def resized(self, storage, before):
+        key = id(storage)
+        if key in self.live:
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes() - before
+            self.peak = max(self.peak, self.now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, n = id(storage), storage.nbytes()
+            if n and key not in inputs and key not in self.live:  # not a view, not in place
+                self.live[key] = n
+                self.now += n
+                weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.now)
+        return out
