@@ -198,6 +198,65 @@ class Group:
                              async_op=False)
 
 
+class Uncounted:
+    """The counters of a Ring's twin Group for tp: its hops count nothing, the Ring counts the
+    collective they make."""
+
+    def add(self, kind, group, nbytes):
+        return None
+
+
+class Requests:
+    """One hop's p2p requests as one handle."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+class Ring:
+    """A group as a ring, for cp's ring attention and tp's rings: rank r sends to r+1 and receives
+    from r-1, one hop at a time, each hop an async batched p2p.
+
+    cp counts each hop as sends. tp (hops_counted=False) counts instead the all-gather or
+    reduce-scatter a run of hops makes (start, finish), and logs each hop with 0 bytes."""
+
+    def __init__(self, group, hops_counted=True):
+        self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.p2p = group if hops_counted else Group(group.name, group.ranks, group.pg,
+                                                    group.ranks[group.rank], Uncounted())
+
+    @torch.compiler.disable
+    def hop(self, sends):
+        """Sends each tensor to rank+1, receives one like it from rank-1: (received, a handle)."""
+        received = [torch.empty_like(t) for t in sends]
+        works = self.p2p.send_recv([(t, self.next) for t in sends],
+                                   [(t, self.prev) for t in received])
+        if self.p2p is self.group:
+            return received, Requests(works)
+        self.stats.log.append(("hop", self.group.name, 0))
+        index = len(self.stats.log) - 1
+        self.stats.timeline.append(("launch", index))
+        return received, Pending(Requests(works), self.stats, index)
+
+    @torch.compiler.disable
+    def start(self, kind, full_nbytes):
+        """Counts one all_gather or reduce_scatter of `full_nbytes`, as the group would; returns
+        its log index."""
+        if self.size == 1:
+            return None
+        return self.stats.add(kind, self.group.name, (self.size - 1) / self.size * full_nbytes)
+
+    @torch.compiler.disable
+    def finish(self, index):
+        if index is not None:
+            self.stats.timeline.append(("wait", index))
+
+
 def all_reduce_max(group, value, device="cpu"):
     """A Python float, maxed over the group: for flags and error checks, not counted as traffic."""
     t = torch.tensor([float(value)], device=device)

@@ -88,7 +88,6 @@ class DDP:
             for bucket in self.buckets:
                 for p, view in zip(bucket.params, bucket.views):
                     p.register_post_accumulate_grad_hook(self._hook(bucket, view))
-        self.launched_in_backward = 0  # buckets launched inside backward (tests read it)
 
     def _hook(self, bucket, view):
         def on_grad_ready(param):
@@ -98,7 +97,6 @@ class DDP:
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 bucket.launch(self.group)
-                self.launched_in_backward += 1
         return on_grad_ready
 
     def finish_grad_sync(self):
@@ -112,7 +110,6 @@ class DDP:
             if bucket.pending is not None:
                 bucket.finish()
         sync_tp_partial_grads(self.params, self.mesh)
-        self.launched_in_backward = 0
 
     def zero_grad(self):
         for bucket in self.buckets:

@@ -10,7 +10,7 @@ Overlap:  forward prefetches the next unit's gather, backward the previous one's
           is waited for after the next unit's backward (--no-overlap: at once).
 Memory:   16·N/g bytes of state, about 2 gathered units, one flat gradient of the largest unit.
 """
-from collections import Counter, namedtuple
+from collections import namedtuple
 
 import torch
 from torch import nn
@@ -132,7 +132,6 @@ class FSDP:
         self.keep_gathered = keep_gathered  # gathered once per step, not per micro-batch and pass
         self.reduce_dtype = reduce_dtype
         self.sync_grads = True  # the step's last backward of a chunk? HSDP then sums over replicas
-        self.all_gathers = Counter()  # {"forward": n, "backward": n}, by the pass that uses them
         self.reducing = None  # the unit whose reduce-scatter is in flight
         self.flat = None  # the flat gradient being reduced, sized for the largest unit
         self.reduced = set()  # units whose gradient shard holds some of this step's backwards
@@ -179,12 +178,12 @@ class FSDP:
     def before_forward(self, unit):
         """Gather the unit (prefetched, or now), attach its views, prefetch the next one."""
         recompute = in_backward()  # a checkpointed block's forward, run again in backward
-        self.all_gathers["backward" if recompute else "forward"] += unit.start_gather()
+        unit.start_gather()
         views = GatherUnit.apply(self, unit, *unit.params)  # waits for the all-gather
         if recompute:
             self.prefetch_backward(unit)
         elif self.overlap and unit in self.next_unit:
-            self.all_gathers["forward"] += self.next_unit[unit].start_gather()  # under this compute
+            self.next_unit[unit].start_gather()  # under this compute
         unit.attach(views)
 
     def after_forward(self, unit):
@@ -204,7 +203,7 @@ class FSDP:
         """Backward needs a weight: gather its unit again, and prefetch the one needed next."""
         if not isinstance(saved, SavedWeight):
             return saved
-        self.all_gathers["backward"] += saved.unit.start_gather()
+        saved.unit.start_gather()
         full = saved.unit.wait_gathered()
         self.prefetch_backward(saved.unit)
         return full.as_strided(saved.size, saved.stride, saved.offset)
@@ -215,7 +214,7 @@ class FSDP:
         prev = self.prev_unit.get(unit)
         embedding = prev is not None and prev.name == "embed_tokens"
         if self.overlap and prev is not None and not (embedding and self.sync_grads):
-            self.all_gathers["forward" if embedding else "backward"] += prev.start_gather()
+            prev.start_gather()
 
     # ---------------------------------------------------------------- reduce-scatter
     def after_backward(self, unit, grads):

@@ -152,7 +152,6 @@ class Pipeline:
         self.activation = ((batches[0][0].shape[0], T // chunk.seq_shards, chunk.cfg.d_model),
                            activation_dtype)
         self.loss = torch.zeros((), device=self.device)
-        self.max_in_flight = 0  # most activation sets alive at once (forwards awaiting B or W)
 
     def run(self, actions):
         """Runs the actions. Returns the summed local loss (nonzero on the last stage)."""
@@ -205,7 +204,6 @@ class Pipeline:
         if torch.is_grad_enabled():
             self.inputs[(a.chunk, a.mb)] = x
             self.alive.add((a.chunk, a.mb))  # its graph (or, after B, what its W needs) is held
-            self.max_in_flight = max(self.max_in_flight, len(self.alive))
         elif v == self.last:
             del self.outputs[(a.chunk, a.mb)]
 

@@ -1,7 +1,7 @@
 """Ring attention: exact causal attention on a sequence sharded over cp (cp.py's `ring`).
 
 Split:    rank r holds the queries and K,V of its sequence chunks (zigzag: r and 2CP-1-r of 2CP).
-Sends:    K,V hop around the ring (batch_isend_irecv to r+1, from r-1). Per layer and rank, with
+Sends:    K,V hop around the ring (comm.Ring: to r+1, from r-1). Per layer and rank, with
           K_r,V_r the local blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|). Backward: the same,
           plus CP hops of the fp32 dK,dV accumulator (Hkv heads). It travels with its block and
           ends back at the block's owner.
@@ -10,25 +10,98 @@ Overlap:  each hop starts before the attention of the block in hand. The dK,dV h
 Kernels:  every block call gets K,V with their own Hkv heads. The fused kernels share each kv head
           among its H/Hkv query heads. So does the math fallback (fp32 on CUDA): _by_kv_head.
           Per (query chunk, key chunk): an earlier key chunk is a full block. The same chunk is
-          causal; a later one is skipped. Under zigzag each step costs every rank half a block
-          (`flops` counts).
+          causal; a later one is skipped. Under zigzag each step costs every rank half a block.
 Merge:    online softmax of the blocks' (out_i, lse_i). lse = logaddexp(lse, lse_i);
           out = out·exp(lse_old - lse) + out_i·exp(lse_i - lse). Backward needs only the final
           out and lse. cp.py's allgather reuses both.
 Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence, never
           K,V per query head.
+The file reads top down: the ring, then the merge of blocks, then the kernels a block runs.
 """
 import torch
+
+from parallel.comm import Ring
 
 _ATEN = torch.ops.aten
 
 
-def has_op(name):
-    try:
-        getattr(_ATEN, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
+# ---------------------------------------------------------------- the ring
+
+class _RingAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attention):
+        ring, kernel = attention.ring, attention.kernel or pick_kernel(q)
+        cp, rank, layout = ring.size, ring.rank, attention.layout
+        mine = local_chunks(rank, cp, layout)
+        c = q.shape[2] // len(mine)  # tokens per chunk
+        kv = torch.stack([k, v])  # (2, B, Hkv, T, hd): one message per hop
+        out = running_output(q)  # .to(q.dtype) keeps its layout
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        aux = []
+        for step in range(cp):
+            src = (rank - step) % cp  # whose K,V are in hand
+            if step < cp - 1:  # the next block travels while this one is attended to
+                (arriving,), hop = ring.hop([kv])
+            blocks = _ring_blocks(mine, local_chunks(src, cp, layout), c)
+            aux.append(attend_blocks(q, kv, blocks, kernel, out, lse))
+            if step < cp - 1:
+                hop.wait()
+                kv = arriving
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attention, ctx.kernel, ctx.aux = attention, kernel, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, layout = ctx.attention.ring, ctx.attention.layout
+        cp, rank = ring.size, ring.rank
+        mine = local_chunks(rank, cp, layout)
+        c = q.shape[2] // len(mine)
+        kv = torch.stack([k, v])
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv_in_flight = None  # (hop, arriving accumulator, the one sent): held until waited for
+        for step in range(cp):
+            src = (rank - step) % cp
+            if step < cp - 1:
+                (arriving,), hop = ring.hop([kv])
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, T, hd)
+            attend_blocks_backward(dout, q, kv, out, lse,
+                                   _ring_blocks(mine, local_chunks(src, cp, layout), c),
+                                   ctx.kernel, ctx.aux[step], dq, dkv)
+            if dkv_in_flight:  # add this block's other ranks' contributions, then pass it on
+                dkv_in_flight[0].wait()
+                dkv += dkv_in_flight[1]
+            if cp > 1:
+                (buffer,), dkv_hop = ring.hop([dkv])
+                dkv_in_flight = (dkv_hop, buffer, dkv)
+            if step < cp - 1:
+                hop.wait()
+                kv = arriving
+        if dkv_in_flight:  # after CP hops our block's accumulator is back, with every rank's share
+            dkv_in_flight[0].wait()
+            dkv = dkv_in_flight[1]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class RingAttention:
+    """attend(q, k, v) for the cp group.
+
+    q (B, H, T_local, hd), k/v (B, Hkv, T_local, hd) -> (B, H, T_local, hd).
+    kernel: None picks the fused kernel for the device; "math" forces the fallback."""
+
+    def __init__(self, group, layout="zigzag", kernel=None):
+        self.ring, self.layout, self.kernel = Ring(group), layout, kernel
+
+    def __call__(self, q, k, v):
+        return _RingAttentionFn.apply(q, k.contiguous(), v.contiguous(), self)
+
+
+def _ring_blocks(mine, theirs, c):
+    """plan_blocks in rows of the local q and the K,V block in hand: [(q rows, k rows, causal)]."""
+    return [(slice(q_lo * c, q_hi * c), slice(0, k_hi * c), causal)
+            for q_lo, q_hi, k_hi, causal in plan_blocks(mine, theirs)]
 
 
 def local_chunks(rank, cp, layout="zigzag"):
@@ -57,7 +130,62 @@ def plan_blocks(q_chunks, k_chunks):
     return blocks
 
 
+# ---------------------------------------------------------------- blocks merged by log-sum-exp
+
+def running_output(q):
+    """The fp32 output the blocks merge into: (B, H, T, hd), laid out (B, T, H, hd) as a flash
+    kernel lays out its own. The model's o_proj input, y.transpose(1, 2), is then a view of it, and
+    backward saves one copy of the output, not two."""
+    B, H, T, hd = q.shape
+    return torch.zeros(B, T, H, hd, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+
+def attend_blocks(q, kv, blocks, kernel, out, lse):
+    """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)].
+
+    Each block's (out_i, lse_i) merges into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq).
+    Returns each call's aux."""
+    fwd, scale, aux = KERNELS[kernel][0], q.shape[-1] ** -0.5, []
+    for qs, ks, causal in blocks:
+        o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal,
+                            scale)
+        merged = torch.logaddexp(lse[:, :, qs], lse_i)  # (B, H, q rows)
+        out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged)[..., None]
+                         + o_i.float() * torch.exp(lse_i - merged)[..., None])
+        lse[:, :, qs] = merged
+        aux.append(a)
+    return aux
+
+
+def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
+    """attend_blocks' gradients from the final out and lse, added into fp32 dq (B, H, Tq, hd), dkv.
+
+    dkv is shaped like kv."""
+    bwd, scale = KERNELS[kernel][1], q.shape[-1] ** -0.5
+    for (qs, ks, causal), a in zip(blocks, aux):
+        dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
+                               kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs].contiguous(),
+                               lse[:, :, qs].contiguous(), causal, scale, a)
+        dq[:, :, qs] += dq_i
+        dkv[0, :, :, ks] += dk_i
+        dkv[1, :, :, ks] += dv_i
+
+
+def block_flops(q, blocks):
+    B, H, _, hd = q.shape
+    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd
+               * (0.5 if causal else 1.0) for qs, ks, causal in blocks)
+
+
 # ------------------------------------------ block kernels: q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd)
+
+def has_op(name):
+    try:
+        getattr(_ATEN, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
 
 def _flash_cuda_fwd(q, k, v, causal, scale):
     out, lse, *aux = _ATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
@@ -176,144 +304,6 @@ def pick_kernel(q):
             and has_op("_scaled_dot_product_flash_attention_for_cpu_backward")):
         return "flash_cpu"
     return "math"
-
-
-# ------------------------------------------ blocks merged by log-sum-exp (ring and allgather)
-
-def running_output(q):
-    """The fp32 output the blocks merge into: (B, H, T, hd), laid out (B, T, H, hd) as a flash
-    kernel lays out its own. The model's o_proj input, y.transpose(1, 2), is then a view of it, and
-    backward saves one copy of the output, not two."""
-    B, H, T, hd = q.shape
-    return torch.zeros(B, T, H, hd, dtype=torch.float32, device=q.device).transpose(1, 2)
-
-
-def attend_blocks(q, kv, blocks, kernel, out, lse):
-    """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)].
-
-    Each block's (out_i, lse_i) merges into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq).
-    Returns each call's aux."""
-    fwd, scale, aux = KERNELS[kernel][0], q.shape[-1] ** -0.5, []
-    for qs, ks, causal in blocks:
-        o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal,
-                            scale)
-        merged = torch.logaddexp(lse[:, :, qs], lse_i)  # (B, H, q rows)
-        out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged)[..., None]
-                         + o_i.float() * torch.exp(lse_i - merged)[..., None])
-        lse[:, :, qs] = merged
-        aux.append(a)
-    return aux
-
-
-def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
-    """attend_blocks' gradients from the final out and lse, added into fp32 dq (B, H, Tq, hd), dkv.
-
-    dkv is shaped like kv."""
-    bwd, scale = KERNELS[kernel][1], q.shape[-1] ** -0.5
-    for (qs, ks, causal), a in zip(blocks, aux):
-        dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
-                               kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs].contiguous(),
-                               lse[:, :, qs].contiguous(), causal, scale, a)
-        dq[:, :, qs] += dq_i
-        dkv[0, :, :, ks] += dk_i
-        dkv[1, :, :, ks] += dv_i
-
-
-def block_flops(q, blocks):
-    B, H, _, hd = q.shape
-    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd
-               * (0.5 if causal else 1.0) for qs, ks, causal in blocks)
-
-
-# ---------------------------------------------------------------- the ring
-
-def _ring_blocks(mine, theirs, c):
-    """plan_blocks in rows of the local q and the K,V block in hand: [(q rows, k rows, causal)]."""
-    return [(slice(q_lo * c, q_hi * c), slice(0, k_hi * c), causal)
-            for q_lo, q_hi, k_hi, causal in plan_blocks(mine, theirs)]
-
-
-class _RingAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ring):
-        group, kernel = ring.group, ring.kernel or pick_kernel(q)
-        cp, rank = group.size, group.rank
-        mine = local_chunks(rank, cp, ring.layout)
-        c = q.shape[2] // len(mine)  # tokens per chunk
-        kv = torch.stack([k, v])  # (2, B, Hkv, T, hd): one message per hop
-        out = running_output(q)  # .to(q.dtype) keeps its layout
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        aux = []
-        for step in range(cp):
-            src = (rank - step) % cp  # whose K,V are in hand
-            if step < cp - 1:
-                arriving = torch.empty_like(kv)
-                reqs = group.send_recv([(kv, (rank + 1) % cp)], [(arriving, (rank - 1) % cp)])
-            blocks = _ring_blocks(mine, local_chunks(src, cp, ring.layout), c)
-            aux.append(attend_blocks(q, kv, blocks, kernel, out, lse))
-            ring.flops += block_flops(q, blocks)
-            if step < cp - 1:
-                for r in reqs:
-                    r.wait()
-                kv = arriving
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.aux = ring, kernel, aux
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        group, layout = ring.group, ring.layout
-        cp, rank = group.size, group.rank
-        mine = local_chunks(rank, cp, layout)
-        c = q.shape[2] // len(mine)
-        kv = torch.stack([k, v])
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # (requests, arriving accumulator, the one sent): held until the hop is waited for
-        dkv_in_flight = None
-        for step in range(cp):
-            src = (rank - step) % cp
-            if step < cp - 1:
-                arriving = torch.empty_like(kv)
-                reqs = group.send_recv([(kv, (rank + 1) % cp)], [(arriving, (rank - 1) % cp)])
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, T, hd)
-            attend_blocks_backward(dout, q, kv, out, lse,
-                                   _ring_blocks(mine, local_chunks(src, cp, layout), c),
-                                   ctx.kernel, ctx.aux[step], dq, dkv)
-            if dkv_in_flight:  # add this block's other ranks' contributions, then pass it on
-                for r in dkv_in_flight[0]:
-                    r.wait()
-                dkv += dkv_in_flight[1]
-            if cp > 1:
-                buffer = torch.empty_like(dkv)
-                dkv_in_flight = (group.send_recv([(dkv, (rank + 1) % cp)],
-                                                 [(buffer, (rank - 1) % cp)]), buffer, dkv)
-            if step < cp - 1:
-                for r in reqs:
-                    r.wait()
-                kv = arriving
-        if dkv_in_flight:  # after CP hops our block's accumulator is back, with every rank's share
-            for r in dkv_in_flight[0]:
-                r.wait()
-            dkv = dkv_in_flight[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-
-
-class RingAttention:
-    """attend(q, k, v) for the cp group.
-
-    q (B, H, T_local, hd), k/v (B, Hkv, T_local, hd) -> (B, H, T_local, hd).
-    kernel: None picks the fused kernel for the device; "math" forces the fallback.
-    `flops` counts the attention run."""
-
-    def __init__(self, group, layout="zigzag", kernel=None):
-        self.group, self.layout, self.kernel = group, layout, kernel
-        self.flops = 0.0
-
-    def __call__(self, q, k, v):
-        return _RingAttentionFn.apply(q, k.contiguous(), v.contiguous(), self)
 
 
 # ---------------------------------------------------- traffic formulas (the planner's --code ours)

@@ -18,6 +18,7 @@ from data.loader import TokenLoader
 from data.metrics import read_metrics
 from data.prepare import prepared_folder
 from parallel.comm import global_grad_norm
+from tests.counting import all_reduces_launched, fsdp_gathers
 from tests.layouts import BASE, assert_same_losses
 from tests.wrapper_state import full_grads
 
@@ -35,10 +36,11 @@ def _first_step_and_losses(rank, world, flags, out_dir):
     wrapper = trainer.wrapper
     x, y = loader.get(0)
     mesh.stats.reset()
-    train.forward_backward(trainer, x, y)
-    launched_in_backward = getattr(wrapper, "launched_in_backward", None)
+    with fsdp_gathers() as all_gathers:
+        train.forward_backward(trainer, x, y)
+    launched_in_backward = all_reduces_launched(mesh) if args.dp_mode == "ddp" else None
     wrapper.finish_grad_sync()
-    calls, sent, all_gathers = dict(mesh.stats.calls), dict(mesh.stats.bytes), dict(getattr(wrapper, "all_gathers", {}))
+    calls, sent, all_gathers = dict(mesh.stats.calls), dict(mesh.stats.bytes), dict(all_gathers)
     grads = full_grads(wrapper)
     norm = global_grad_norm(wrapper.grads_for_norm(), mesh.world_group).item()
     result = dict(  # numpy, not tensors: tensors cross processes as file descriptors that die with the rank

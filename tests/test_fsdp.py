@@ -21,6 +21,7 @@ from parallel.fsdp import FSDP
 from parallel.hsdp import HSDP
 from parallel.materialize import init_weights, local_init
 from parallel.mesh import Mesh
+from tests.counting import fsdp_gathers
 from tests.memory import storage_bytes
 from tests.wrapper_state import full_state, load_full_state
 
@@ -85,11 +86,12 @@ def order_check(rank, world, mesh, overlap, policy="none"):
         block.register_forward_hook(lambda m, i, o, n=name: stats.log.append((f"forward done {n}", "", 0)))
         block.register_full_backward_hook(lambda m, gi, go, n=name: stats.log.append((f"backward done {n}", "", 0)))
     mesh.stats.reset()
-    gpt(*batch(rank)).backward()
+    with fsdp_gathers() as all_gathers:
+        gpt(*batch(rank)).backward()
     in_flight = len(stats.in_flight())
     fsdp.finish_grad_sync()
     return dict(log=[kind for kind, _, _ in mesh.stats.log], in_flight_after_backward=in_flight,
-                all_gathers=dict(fsdp.all_gathers))
+                all_gathers=dict(all_gathers))
 
 
 def overlap_check(rank, world, cls, mesh, micro_batches=2):

@@ -25,6 +25,7 @@ from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
+from tests.counting import InFlight
 from tests.layouts import BASE, assert_same_losses, exit_and_stderr
 from tests.pp_deadlock import check_no_deadlock
 
@@ -289,6 +290,10 @@ def tiny_pipeline(mesh, schedule, n_micro, virtual=1):
     return chunks, batches
 
 
+class TimedInFlight(TimedPipeline, InFlight):
+    """bench's clocked executor, noting the activation sets in flight too."""
+
+
 def _in_flight(rank, world):
     mesh = Mesh(rank, world, pp=world)
     out = {}
@@ -297,7 +302,7 @@ def _in_flight(rank, world):
         wrapper = DDP(torch.nn.ModuleList(chunks), mesh)
         mesh.stats.reset()
         _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper,
-                               runner=TimedPipeline)
+                               runner=TimedInFlight)
         out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s,
                          mesh.stats.bytes["send"], mesh.stats.calls["send"])
     return out
@@ -318,7 +323,7 @@ def _interleaved_in_flight(rank, world):
     mesh = Mesh(rank, world, pp=world)
     chunks, batches = tiny_pipeline(mesh, "interleaved", 4, virtual=2)
     return pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0,
-                      DDP(torch.nn.ModuleList(chunks), mesh))[1].max_in_flight
+                      DDP(torch.nn.ModuleList(chunks), mesh), runner=InFlight)[1].max_in_flight
 
 
 def test_interleaved_keeps_the_activation_sets_the_planner_counts():

@@ -18,6 +18,7 @@ from parallel import pp_schedule as S
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
 from parallel.mesh import LayoutError, Mesh
+from tests.counting import InFlight, all_reduces_launched
 from tests.layouts import exit_and_stderr
 from tests.test_pp import argv, fake_mesh, meta_gpt
 
@@ -106,8 +107,9 @@ def one_step(mesh, schedule, n_micro, policy="none"):
     gen = torch.Generator().manual_seed(mesh.coord["dp"])
     batches = [(torch.randint(0, 50, (1, 16), generator=gen), torch.randint(0, 50, (1, 16), generator=gen))
                for _ in range(n_micro)]
-    _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper)
-    launched = (wrapper.launched_in_backward, len(wrapper.buckets))
+    mesh.stats.reset()
+    _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper, runner=InFlight)
+    launched = (all_reduces_launched(mesh), len(wrapper.buckets))
     wrapper.finish_grad_sync()
     grads = {name.split(".", 1)[1]: p.grad.numpy().copy() for name, p in wrapper.module.named_parameters()}
     return grads, record.max_in_flight, launched, len(calls) / (n_micro * sum(len(c.layers) for c in chunks))
