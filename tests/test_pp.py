@@ -290,10 +290,6 @@ def tiny_pipeline(mesh, schedule, n_micro, virtual=1):
     return chunks, batches
 
 
-class TimedInFlight(TimedPipeline, InFlight):
-    """bench's clocked executor, noting the activation sets in flight too."""
-
-
 def _in_flight(rank, world):
     mesh = Mesh(rank, world, pp=world)
     out = {}
@@ -302,7 +298,7 @@ def _in_flight(rank, world):
         wrapper = DDP(torch.nn.ModuleList(chunks), mesh)
         mesh.stats.reset()
         _, record = pp.execute(chunks, mesh, batches, None, nullcontext(), torch.float32, 1.0, wrapper,
-                               runner=TimedInFlight)
+                               runner=TimedPipeline)
         out[schedule] = (record.max_in_flight, len(record.events), record.busy_s <= record.wall_s,
                          mesh.stats.bytes["send"], mesh.stats.calls["send"])
     return out

@@ -48,14 +48,17 @@ def _one_step(rank, world, mode, shard, cfg_fields, micro_batch, seed=1337):
     opt = train.make_adamw(wrapper.optim_params(), 1e-3, 0.1, "cpu")
     x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rank))
     mesh.stats.reset()
-    gpt(x[:, :-1], x[:, 1:]).backward()
+    loss = gpt(x[:, :-1], x[:, 1:])
+    forward = mesh.stats.calls["all_gather"]  # one micro-batch: each gather is used where it starts
+    loss.backward()
+    gathers = {"forward": forward, "backward": mesh.stats.calls["all_gather"] - forward} if mode != "ddp" else {}
     wrapper.finish_grad_sync()
     opt.step()
     params = wrapper.optim_params()
     moments = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
     return dict(param=storage_bytes(params), grad=storage_bytes(p.grad for p in params), adam=storage_bytes(moments),
                 sent=dict(mesh.stats.bytes), calls=dict(mesh.stats.calls),
-                gathers=dict(getattr(wrapper, "all_gathers", {})), units=len(getattr(wrapper, "units", [])))
+                gathers=gathers, units=len(getattr(wrapper, "units", [])))
 
 
 def theory_bytes(mode, world, shard, P, E):

@@ -60,9 +60,12 @@ class TimedPipeline(pp.Pipeline):
         self.wall_s = time.perf_counter() - self.t0
         return loss
 
+    max_in_flight = 0  # the most activation sets alive at once (forwards awaiting B or W)
+
     def compute(self, a, received):
         start = time.perf_counter()
         super().compute(a, received)
+        self.max_in_flight = max(self.max_in_flight, len(self.alive))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
