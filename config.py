@@ -1,25 +1,27 @@
-"""The run's configuration, resolved once, before a process group forms or a file is written.
+"""The run's configuration: each flag declared once, as a field of Run, resolved once, checked once.
 
     run = resolve(argv)                  # flags, launcher, device: one frozen Run
     spec = model_for(run, data_folder)   # the model it trains, checked against every constraint
 
-Bad input is one UsageError or LayoutError line (exit status 2).
+A field made with flag() is a command-line flag: its default, help and type live there, and the
+parser is built from the fields. The other fields are what resolve() derives. Bad input is one
+UsageError or LayoutError line (exit status 2).
 """
 import argparse
-import hashlib
 import math
 import os
-import tempfile
-from dataclasses import dataclass, fields
+from collections import namedtuple
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 import model
+from data.files import check_writable
 from data.hf import init_from
-from data.loader import data_identity, read_meta
-from data.run import holds_a_run
+from data.loader import read_meta
+from data.run import default_out, saved_config, saved_layout
 from parallel import ckpt, cp, fp8, memory, pp, tp
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
@@ -32,6 +34,7 @@ DP_MODES = ("ddp", "fsdp", "hsdp")
 
 class UsageError(ValueError):
     """A bad command line: printed as one line, exit status 2."""
+    exit_status = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -90,127 +93,128 @@ def layer_split(text):
     return counts
 
 
-# ---------------------------------------------------------------- the flags
+def flag(default, help, type=None, group=None, name=True, **options):
+    """A Run field that is a flag. name=False: it changes no number trained, so not the name."""
+    return field(default=default, metadata=dict(help=help, type=type, group=group, name=name,
+                                                options=options))
+
+
+ON, YES_NO = dict(action="store_true"), dict(action=argparse.BooleanOptionalAction)
+
+
+# ---------------------------------------------------------------- the flags, and the run
+
+@dataclass(frozen=True)
+class Run:
+    """The run, resolved: every flag with its default made concrete (None: decided by resolve),
+    and what the launcher and the machine decide. Frozen once resolve() returns."""
+    model: str = flag("tiny", ", ".join(model.PRESETS), one_of(model.PRESETS, "preset"), "model")
+    n_layer: Optional[int] = flag(None, "override the preset's field", positive_int)
+    d_model: Optional[int] = flag(None, "override the preset's field", positive_int)
+    n_head: Optional[int] = flag(None, "override the preset's field", positive_int)
+    n_kv_head: Optional[int] = flag(None, "override the preset's field", positive_int)
+    ffn_dim: Optional[int] = flag(None, "override the preset's field", positive_int)
+    vocab_size: Optional[int] = flag(None, "override the preset's field", positive_int)
+    seq_len: Optional[int] = flag(None, "override the preset's field", positive_int)
+    dropout: float = flag(0.0, "residual dropout (off by default)", probability)
+    data: Optional[str] = flag(None, "folder of token shards (default: the pystdlib corpus)",
+                               group="data and batch")
+    global_batch: int = flag(32, "sequences per optimizer step, all ranks", positive_int)
+    micro_batch: int = flag(8, "sequences per forward per dp rank; M = B / (b*dp)", positive_int)
+    steps: int = flag(100, "optimizer steps", positive_int, "optimization")
+    lr: float = flag(3e-3, "peak learning rate (0: measure, or check an import)", nonnegative_float)
+    min_lr: float = flag(3e-4, "learning rate at the end of the decay", nonnegative_float)
+    warmup: int = flag(20, "linear warmup steps", nonnegative_int)
+    schedule: str = flag("cosine", "after the warmup: cosine | wsd (stable, then --warmdown)",
+                         one_of(("cosine", "wsd"), "schedule"))
+    warmdown: Optional[int] = flag(None, "steps of wsd's final linear decay", positive_int)
+    weight_decay: float = flag(0.1, "AdamW's decay of the matrices", nonnegative_float)
+    grad_clip: float = flag(1.0, "clip the global gradient norm (0: off)", nonnegative_float)
+    seed: int = flag(1337, "seeds the weights and the batches", seed_int)
+    dtype: str = flag(None, "fp32 | bf16 | fp16 (loss scaling) | fp8 (block matmuls); default "
+                      "bf16 on CUDA, fp32 on CPU", one_of(DTYPES, "dtype"), "precision")
+    tf32: bool = flag(None, "TF32 for fp32 matmuls (default: on CUDA, not for fp32)", **YES_NO)
+    reduce_dtype: str = flag(None, "FSDP's reduce-scatter: fp32 (default) | bf16",
+                             one_of(("fp32", "bf16"), "dtype"))
+    fp8_all_gather: bool = flag(False, "FSDP/HSDP gather in fp8", **ON)
+    dp: int = flag(None, "data parallel degree (default: world / (tp*pp*cp))", positive_int,
+                   "layout")
+    dp_mode: str = flag("ddp", " | ".join(DP_MODES), one_of(DP_MODES, "mode"))
+    dp_shard: Optional[int] = flag(None, "HSDP's ranks that shard one replica", positive_int)
+    accumulate: str = flag(None, "FSDP/HSDP micro-batch gradients: sharded (default) | unsharded "
+                           "(one reduce-scatter a step)", one_of(("sharded", "unsharded"), "mode"))
+    tp: int = flag(1, "tensor parallel degree", positive_int)
+    sp: bool = flag(False, "sequence parallel (with --tp)", **ON)
+    sp_ring: bool = flag(False, "--sp's collectives as ring hops under the matmuls", **ON)
+    pp: int = flag(1, "pipeline parallel degree", positive_int)
+    pp_schedule: str = flag(None, f"{' | '.join(SCHEDULES)} (default 1f1b)",
+                            one_of(SCHEDULES, "schedule"))
+    pp_virtual: int = flag(1, "model chunks per pipeline rank (interleaved)", positive_int)
+    pp_split: Optional[tuple] = flag(None, "explicit layers per stage, e.g. 3,5", layer_split)
+    cp: int = flag(1, "context parallel degree", positive_int)
+    cp_mode: str = flag(None, f"{' | '.join(CP_MODES)} (default ring)", one_of(CP_MODES, "mode"))
+    ckpt: str = flag("none", f"activation checkpointing: {ckpt.POLICIES}", recompute_policy)
+    bucket_mb: float = flag(25.0, "DDP gradient bucket size in MB", nonnegative_float)
+    no_overlap: bool = flag(False, "ablation: no dp or tp communication overlap", **ON)
+    device: str = flag(None, "cpu | cuda (default: cuda if available)",
+                       one_of(("cpu", "cuda"), "device"), "device", name=False)
+    compile: bool = flag(None, "torch.compile the blocks (default: on CUDA)", **YES_NO)
+    peak_tflops: Optional[float] = flag(None, "MFU's peak (default: the device table)",
+                                        positive_float, name=False)
+    timeout: float = flag(600.0, "seconds a collective may wait after the first steps", seconds,
+                          name=False)
+    startup_timeout: float = flag(3600.0, "seconds it may wait before", seconds, name=False)
+    out: str = flag(None, "run folder (default: runs/NAME, NAME from the flags given)",
+                    group="outputs", name=False)
+    save_every: int = flag(0, "save every N steps (0: only at the end)", nonnegative_int,
+                           name=False)
+    resume: Optional[str] = flag(None, "go on from --out's newest save, in any layout (error if "
+                                 "none); auto: else start fresh", name=False, nargs="?",
+                                 const="latest", choices=["latest", "auto"])
+    init_from: Optional[str] = flag(None, "start from a Hugging Face Llama folder at step 0",
+                                    metavar="DIR")
+    keep: int = flag(2, "complete saves to keep (0: all)", nonnegative_int, name=False)
+    async_save: bool = flag(False, "write saves from a background thread", name=False, **ON)
+    eval_every: int = flag(0, "val loss every N steps (0: off)", nonnegative_int, name=False)
+    eval_batches: int = flag(None, "global batches per evaluation (default 4)", positive_int,
+                             name=False)
+    eval_tokens: Optional[int] = flag(None, "evaluate on the first N tokens of the val split",
+                                      positive_int, name=False)
+    target_loss: Optional[float] = flag(None, "the summary says when val loss first reached it",
+                                        positive_float, name=False)
+    log_every: int = flag(10, "print a console line every N steps (0: off)", nonnegative_int,
+                          name=False)
+    metrics: str = flag(None, "a JSON line per step, then the summary (default OUT/metrics.jsonl)",
+                        name=False)
+    profile: bool = flag(False, "a Chrome trace of steps 3-5 into --out", name=False, **ON)
+    # what resolve() derives: from the batch, the flags, and torchrun's environment
+    accum_steps: int = None  # M = B / (b·dp): micro-batches per rank and step, the pipeline's M
+    overlap: bool = None  # not --no-overlap
+    backend: str = None  # nccl or gloo
+    rank: int = 0  # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (else one process)
+    world: int = 1
+    local_rank: int = 0
+    ranks_here: int = 1
+    flags: dict = None  # the flags set to other than their defaults that change what is trained
+
+
+FLAGS = [f for f in fields(Run) if "help" in f.metadata]
+
 
 def parse_args(argv=None):
+    """The argparse namespace of a command line, its flags checked together."""
     p = OneLineParser(description="Train a Llama-style GPT on any (dp x pp x cp x tp) layout.",
                       epilog="Before you launch, rehearse: add --dry-run --world N to the command "
                              "(train.py --dry-run --help).",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model").add_argument
-    g("--model", default="tiny", type=one_of(model.PRESETS, "preset"),
-      help=f"preset: {', '.join(model.PRESETS)}")
-    for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size", "seq-len"):
-        g(f"--{name}", type=positive_int, help="override the preset's field")
-    g("--dropout", type=probability, default=0.0, help="residual dropout (off by default)")
-
-    g = p.add_argument_group("data and batch").add_argument
-    g("--data", help="folder of token shards (default: the pystdlib corpus, prepared on first use)")
-    g("--global-batch", type=positive_int, default=32,
-      help="sequences per optimizer step, all ranks")
-    g("--micro-batch", type=positive_int, default=8,
-      help="sequences per forward per dp rank; accumulation steps M = B / (b*dp)")
-
-    g = p.add_argument_group("optimization").add_argument
-    g("--steps", type=positive_int, default=100, help="optimizer steps")
-    g("--lr", type=nonnegative_float, default=3e-3,
-      help="peak learning rate (0: measure, or check an import)")
-    g("--min-lr", type=nonnegative_float, default=3e-4,
-      help="learning rate at the end of the cosine")
-    g("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
-    g("--schedule", default="cosine", type=one_of(("cosine", "wsd"), "schedule"),
-      help="after the warmup: cosine to --min-lr | wsd (warmup-stable-decay: --lr until the last "
-           "--warmdown steps, then linear to --min-lr)")
-    g("--warmdown", type=positive_int, help="steps of wsd's linear decay at the end of the run")
-    g("--weight-decay", type=nonnegative_float, default=0.1)
-    g("--grad-clip", type=nonnegative_float, default=1.0,
-      help="clip the global gradient norm (0: off)")
-    g("--seed", type=seed_int, default=1337, help="seeds the weights and the batches")
-
-    g = p.add_argument_group("precision").add_argument
-    g("--dtype", type=one_of(DTYPES, "dtype"),
-      help="compute precision: fp32 | bf16 | fp16 (loss scaling) | fp8 (bf16, block matmuls "
-           "in fp8); "
-           "default bf16 on CUDA, fp32 on CPU")
-    g("--tf32", action=argparse.BooleanOptionalAction,
-      help="TF32 for matmuls that stay fp32 (default: on with bf16, fp16, fp8 on CUDA; off for "
-           "fp32)")
-    g("--reduce-dtype", type=one_of(("fp32", "bf16"), "dtype"),
-      help="FSDP gradient reduce-scatter dtype: fp32 | bf16 (default fp32)")
-    g("--fp8-all-gather", action="store_true",
-      help="FSDP/HSDP gather block weights in fp8 (--dtype fp8)")
-
-    g = p.add_argument_group("layout").add_argument
-    g("--dp", type=positive_int, help="data parallel degree (default: world / (tp*pp*cp))")
-    g("--dp-mode", default="ddp", type=one_of(DP_MODES, "mode"), help=" | ".join(DP_MODES))
-    g("--dp-shard", type=positive_int, help="HSDP shard-group size (ranks that shard one replica)")
-    g("--accumulate", type=one_of(("sharded", "unsharded"), "mode"),
-      help="FSDP/HSDP micro-batch gradients: sharded (a reduce-scatter per micro-batch; the "
-           "default) | "
-           "unsharded (summed locally, one reduce-scatter per step, 4P bytes more)")
-    g("--tp", type=positive_int, default=1, help="tensor parallel degree")
-    g("--sp", action="store_true", help="sequence parallel (with --tp)")
-    g("--sp-ring", action="store_true",
-      help="--sp's collectives as ring hops under the matmuls (tp_ring.py; not yet measured on "
-           "GPUs)")
-    g("--pp", type=positive_int, default=1, help="pipeline parallel degree")
-    g("--pp-schedule", type=one_of(SCHEDULES, "schedule"),
-      help=f"{' | '.join(SCHEDULES)} (default 1f1b)")
-    g("--pp-virtual", type=positive_int, default=1,
-      help="model chunks per pipeline rank (interleaved)")
-    g("--pp-split", type=layer_split, help="explicit layers per stage, e.g. 3,5")
-    g("--cp", type=positive_int, default=1, help="context parallel degree")
-    g("--cp-mode", type=one_of(CP_MODES, "mode"), help=f"{' | '.join(CP_MODES)} (default ring)")
-    g("--ckpt", default="none", type=recompute_policy,
-      help=f"activation checkpointing: recompute activations in backward: {ckpt.POLICIES}")
-    g("--bucket-mb", type=nonnegative_float, default=25.0, help="DDP gradient bucket size in MB")
-    g("--no-overlap", action="store_true",
-      help="no communication overlap (ablation): dp gradient sync after backward, tp collectives "
-           "blocking")
-
-    g = p.add_argument_group("device").add_argument
-    g("--device", type=one_of(("cpu", "cuda"), "device"),
-      help="cpu | cuda (default: cuda if available)")
-    g("--compile", action=argparse.BooleanOptionalAction,
-      help="torch.compile each transformer block (default: on for cuda, off for cpu)")
-    g("--peak-tflops", type=positive_float, help="device peak for MFU (default: the device table)")
-    g("--timeout", type=seconds, default=600.0,
-      help="seconds a collective may wait once the first steps are done (a hung rank stops the "
-           "job)")
-    g("--startup-timeout", type=seconds, default=3600.0,
-      help="seconds a collective may wait during set-up, the first two steps and the first "
-           "evaluation")
-
-    g = p.add_argument_group("outputs").add_argument
-    g("--out",
-      help="run folder: saves, metrics, trace (default: runs/ and a name made of the flags that "
-      "differ from their defaults; a new one for a fresh run, the newest of that name for "
-      "--resume)")
-    g("--save-every", type=nonnegative_int, default=0,
-      help="save every N steps (0: only at the end)")
-    g("--resume", nargs="?", const="latest", choices=["latest", "auto"],
-      help="continue from the newest complete save in --out, in any layout (error if none); "
-           "--resume auto: start fresh if there is none (for torchrun --max-restarts)")
-    g("--init-from", metavar="DIR",
-      help="start from a Hugging Face Llama folder (config.json + safetensors) "
-      "at step 0 with a fresh optimizer; the shape flags must match config.json")
-    g("--keep", type=nonnegative_int, default=2, help="complete saves to keep (0: all)")
-    g("--async-save", action="store_true",
-      help="snapshot to CPU memory, write from a background thread")
-    g("--eval-every", type=nonnegative_int, default=0, help="val loss every N steps (0: off)")
-    g("--eval-batches", type=positive_int, help="global batches per evaluation (default 4)")
-    g("--eval-tokens", type=positive_int,
-      help="evaluate on exactly the first N tokens of the val split, the same slice every time "
-           "(N a multiple of global-batch x seq-len)")
-    g("--target-loss", type=positive_float,
-      help="the summary names the step, tokens and time at which the val loss first reached it")
-    g("--log-every", type=nonnegative_int, default=10,
-      help="print a console line every N steps (0: off)")
-    g("--metrics",
-      help="append a JSON line per step, and the run's summary at the end, to this file "
-      "(rank 0; default OUT/metrics.jsonl)")
-    g("--profile", action="store_true",
-      help="write a torch.profiler Chrome trace of steps 3-5 to --out")
+    group = p
+    for f in FLAGS:
+        meta, options = f.metadata, dict(f.metadata["options"], default=f.default)
+        if meta["group"]:
+            group = p.add_argument_group(meta["group"])
+        if meta["type"]:
+            options["type"] = meta["type"]
+        group.add_argument(f"--{f.name.replace('_', '-')}", help=meta["help"], **options)
     args = p.parse_args(argv)
     check_args(args)
     return args
@@ -261,89 +265,6 @@ def check_args(args):
                          f"{fp8.missing()}")
 
 
-# ---------------------------------------------------------------- the run
-
-@dataclass(frozen=True)
-class Run:
-    """The run, resolved: every flag with its default made concrete, and what the launcher and the
-    machine decide. Frozen: nothing changes it once resolve() returns."""
-    # the model (None: the preset's)
-    model: str
-    n_layer: Optional[int]
-    d_model: Optional[int]
-    n_head: Optional[int]
-    n_kv_head: Optional[int]
-    ffn_dim: Optional[int]
-    vocab_size: Optional[int]
-    seq_len: Optional[int]
-    dropout: float
-    # data and batch
-    data: Optional[str]
-    global_batch: int  # B: sequences per step
-    micro_batch: int  # b: sequences per forward on one dp rank
-    accum_steps: int  # M = B / (b·dp): micro-batches per rank and step, the pipeline's M
-    # optimization
-    steps: int
-    lr: float
-    min_lr: float
-    warmup: int
-    schedule: str  # cosine | wsd
-    warmdown: Optional[int]  # wsd: the steps of the final linear decay
-    weight_decay: float
-    grad_clip: float
-    seed: int
-    # precision
-    dtype: str  # bf16 on CUDA, fp32 on CPU unless given
-    tf32: bool  # on CUDA for bf16, fp16 and fp8 unless given; never for fp32 unless given
-    reduce_dtype: str
-    fp8_all_gather: bool
-    # layout
-    dp: int  # world / (tp·pp·cp) unless given
-    dp_mode: str
-    dp_shard: Optional[int]  # hsdp only
-    accumulate: str
-    tp: int
-    sp: bool
-    sp_ring: bool
-    pp: int
-    pp_schedule: str  # 1f1b unless given
-    pp_virtual: int
-    pp_split: Optional[tuple]
-    cp: int
-    cp_mode: str  # ring unless given
-    ckpt: str
-    bucket_mb: float
-    overlap: bool  # not --no-overlap
-    # device
-    device: str  # "cuda:<local rank>" or "cpu"
-    backend: str  # nccl or gloo
-    compile: bool  # on CUDA unless given
-    peak_tflops: Optional[float]
-    timeout: float
-    startup_timeout: float
-    # outputs
-    out: str
-    save_every: int
-    resume: Optional[str]
-    init_from: Optional[str]
-    keep: int
-    async_save: bool
-    eval_every: int
-    eval_batches: int  # 4 unless given, or --eval-tokens / (B·T)
-    eval_tokens: Optional[int]
-    target_loss: Optional[float]
-    log_every: int
-    metrics: str
-    profile: bool
-    # the launcher: torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (else one process)
-    rank: int
-    world: int
-    local_rank: int
-    ranks_here: int
-    # the flags that differ from their defaults and change what is trained: the run's name
-    flags: dict
-
-
 def resolve(argv=None, environ=None):
     """The frozen Run of this process: the flags (checked), torchrun's environment, the device."""
     environ = os.environ if environ is None else environ
@@ -368,7 +289,6 @@ def resolve(argv=None, environ=None):
     flags = given_flags(args)
     out = args.out or str(default_out(args.model, flags, args.resume))
     metrics = args.metrics or str(Path(out) / "metrics.jsonl")
-    given = {k: v for k, v in vars(args).items() if k in {f.name for f in fields(Run)}}
     derived = dict(
         accum_steps=accumulation_steps(args.global_batch, args.micro_batch, dp),
         eval_batches=eval_batches(args),
@@ -380,62 +300,18 @@ def resolve(argv=None, environ=None):
         compile=cuda if args.compile is None else args.compile, out=out, metrics=metrics,
         rank=rank, world=world, local_rank=local_rank,
         ranks_here=int(environ.get("LOCAL_WORLD_SIZE", 1)), flags=flags)
-    run = Run(**{**given, **derived})
+    run = Run(**{**vars(args), **derived})
     check_writable(run.out, "--out", folder=True)
     check_writable(run.metrics, "--metrics", folder=False)
     return run
 
 
-NOT_IN_NAME = {"out", "metrics", "resume", "log_every", "profile", "save_every", "keep",
-               "async_save", "eval_every", "eval_batches", "eval_tokens", "target_loss", "timeout",
-               "startup_timeout", "peak_tflops", "device"}  # they change no number trained
-
-
 def given_flags(args):
     """{flag: value} of the flags set to other than their defaults that change what is trained (a
     data folder or checkpoint by its name): the run's name, and how compare.py tells runs apart."""
-    defaults = vars(parse_args([]))
+    named = {f.name: f.default for f in FLAGS if f.metadata["name"]}
     return {k.replace("_", "-"): Path(v).name if k in ("data", "init_from") else v
-            for k, v in sorted(vars(args).items()) if k not in NOT_IN_NAME and v != defaults[k]}
-
-
-def default_out(preset, flags, resume, root=Path("runs")):
-    """runs/NAME: the preset and the given flags (hashed past 120 characters). A fresh run takes the
-    first of NAME, NAME-2, NAME-3, ... that holds no run; --resume the newest that exists."""
-    shown = [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in flags.items()
-             if k != "model"]
-    name = "-".join([preset] + shown).replace("/", "_")
-    if len(name) > 120:
-        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
-    names = [root / name] + [root / f"{name}-{i}" for i in range(2, 10_000)]
-    if resume:
-        existing = names[:next(i for i, p in enumerate(names) if not p.exists())]
-        return existing[-1] if existing else names[0]
-    for path in names:
-        if not path.exists() or not holds_a_run(path):
-            return path
-    raise UsageError(f"--out: {root / name} and 9,999 more of that name hold runs; choose --out")
-
-
-def check_writable(path, flag, folder):
-    """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
-    way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
-    path = Path(path)
-    try:
-        if path.exists() and path.is_dir() != folder:
-            raise UsageError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
-        parent = path if folder else path.parent
-        while not parent.exists():
-            parent = parent.parent
-    except OSError as e:  # a name too long for the file system
-        raise UsageError(f"{flag}: {path}: {e.strerror or e}") from None
-    if not parent.is_dir():
-        raise UsageError(f"{flag}: {parent} is a file, so {path} cannot be created")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write_probe_"):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
+            for k, v in sorted(vars(args).items()) if k in named and v != named[k]}
 
 
 def eval_batches(args):
@@ -459,15 +335,9 @@ def accumulation_steps(global_batch, micro_batch, dp):
 
 # ---------------------------------------------------------------- the model, with the data
 
-@dataclass(frozen=True)
-class Model:
-    """What the run trains: the config (flags, the data's vocabulary, --init-from's config.json) and
-    the Hugging Face weights to start from (None: the seeded init). A save records `config`, which
-    must match on --resume (model, data, tokenizer, optimization), and `layout`, which need not."""
-    cfg: model.ModelConfig
-    weights: object
-    config: dict
-    layout: dict
+# What the run trains: the config (flags, the data's vocabulary, --init-from's config.json), the
+# Hugging Face weights to start from (None: the seeded init), and what a save records of the run.
+Model = namedtuple("Model", "cfg weights config layout")
 
 
 def model_for(run, data_folder):
@@ -476,20 +346,8 @@ def model_for(run, data_folder):
     meta = read_meta(data_folder)
     cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
     check_layout(cfg, run)
-    check_fits(cfg, run)
-    train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
-             "steps")
-    config = {"model": dict(cfg.__dict__), "data": data_identity(data_folder),
-              "train": {**{k: getattr(run, k) for k in train},  # cosine: as before wsd existed
-                        **({"warmdown": run.warmdown} if run.schedule == "wsd" else {})},
-              "tokenizer": meta["tokenizer"],
-              **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
-    layout = {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp,
-              "dp_mode": run.dp_mode, "dp_shard": run.dp_shard or run.dp, "sp": run.sp,
-              "pp_schedule": run.pp_schedule, "pp_virtual": run.pp_virtual,
-              "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
-              "cp_mode": run.cp_mode}
-    return Model(cfg, weights, config, layout)
+    memory.check_fits(cfg, run)
+    return Model(cfg, weights, saved_config(cfg, run, data_folder, meta), saved_layout(run))
 
 
 def model_config(run, vocab_size):
@@ -519,23 +377,3 @@ def check_layout(cfg, run):
         cp.validate(cfg, run.cp, run.tp, run.cp_mode)
     if run.pp > 1:
         pp.layer_counts(cfg, run.pp, run.pp_virtual, run.accum_steps, run.pp_split, run.pp_schedule)
-
-
-def check_fits(cfg, run):
-    """Refuses a run whose step would not fit the device's memory less the margin, naming the
-    largest part and the flag that moves it."""
-    if cfg.vocab_size >= 2 ** 31:
-        raise UsageError(f"--vocab-size: {cfg.vocab_size} is past 2^31")
-    parts, (limit, where) = memory.step_bytes(cfg, run), memory.device_memory(run)
-    need = sum(parts.values())
-    if need > (1 - memory.MARGIN) * limit:
-        largest = max(parts, key=parts.get)
-        flag = {"activations": "--micro-batch", "logits": "--micro-batch",
-                "token ids": "--global-batch"}.get(largest, "--model")
-        shown = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts.items())
-        raise UsageError(f"{flag}: a step needs about {need / 1e9:.3g} GB per rank ({shown}), more "
-                         f"than {1 - memory.MARGIN:.0%} of the {limit / 1e9:.3g} GB of {where}; "
-                         "shard the model (--dp-mode fsdp, --tp, --pp), checkpoint (--ckpt), or "
-                         "shrink --micro-batch")
-
-

@@ -310,7 +310,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    activation = SwiGLU.apply  # --ckpt selective in a compiled block swaps it (parallel/ckpt.py)
+    activation = SwiGLU.apply  # compiled.py swaps it under --ckpt selective
 
     def __init__(self, cfg):
         super().__init__()

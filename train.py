@@ -8,16 +8,11 @@ data-parallel wrapper, which materializes this rank's weights -> the loop. The g
 step depends only on (seed, step), and the loss is the mean over all its tokens, so every layout
 trains the same model as one process.
 """
-import gc
-import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +22,11 @@ from torch import nn
 
 import config
 import model
-from config import DTYPES, UsageError
-from data import SaveError, TrainingFailure, metrics
-from data.loader import DataError, TokenLoader
+from config import DTYPES
+from data import metrics
+from data.loader import TokenLoader
 from data.prepare import prepared_folder
-from data.run import RunFolder
+from data.run import CtrlC, Hung, Interrupted, RunFolder, run_or_exit
 from parallel import (
     ckpt,
     compiled,
@@ -44,12 +39,11 @@ from parallel import (
     pp,
     pp_bw_split,
     tp,
-    tp_fused,
-    tp_ring,
+    tp_overlap,
 )
 from parallel.comm import global_grad_norm, replica_mean
 from parallel.materialize import local_init
-from parallel.mesh import LayoutError, Mesh, init_process_group, name_the_hang, timed_out
+from parallel.mesh import Mesh, init_process_group, name_the_hang, timed_out
 from parallel.pp_schedule import SPLIT_BACKWARD
 
 REPO = Path(__file__).resolve().parent
@@ -69,10 +63,12 @@ class Trainer:
     autocast: object
     micro_batch: int
     dtype: torch.dtype  # the compute dtype: matmul inputs, the residual stream, what is sent
+    applied: list  # a line for each parallelism and layer build() applied
 
 
 def build(cfg, mesh, run):
-    """(this rank's pipeline chunks, the data-parallel wrapper that owns their weights).
+    """(this rank's pipeline chunks, the data-parallel wrapper that owns their weights, one line
+    for each parallelism and layer applied).
 
     Each parallelism, then each optional layer the run asks for, changes the chunks on the meta
     device. The wrapper materializes this rank's part of the weights last.
@@ -84,13 +80,14 @@ def build(cfg, mesh, run):
         chunks = pp.split(full, mesh, run.accum_steps, run.pp_schedule, run.pp_virtual,
                           run.pp_split)
     zero_bubble = mesh.pp > 1 and run.pp_schedule in SPLIT_BACKWARD
+    fused = mesh.tp > 1 and run.dtype != "fp8" and not zero_bubble  # they need tp's plain path
     for chunk in chunks:
         if mesh.tp > 1:
             tp.parallelize(chunk, mesh, sequence_parallel=run.sp)
-            if run.dtype != "fp8" and not zero_bubble:  # they need tp's plain path
-                tp_fused.apply(chunk, overlap=run.overlap)
-            if run.sp_ring:
-                tp_ring.apply(chunk)
+        if fused:
+            tp_overlap.fuse_columns(chunk, overlap=run.overlap)
+        if run.sp_ring:
+            tp_overlap.rings(chunk)
         if mesh.cp > 1:
             cp.parallelize(chunk, mesh, mode=run.cp_mode)
         if run.dtype == "fp8":
@@ -115,20 +112,35 @@ def build(cfg, mesh, run):
                    overlap=run.overlap, **options)
     if run.fp8_all_gather:
         wrapper = fp8.gather_in_fp8(wrapper, mesh.tp_group)
-    return chunks, wrapper
+    g, k = mesh.dp_cp_group.size, mesh.shard_group.size
+    dp = {"ddp": f"ddp: {g} replica(s), {run.bucket_mb:g} MB buckets",
+          "fsdp": f"fsdp: model state sharded {g} ways", "hsdp": f"hsdp: {k} shards x {g // k}"}
+    said = [(mesh.pp > 1, f"pp: {mesh.pp} stages, {run.pp_schedule}, M = {run.accum_steps}"),
+            (mesh.tp > 1, f"tp: {mesh.tp}-way" + ", sequence parallel" * run.sp),
+            (fused, "tp_overlap: f and its column matmuls as one Function"),
+            (run.sp_ring, "tp_overlap: --sp's collectives as ring hops under the matmuls"),
+            (mesh.cp > 1, f"cp: {mesh.cp}-way, {run.cp_mode}"),
+            (run.dtype == "fp8", "fp8: the block matmuls" + ", the gathers" * run.fp8_all_gather),
+            (run.ckpt != "none", f"ckpt: {run.ckpt}"),
+            (zero_bubble, "pp_bw_split: each backward split into B and W"),
+            (run.compile, "compiled: the blocks, the embedding and the loss"),
+            (True, dp[run.dp_mode] + ", gradients synced after backward" * (1 - run.overlap)),
+            (run.accumulate == "unsharded", "fsdp_accumulate: one reduce-scatter a step")]
+    applied = [f"parallel/{line.replace(':', '.py:', 1)}" for on, line in said if on]
+    return chunks, wrapper, applied
 
 
 def prepare(run, cfg, mesh):
     """The Trainer of a resolved run: the model built and materialized, AdamW over the wrapper's
     fp32 tensors, the loss scaler (fp16) and the autocast of the compute dtype."""
     torch.manual_seed(run.seed)
-    chunks, wrapper = build(cfg, mesh, run)
+    chunks, wrapper, applied = build(cfg, mesh, run)
     device = torch.device(run.device)
     dtype = DTYPES[run.dtype]
     autocast = torch.autocast(device.type, dtype=dtype) if run.dtype != "fp32" else nullcontext()
     opt = make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
     scaler = LossScaler(run.dtype == "fp16", device)
-    return Trainer(chunks, wrapper, mesh, opt, scaler, autocast, run.micro_batch, dtype)
+    return Trainer(chunks, wrapper, mesh, opt, scaler, autocast, run.micro_batch, dtype, applied)
 
 
 # ---------------------------------------------------------------- AdamW, schedule, loss scale
@@ -225,20 +237,25 @@ def split_batch(x, y, micro_batch, mesh):
     return cp.shard_batches(batches, mesh) if mesh.cp > 1 else (batches, None)
 
 
-def forward_backward(trainer, x, y):
-    """Every micro-batch's forward and backward; returns their summed loss. A micro-batch's loss
-    is its local mean over M, and dp x cp average the gradients: the global batch's mean."""
+def forward_backward(trainer, x, y, total=None, backward=True):
+    """Every micro-batch's forward and backward (or forward alone); adds their losses into `total`
+    and returns it. A micro-batch's loss is its local mean over M, and dp x cp average the
+    gradients: the global batch's mean."""
     t = trainer
     batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
-    if t.mesh.pp > 1:  # the pipeline schedule runs them all
-        return pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast,
-                             t.scaler.scale, t.dtype)
-    total = torch.zeros((), device=x.device)
+    total = torch.zeros((), device=x.device) if total is None else total
+    if t.mesh.pp > 1 and backward:  # the pipeline schedule runs them all
+        return total.add_(pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions,
+                                        t.autocast, t.scaler.scale, t.dtype))
+    if t.mesh.pp > 1:
+        return total.add_(pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions,
+                                       t.autocast, t.dtype))
     for i, (xb, yb) in enumerate(batches):
         t.wrapper.sync_grads = i == len(batches) - 1  # the reduction runs in the last backward
         with t.autocast:
             loss = t.chunks[0](xb, yb, positions) / len(batches)
-        (loss * t.scaler.scale).backward()
+        if backward:
+            (loss * t.scaler.scale).backward()
         total += loss.detach()
     return total
 
@@ -269,19 +286,11 @@ def optimizer_step(trainer, loss, grad_clip):
 
 @torch.no_grad()
 def evaluate(trainer, loader, n_batches):
-    t = trainer
-    total = torch.zeros((), device=t.scaler.scale.device)
+    """The val loss: the global mean over n_batches global batches."""
+    total = torch.zeros((), device=trainer.scaler.scale.device)
     for step in range(n_batches):
-        x, y = loader.get(step)
-        batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
-        if t.mesh.pp > 1:
-            total += pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions, t.autocast,
-                                  t.dtype)
-            continue
-        for xb, yb in batches:
-            with t.autocast:
-                total += t.chunks[0](xb, yb, positions) / len(batches)
-    return replica_mean(total / n_batches, t.mesh).item()
+        forward_backward(trainer, *loader.get(step), total, backward=False)
+    return replica_mean(total / n_batches, trainer.mesh).item()
 
 
 def train(run):
@@ -308,7 +317,7 @@ def train(run):
         folder.close()
         raise
     if run.rank == 0:
-        print(f"run folder: {run.out}", flush=True)
+        print("\n".join(trainer.applied + [f"run folder: {run.out}"]), flush=True)
         if run.warmup >= run.steps:
             last = lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
             print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate never "
@@ -328,8 +337,12 @@ def train(run):
                 if row["bad_losses"] or (overflow and not trainer.scaler.enabled):
                     raise folder.non_finite(step + 1, row["loss"], row["grad_norm"])
                 if run.eval_every and (step + 1) % run.eval_every == 0:
-                    with startup_timeout(mesh, run, first=step + 1 == run.eval_every):
-                        row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
+                    first = step + 1 == run.eval_every  # it compiles again: a start-up wait
+                    if first:
+                        mesh.set_timeout(run.startup_timeout)
+                    row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
+                    if first:
+                        mesh.set_timeout(run.timeout)
                 if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
                     row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt,
                                                       trainer.scaler)
@@ -370,95 +383,6 @@ def start_distributed(run):
                            run.out)
     return Mesh(run.rank, run.world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp,
                 dp_shard=run.dp_shard, timeout_s=run.startup_timeout)
-
-
-class Interrupted(Exception):
-    """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
-
-
-class Hung(TrainingFailure):
-    """A collective timed out: one line naming it (exit 3). The process leaves at once: tearing
-    the process group down would wait on the peer that does not answer."""
-
-
-@contextmanager
-def startup_timeout(mesh, run, first):
-    """Runs a block under --startup-timeout if `first` (the first evaluation compiles again)."""
-    if first:
-        mesh.set_timeout(run.startup_timeout)
-    try:
-        yield
-    finally:
-        if first:
-            mesh.set_timeout(run.timeout)
-
-
-class CtrlC:
-    """While the loop runs, Ctrl-C ends the step in progress, then stops the run. A second one stops
-    it at once. (Raised at once, the first could land in a finalizer, where Python drops it.) Off
-    the main thread, or where SIGINT was ignored from the start, nothing changes."""
-
-    def __init__(self):
-        self.pressed, self.previous = False, None
-
-    def __enter__(self):
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self.previous = signal.signal(signal.SIGINT, self._press)
-        return self
-
-    def _press(self, signum, frame):
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed = True
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-
-
-def report_to_launcher(error):
-    """Under torchrun the error line also goes to this worker's error file. torchrun's report then
-    ends with it as the root cause."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        report = {"message": f"error: {error}", "timestamp": str(int(time.time()))}
-        Path(path).write_text(json.dumps(report))
-
-
-def run_or_exit(job):
-    """job()'s result; or, if it fails as a run can, one line on stderr and the exit status."""
-    joined = dist.is_initialized()  # a caller's process group (tests) outlives this run
-    hung = False
-    try:
-        return job()
-    except KeyboardInterrupt:
-        code, error = 130, "interrupted before training started; nothing was written"
-    except (UsageError, LayoutError, DataError, SaveError) as e:
-        code, error = 2, e
-    except Hung as e:
-        code, error, hung = 3, e, True
-    except TrainingFailure as e:
-        code, error = 3, e
-    except Interrupted as e:
-        code, error = 130, e
-    finally:
-        if not joined and dist.is_initialized() and not hung:
-            dist.destroy_process_group()
-            # The groups sit in reference cycles (hooks, modules, the mesh). Freed now, each joins
-            # its worker threads; left to the interpreter's exit, a worker that drops a tensor
-            # there needs the GIL and aborts the process ("terminate called without an active
-            # exception") after a run that succeeded.
-            gc.collect()
-    report_to_launcher(error)
-    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
-        print(f"error: {error}", file=sys.stderr)
-    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        time.sleep(1)  # torchrun stops every worker once one exits: let rank 0's line out first
-    if hung and not joined:
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def main(argv=None):

@@ -16,8 +16,11 @@ import json
 import os
 import signal
 import stat
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from data import SaveError
 
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
@@ -216,3 +219,24 @@ def interruptible():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def check_writable(path, flag, folder):
+    """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
+    way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
+    path = Path(path)
+    try:
+        if path.exists() and path.is_dir() != folder:
+            raise SaveError(f"{flag}: {path} is a {'file' if folder else 'folder'}")
+        parent = path if folder else path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:  # a name too long for the file system
+        raise SaveError(f"{flag}: {path}: {e.strerror or e}") from None
+    if not parent.is_dir():
+        raise SaveError(f"{flag}: {parent} is a file, so {path} cannot be created")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write_probe_"):
+            pass
+    except OSError as e:
+        raise SaveError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None

@@ -49,6 +49,7 @@ FINGERPRINT_BLOCKS, FINGERPRINT_BYTES = 16, 4096
 
 class DataError(Exception):
     """A data file or folder is missing or malformed. The message is one line naming it."""
+    exit_status = 2
 
 
 def write_shard(path, tokens):

@@ -41,16 +41,23 @@ Failures a long run must survive or stop on, with torchrun --max-restarts N and 
 - The last good save a stop names is the newest complete save that verifies
   (write.last_good_save).
 """
+import gc
 import hashlib
 import json
 import os
+import signal
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
+
+import torch.distributed as dist
 
 from data import SaveError, TrainingFailure
 from data.files import check_own_file, lock_folder, read_text, unlock_folder, write_json
 from data.hf import start_from
+from data.loader import data_identity
 from data.saves import (
     SAVE,
     Saved,
@@ -443,3 +450,116 @@ def check_fresh_run_folder(run_dir, config=None):
                         "pass --resume, or choose another --out")
 
 
+def default_out(preset, flags, resume, root=Path("runs")):
+    """runs/NAME: the preset and the given flags (hashed past 120 characters). A fresh run takes the
+    first of NAME, NAME-2, NAME-3, ... that holds no run; --resume the newest that exists."""
+    shown = [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in flags.items()
+             if k != "model"]
+    name = "-".join([preset] + shown).replace("/", "_")
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    names = [root / name] + [root / f"{name}-{i}" for i in range(2, 10_000)]
+    if resume:
+        existing = names[:next(i for i, p in enumerate(names) if not p.exists())]
+        return existing[-1] if existing else names[0]
+    for path in names:
+        if not path.exists() or not holds_a_run(path):
+            return path
+    raise SaveError(f"--out: {root / name} and 9,999 more of that name hold runs; choose --out")
+
+
+def saved_config(cfg, run, data_folder, meta):
+    """What a save records of the run that --resume must match: model, data, tokenizer and
+    optimization (--steps may grow)."""
+    train = ("global_batch", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
+             "steps")
+    return {"model": dict(cfg.__dict__), "data": data_identity(data_folder),
+            "train": {**{k: getattr(run, k) for k in train},  # cosine: as before wsd existed
+                      **({"warmdown": run.warmdown} if run.schedule == "wsd" else {})},
+            "tokenizer": meta["tokenizer"],
+            **{k: meta[k] for k in ("tokenizer_file",) if k in meta}}
+
+
+def saved_layout(run):
+    """The layout a save records, which a resume need not match."""
+    return {"world": run.world, "dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp,
+            "dp_mode": run.dp_mode, "dp_shard": run.dp_shard or run.dp, "sp": run.sp,
+            "pp_schedule": run.pp_schedule, "pp_virtual": run.pp_virtual,
+            "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
+            "cp_mode": run.cp_mode}
+
+
+# ---------------------------------------------------------------- how a run ends
+
+class Interrupted(Exception):
+    """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
+    exit_status = 130
+
+
+class Hung(TrainingFailure):
+    """A collective timed out: one line naming it (exit 3). The process leaves at once: tearing
+    the process group down would wait on the peer that does not answer."""
+
+
+class CtrlC:
+    """While the loop runs, Ctrl-C ends the step in progress, then stops the run. A second one stops
+    it at once. (Raised at once, the first could land in a finalizer, where Python drops it.) Off
+    the main thread, or where SIGINT was ignored from the start, nothing changes."""
+
+    def __init__(self):
+        self.pressed, self.previous = False, None
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def report_to_launcher(error):
+    """Under torchrun the error line also goes to this worker's error file. torchrun's report then
+    ends with it as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        report = {"message": f"error: {error}", "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps(report))
+
+
+def run_or_exit(job):
+    """job()'s result; or, if it fails as a run can, one line on stderr and its exit status: 2 bad
+    input, 3 a run that failed after it started, 130 Ctrl-C (each error class's exit_status)."""
+    joined = dist.is_initialized()  # a caller's process group (tests) outlives this run
+    error = None
+    try:
+        return job()
+    except KeyboardInterrupt:
+        code, error = 130, "interrupted before training started; nothing was written"
+    except Exception as e:
+        if getattr(e, "exit_status", None) is None:
+            raise
+        code, error = e.exit_status, e
+    finally:
+        if not joined and dist.is_initialized() and not isinstance(error, Hung):
+            dist.destroy_process_group()
+            # The groups sit in reference cycles (hooks, modules, the mesh). Freed now, each joins
+            # its worker threads; left to the interpreter's exit, a worker that drops a tensor
+            # there needs the GIL and aborts the process after a run that succeeded.
+            gc.collect()
+    report_to_launcher(error)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
+        print(f"error: {error}", file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        time.sleep(1)  # torchrun stops every worker once one exits: let rank 0's line out first
+    if isinstance(error, Hung) and not joined:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

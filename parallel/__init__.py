@@ -31,7 +31,7 @@
                    zero-bubble schedules).
      gather        on each FSDP unit: (unit) -> (full, handle, kept), an all-gather of its own
                    into `full`, a (padded,) buffer in the compute dtype. fp8.py gathers in e4m3.
-   tp_fused.py and tp_ring.py swap the classes of tp.py's modules: same parameters, other kernels.
+   tp_overlap.py swaps the classes of tp.py's modules: same parameters, other kernels.
 
 5. Saved-tensor rules (keep_saved below). A rule decides how a tensor that autograd saves for
    backward is kept: pack(t) returns t, or what to keep instead; unpack(kept) remakes t. FSDP keeps

@@ -12,7 +12,8 @@ Policies: full      every block alone: L boundaries stored, L blocks recomputed.
                     1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer that saves
                     2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual bytes, e: compute
                     dtype's), for three elementwise passes and no matmul. Megatron's selective
-                    recomputation, in spirit. Under --compile: selective_in_graph.
+                    recomputation, in spirit. Under --compile, compiled.py does the same inside
+                    the compiled blocks.
 Costs:    one more forward of each recomputed block, counted in HFU, not in MFU. Under tp it
           repeats the block's collectives. This file sends nothing; nothing overlaps.
 RNG:      checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
@@ -123,97 +124,10 @@ class CheckpointedLayers:
         return x
 
 
-# ---------------------------------------------------------------- selective in compiled blocks
-
-def norm_in_compute_dtype(norm, x):
-    """A norm's output as the matmuls reading it take it, autocast's cast included."""
-    y = model.RMSNorm.forward(norm, x)
-    return y.to(model.compute_dtype(y))
-
-
-class RecomputedNorm(model.RMSNorm):
-    """A norm compiled into one graph with its readers, as a checkpointed region.
-
-    The partitioner recomputes it in backward from its input instead of saving its output.
-    Run eagerly (dynamo declined the frame), it is a plain norm, and selective's rule applies."""
-
-    def forward(self, x):
-        if not torch.compiler.is_compiling():
-            return super().forward(x)
-        return checkpoint(norm_in_compute_dtype, self, x, use_reentrant=False)
-
-
-def run_eagerly(cls):
-    """cls with its forward outside any graph: a compiled block breaks its graph around it."""
-    return type(cls.__name__, (cls,), {"forward": torch.compiler.disable(cls.forward)})
-
-
-def recomputed_swiglu(gate, up):
-    """MLP.activation compiled into one graph with down_proj: a region, as RecomputedNorm."""
-    if not torch.compiler.is_compiling():
-        return model.SwiGLU.apply(gate, up)
-    return checkpoint(model.SwiGLU.apply, gate, up, use_reentrant=False)
-
-
-eager_swiglu = torch.compiler.disable(model.SwiGLU.apply)  # MLP.activation, its reader eager
-
-
-def how_compiled(module):
-    """How a block's attention or MLP compiles: "apart", "fp8" or "whole".
-
-    "apart": tp's or cp's collectives break the graph inside it, or the zero-bubble split's
-    deferred weight gradients do. "fp8": fp8's matmul hook, traced whole when no group reduces
-    its amaxes; it is left to the partitioner. "whole": model.py's linears and attention, one
-    graph with the norm in front."""
-    linears = [m for m in module.modules() if isinstance(m, model.Linear)]
-    if (any(type(linear) is not model.Linear or linear.weight_grads is not None
-            for linear in linears)
-            or getattr(module, "attend", model.causal_attention) is not model.causal_attention):
-        return "apart"
-    return "fp8" if any(linear.matmul is not None for linear in linears) else "whole"
-
-
-def selective_in_graph(chunk):
-    """--ckpt selective for blocks about to be compiled, after every layer is applied.
-
-    Inside a graph the compiler's partitioner, not autograd, decides what is saved. The rule
-    above never sees a norm's or SwiGLU's output. The partitioner keeps one a matmul's backward
-    reads, and a graph keeps its inputs as they came. So where a norm's readers compile into one
-    graph with it, the norm (autocast's cast included) and SwiGLU become checkpointed regions.
-    The partitioner recomputes those. Where tp's or cp's collectives break that graph, the norm
-    or SwiGLU and the linears reading it run eagerly. The rule then takes their outputs, as in
-    an eager run. fp8's matmuls are left to the partitioner."""
-    eager = {}  # one eager class per class in this chunk: its blocks keep sharing compiled graphs
-
-    def run_apart(*modules):
-        for module in modules:
-            if type(module) not in eager:
-                eager[type(module)] = run_eagerly(type(module))
-            module.__class__ = eager[type(module)]
-    for block in chunk.layers.values():
-        attn, mlp = block.self_attn, block.mlp
-        for norm, module, readers in ((block.input_layernorm, attn,
-                                       (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                      (block.post_attention_layernorm, mlp,
-                                       (mlp.gate_proj, mlp.up_proj))):
-            how = how_compiled(module)
-            if how == "whole":
-                norm.__class__ = RecomputedNorm
-            elif how == "apart":
-                run_apart(norm, *readers)
-        how = how_compiled(mlp)
-        if how == "whole":
-            mlp.activation = recomputed_swiglu
-        elif how == "apart":
-            mlp.activation = eager_swiglu
-            run_apart(mlp.down_proj)
-
-
 def apply(chunk, policy):
     """Swaps the chunk's run_layers for the checkpointed one. Parameter names are untouched.
 
-    selective instead adds the rule that recomputes the norms' and SwiGLU's outputs.
-    selective_in_graph adds what compiled blocks need."""
+    selective instead adds the rule that recomputes the norms' and SwiGLU's outputs."""
     kind = parse(policy)[0]
     if kind == "selective":
         keep_saved(chunk, pack_recomputable, unpack_recomputable)

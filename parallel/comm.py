@@ -233,15 +233,15 @@ class Ring:
     @torch.compiler.disable
     def hop(self, sends):
         """Sends each tensor to rank+1, receives one like it from rank-1: (received, a handle)."""
-        received = [torch.empty_like(t) for t in sends]
+        received, counted = [torch.empty_like(t) for t in sends], self.p2p is self.group
+        if not counted:  # tp: logged with 0 bytes, its wait timed
+            self.stats.log.append(("hop", self.group.name, 0))
+            self.stats.timeline.append(("launch", len(self.stats.log) - 1))
         works = self.p2p.send_recv([(t, self.next) for t in sends],
                                    [(t, self.prev) for t in received])
-        if self.p2p is self.group:
+        if counted:
             return received, Requests(works)
-        self.stats.log.append(("hop", self.group.name, 0))
-        index = len(self.stats.log) - 1
-        self.stats.timeline.append(("launch", index))
-        return received, Pending(Requests(works), self.stats, index)
+        return received, Pending(Requests(works), self.stats, len(self.stats.log) - 1)
 
     @torch.compiler.disable
     def start(self, kind, full_nbytes):

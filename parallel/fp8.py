@@ -24,8 +24,8 @@ x per linear. Transients of 1 byte/element: the casts, the column-major copies f
 Under --fp8-all-gather, also a unit arriving (gather_in_fp8).
 Time: per linear and step, 3 amax passes (x, W, dY) and 5 casts. Backward casts x and W again,
 with no second amax. Add 3 transposed fp8 copies; torch.compile fuses them all. Under tp or cp,
-add the tiny blocking reductions. --sp's rings (tp_ring.py) stay off. Under fp8 each sp gather and
-reduce-scatter is one call, and backward keeps the gathered input.
+add the tiny blocking reductions. --sp's rings (tp_overlap.py) stay off. Under fp8 each sp gather
+and reduce-scatter is one call, and backward keeps the gathered input.
 """
 import math
 from functools import partial

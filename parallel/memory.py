@@ -16,11 +16,30 @@ from torch.utils._pytree import tree_leaves
 import model
 from parallel import ckpt
 from parallel import pp_schedule as S
+from parallel.mesh import LayoutError
 from parallel.pp import layer_counts
 
 # What fake tensors cannot see, kept free of every device: the CUDA context and NCCL's buffers
 # (about 1-2 GB on an H100), and the caching allocator's fragmentation.
 MARGIN = 0.10
+
+
+def check_fits(cfg, run):
+    """Refuses a run whose step would not fit the device's memory less the margin, naming the
+    largest part and the flag that moves it."""
+    if cfg.vocab_size >= 2 ** 31:
+        raise LayoutError("--vocab-size", f"{cfg.vocab_size} is past 2^31")
+    parts, (limit, where) = step_bytes(cfg, run), device_memory(run)
+    need = sum(parts.values())
+    if need > (1 - MARGIN) * limit:
+        largest = max(parts, key=parts.get)
+        flag = {"activations": "--micro-batch", "logits": "--micro-batch",
+                "token ids": "--global-batch"}.get(largest, "--model")
+        shown = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts.items())
+        raise LayoutError(flag, f"a step needs about {need / 1e9:.3g} GB per rank ({shown}), "
+                                f"more than {1 - MARGIN:.0%} of the {limit / 1e9:.3g} GB of "
+                                f"{where}; shard the model (--dp-mode fsdp, --tp, --pp), "
+                                "checkpoint (--ckpt), or shrink --micro-batch")
 
 
 def step_bytes(cfg, run):

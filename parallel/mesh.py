@@ -25,7 +25,8 @@ SET_TIMEOUT = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout  # olde
 
 
 class LayoutError(ValueError):
-    """A bad parallel layout. `flag` names the command-line flag at fault."""
+    """A bad parallel layout. `flag` names the command-line flag at fault. Exit status 2."""
+    exit_status = 2
 
     def __init__(self, flag, message):
         super().__init__(f"{flag}: {message}")

@@ -6,8 +6,9 @@ Split:    q, k, v, gate, up by output features (whole heads); o, down by input f
 Sends:    f enters a sublayer (identity forward, all-reduce backward); g leaves it (all-reduce
           forward). Per layer and micro-batch: 4 all-reduces of (b, T, d), 4·2(t-1)/t·b·T·d·e bytes.
           --sp turns each into an all-gather and a reduce-scatter along the sequence: same bytes.
-Overlap:  none here: every collective blocks, so tp stays on one server. tp_fused.py runs f's
-          reduction under the weight-gradient matmuls; tp_ring.py cuts --sp's into ring hops.
+Overlap:  none here: every collective blocks. What runs by default is tp_overlap.py's fused f and
+          column matmuls over these modules, f's reduction under the weight-gradient matmuls
+          (not under fp8 or zb1/zbv); --sp-ring cuts --sp's collectives into ring hops there.
 Memory:   weights, gradients, Adam state, attention and MLP activations / t. --sp: the residual
           stream and the norms / t too. Logits are (tokens, V/t): no (tokens, V) tensor exists.
 """
@@ -260,7 +261,7 @@ def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
 
 
 def activation_collectives(layers, embedding, head, sequence_parallel, recompute):
-    """(tokens, d) collectives per micro-batch as build() runs them (with tp_fused.py).
+    """(tokens, d) collectives per micro-batch as build() runs them (with tp_overlap.fuse_columns).
 
     An all-reduce counts 2. A block: 8 (sp 10, the column inputs gathered again), +2 recomputed
     (sp 3). The embedding 2, the head 2 (sp 3).

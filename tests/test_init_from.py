@@ -69,7 +69,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
     cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
     mesh = train.start_distributed(run)
-    chunks, wrapper = train.build(cfg, mesh, run)
+    chunks, wrapper, _ = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
     with torch.no_grad():
         if mesh.pp == 1:

@@ -1,12 +1,12 @@
 """The optional layers plug in through the hooks parallel/__init__.py documents, and touch nothing else: fp8.apply
-sets `matmul`, pp_bw_split.apply `weight_grads`, tp_ring.apply swaps the sp modules' class (adding `ring`), and
+sets `matmul`, pp_bw_split.apply `weight_grads`, tp_overlap.rings swaps the sp modules' class (adding `ring`), and
 fp8.gather_in_fp8 sets each block unit's `gather`. Checked on meta-device models, no process group needed."""
 import pytest
 import torch
 from torch import nn
 
 import model
-from parallel import fp8, fsdp, pp_bw_split, tp, tp_ring
+from parallel import fp8, fsdp, pp_bw_split, tp, tp_overlap
 from parallel.materialize import local_init
 from parallel.mesh import Mesh
 
@@ -44,7 +44,7 @@ LAYERS = {
     "fp8 (tp 2, sp)": (2, True, lambda gpt: fp8.apply(gpt), {"matmul"}),
     "zero-bubble split (one process)": (1, False, pp_bw_split.apply, {"weight_grads"}),
     "zero-bubble split (tp 2, sp)": (2, True, pp_bw_split.apply, {"weight_grads"}),
-    "tp ring (tp 2, sp)": (2, True, tp_ring.apply, {"class", "ring"}),
+    "tp ring (tp 2, sp)": (2, True, tp_overlap.rings, {"class", "ring"}),
 }
 
 
@@ -63,7 +63,7 @@ def test_an_optional_layer_sets_its_hook_and_nothing_else(name):
 def test_the_ring_layer_switches_only_sequence_parallel_modules():
     gpt = meta_gpt(2, sp=False)
     before = state(gpt)
-    tp_ring.apply(gpt)
+    tp_overlap.rings(gpt)
     assert changes(before, state(gpt)) == set()
 
 

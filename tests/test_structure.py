@@ -61,7 +61,7 @@ PLAIN = {  # each parallelism: the file holding its plain algorithm, what a read
     "tensor parallel": "parallel/tp.py", "pipeline parallel": "parallel/pp.py",
     "context parallel": "parallel/cp.py", "activation checkpointing": "parallel/ckpt.py",
 }
-LAYERS = ("parallel/tp_fused.py", "parallel/tp_ring.py", "parallel/pp_bw_split.py", "parallel/fsdp_accumulate.py",
+LAYERS = ("parallel/tp_overlap.py", "parallel/pp_bw_split.py", "parallel/fsdp_accumulate.py",
           "parallel/compiled.py", "parallel/fp8.py")  # each switched in by a flag or a mode
 BUDGET = {"FSDP": 345, "pipeline parallel": 305}  # lines a reader reads for one parallelism's plain path: 300;
 # FSDP's unit (a flat buffer cut into shards), gather-and-free with its prefetch both ways, the reduce-scatter, and the

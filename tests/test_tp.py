@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model
 import train
 from bench.ranks import run_ranks
-from parallel import tp, tp_fused, tp_ring
+from parallel import tp, tp_overlap
 from parallel.comm import ALL_GATHER
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
@@ -139,9 +139,9 @@ def _tp_gpt(mesh, cfg, sequence_parallel, seed=0, overlap=True):
         m = model.GPT(cfg)
     if mesh.tp > 1:
         tp.parallelize(m, mesh, sequence_parallel=sequence_parallel)
-        tp_fused.apply(m, overlap=overlap)  # as train.py
+        tp_overlap.fuse_columns(m, overlap=overlap)  # as train.py
         if sequence_parallel and overlap:
-            tp_ring.apply(m)  # as train.py with --sp-ring: --sp's collectives as ring hops
+            tp_overlap.rings(m)  # as train.py with --sp-ring: --sp's collectives as ring hops
     return init_weights(m, seed, "cpu")
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallel's communication overlap (parallel/tp_fused.py, parallel/tp_ring.py), read from the collective layer.
+"""Tensor parallel's communication overlap (parallel/tp_overlap.py), read from the collective layer.
 
 A TorchDispatchMode records every matmul and every p2p send of one forward and backward, each stamped with how many
 entries the comm layer's timeline (launches and waits) had then, so a collective's window (launch to wait) holds
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
 from bench.ranks import run_ranks
-from parallel import ckpt, has_tp_partial_grad, tp, tp_fused, tp_ring, tp_shard_of
+from parallel import ckpt, has_tp_partial_grad, tp, tp_overlap, tp_shard_of
 from parallel.materialize import init_weights
 from parallel.mesh import Mesh
 from tests.jobs import Failed, run_jobs
@@ -49,9 +49,9 @@ def _gpt(mesh, sp, overlap, policy="none"):
         m = model.GPT(CFG)
     if mesh.tp > 1:  # as train.py builds it; the ring as with --sp-ring
         tp.parallelize(m, mesh, sequence_parallel=sp)
-        tp_fused.apply(m, overlap=overlap)
+        tp_overlap.fuse_columns(m, overlap=overlap)
         if sp and overlap:
-            tp_ring.apply(m)
+            tp_overlap.rings(m)
     return init_weights(ckpt.apply(m, policy), 0, "cpu")
 
 

@@ -17,6 +17,7 @@ import model
 import train
 from bench.ranks import free_port
 from data.metrics import read_metrics
+from parallel import ckpt
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,3 +219,45 @@ def test_a_full_disk_under_the_metrics_is_one_line_exit_3(tmp_path):
     assert line.startswith(f"error: --metrics: cannot write {metrics}: File too large"), line
     rows = [r for r in read_metrics(metrics)[0] if r]
     assert rows and all(r["step"] == i + 1 for i, r in enumerate(rows))
+
+
+# ---------------------------------------------------------------- build says what runs
+
+def layers_in(chunks, wrapper):
+    """The parallel/ files whose code the built chunks and wrapper run, once per layer, read from the modules."""
+    modules = [m for c in chunks for m in c.modules()]
+    kinds = {type(m).__module__.split(".")[-1] for m in modules} - {"tp_overlap"}
+    for cls in type(wrapper).__mro__:  # the wrapper, and under a layer's subclass the class it extends
+        kinds.add(cls.__module__.split(".")[-1])
+        if kinds & {"ddp", "fsdp", "hsdp"}:
+            break
+    found = sorted(kinds & {"tp", "ddp", "fsdp", "hsdp", "fsdp_accumulate"})
+    for layer, present in (
+            ("tp_overlap", any(type(m).__name__ == "ColumnReader" for m in modules)),  # fused f
+            ("tp_overlap", any(hasattr(m, "ring") for m in modules)),  # and its rings
+            ("cp", any(getattr(m, "attend", model.causal_attention) is not model.causal_attention for m in modules)),
+            ("fp8", any(getattr(m, "matmul", None) is not None for m in modules)),
+            ("pp_bw_split", any(getattr(m, "weight_grads", None) is not None for m in modules)),
+            ("ckpt", any(c.run_layers is not model.run_layers or (ckpt.pack_recomputable, ckpt.unpack_recomputable)
+                         in vars(c).get("saved_rules", []) for c in chunks)),
+            ("pp", any(hasattr(c, "pipeline") for c in chunks))):
+        if present:
+            found.append(layer)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("flags, world", [
+    (["--tp", "2", "--sp"], 2), (["--tp", "2", "--sp", "--sp-ring"], 2),
+    (["--tp", "2", "--pp", "2", "--pp-schedule", "zb1", "--micro-batch", "2"], 4),
+    (["--dp-mode", "fsdp", "--cp", "2", "--ckpt", "selective"], 4),
+    (["--dp-mode", "hsdp", "--dp-shard", "2", "--accumulate", "unsharded", "--micro-batch", "2"], 4),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--pp-virtual", "2", "--n-layer", "8", "--ckpt", "full"], 2)])
+def test_build_says_in_one_line_each_parallelism_and_layer_it_applied(flags, world):
+    """A user sees which page's code runs: the fused tp path, the rings, the B/W split. The lines name the files
+    whose modules the built model holds, each once, and nothing else."""
+    run = train.config.resolve(BASE + ["--out", "unused"] + flags, environ={"WORLD_SIZE": str(world)})
+    cfg = train.config.model_config(run, 257)
+    mesh = train.Mesh(0, world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp, dp_shard=run.dp_shard)
+    chunks, wrapper, applied = train.build(cfg, mesh, run)
+    named = [line.split(".py:")[0].removeprefix("parallel/") for line in applied]
+    assert sorted(named) == layers_in(chunks, wrapper), applied

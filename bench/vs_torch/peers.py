@@ -1,7 +1,7 @@
 """The tensor- and pipeline-parallel peers of bench/vs_torch: ours against torch's on the same split of the same
 model (same initial weights, same batches, fp32, gloo CPU ranks).
 
-TP (2 ranks):  ours = parallel.tp.parallelize(chunk, mesh, sequence_parallel=sp) + tp_fused under our DDP
+TP (2 ranks):  ours = parallel.tp.parallelize(chunk, mesh, sequence_parallel=sp) + tp_overlap.fuse_columns under our DDP
                wrapper (dp 1: it only sums the sp norms' partial gradients over tp); torch = parallelize_module
                with ColwiseParallel (q, k, v, gate, up, lm_head), RowwiseParallel (o, down; the embedding
                row-wise, i.e. vocab-parallel like ours), SequenceParallel norms and PrepareModuleInput gathers
@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 import model
 import train
-from parallel import pp, tp, tp_fused, tp_ring
+from parallel import pp, tp, tp_overlap
 from parallel.ddp import DDP
 from parallel.materialize import init_weights
 from parallel.mesh import Mesh
@@ -69,15 +69,15 @@ def torch_cross_entropy(logits, targets):
 
 def build_tp(impl, cfg, rank, world, seed, sp, ring=False):
     """(model, optimizer params, our wrapper or None, loss context) for ours or torch's tensor parallelism. ring: ours
-    with tp_ring's overlapped sp collectives (train.py --sp-ring)."""
+    with tp_overlap's rings for the sp collectives (train.py --sp-ring)."""
     with torch.device("meta"):
         gpt = model.GPT(cfg)
     if impl == "ours-tp":
         mesh = Mesh(rank, world, tp=world)
         tp.parallelize(gpt, mesh, sequence_parallel=sp)
-        tp_fused.apply(gpt)
+        tp_overlap.fuse_columns(gpt)
         if ring:
-            tp_ring.apply(gpt)
+            tp_overlap.rings(gpt)
         init_weights(gpt, seed, "cpu")
         wrapper = DDP(nn.ModuleList([gpt]), mesh)
         return gpt, wrapper.optim_params(), wrapper, nullcontext

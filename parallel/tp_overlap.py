@@ -1,100 +1,130 @@
-"""A layer on tensor parallel under --sp: its sequence collectives cut into ring hops under matmuls.
+"""Layers on tensor parallel (tp.py) that hide its collectives under its matmuls.
 
---sp-ring switches it in: apply(chunk) runs after tp.parallelize and tp_fused.apply. It changes how
-the tp modules run, not what they hold: same parameters, same names, same bytes.
+build() applies `fuse` after tp.parallelize whenever --tp is on (not under fp8 or zb1/zbv, which
+keep tp's plain path), and `rings` on top of it under --sp-ring. Both swap the classes of tp.py's
+modules, as torch's parametrize does: parameters, names, tags and bytes sent stay.
 
-Ring:     rank r sends to r+1 and receives from r-1. An all-gather of t sequence blocks is t-1
-          hops, each passing on the chunk in hand. A reduce-scatter is t-1 hops of an accumulator:
-          each rank adds its share of the block it is bound for. A hop is one async batched p2p,
-          launched before its step's matmuls and waited for after them. On a GPU the bytes move
-          on the communication stream while the compute stream multiplies.
-Uses:     column forward: each gathered chunk times every weight, while the next one travels.
-          Row forward: the partial output for one destination block, while the last accumulator
-          travels. Column backward: the input gradient is reduce-scattered and the input gathered
-          again, in the same hops. The weight gradients run under the last hop. Row backward: each
-          chunk of the output gradient times the weight and the saved input, as it travels.
-Bytes:    t-1 hops of 1/t of the tensor: (t-1)/t of it per rank, the collective's bytes. The comm
-          layer counts each ring once, as that collective. The hops go through an uncounted twin
-          of the tp Group and are logged with 0 bytes.
-Memory:   per ring, one chunk (1/t of the tensor) arrives while one is in use. That is on top of
-          what the collective held.
+fuse:     f and the column matmuls that read one input (q, k, v; gate, up; lm_head) become one
+          Function. Backward sums the readers' input gradients once; that sum's all-reduce runs
+          under the weight-gradient matmuls (--no-overlap: it blocks). Under --sp only this rank's
+          block of the input is saved and backward gathers it again: 2L+1 more all-gathers of
+          (b, T, d) a step, 1/4 more bytes.
+rings:    --sp's all-gathers and reduce-scatters cut into t-1 hops of a comm.Ring, each launched
+          before its step's matmuls and waited for after them. Column forward: each gathered chunk
+          times every weight while the next one travels. Row forward: the partial output for one
+          destination block while the last accumulator travels. Column backward: the input
+          gradient is reduce-scattered and the input gathered again in the same hops, the weight
+          gradients under the last hop. Row backward: each chunk of the output gradient times the
+          weight and the saved input as it travels. t-1 hops of 1/t of the tensor: the
+          collective's bytes, counted once as that collective. Memory: one chunk arrives while one
+          is in use, on top of what the collective held.
 """
+from collections import namedtuple
+
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
 from model import RMSNorm
-from parallel.comm import Group, Pending
-from parallel.tp import RowParallelLinear
-from parallel.tp_fused import ColumnInput, FusedNormThenEnter
+from parallel.comm import Ring
+from parallel.tp import (
+    ColumnParallelLinear,
+    NormThenEnterTP,
+    RowParallelLinear,
+    all_gather_seq,
+    reduce_scatter_seq,
+)
+
+# What a fused norm hands its readers: their outputs (B, T, out/t) in slot order; the input's shape.
+ColumnInput = namedtuple("ColumnInput", "shape outputs")
 
 
-class Uncounted:
-    """The counters of a Ring's twin Group: hops count nothing. The Ring counts the collective."""
-
-    def add(self, kind, group, nbytes):
-        return None
-
-
-class Requests:
-    """One hop's p2p requests as one handle for comm.Pending, which waits and records the wait."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
+def input_grad(grads, weights, dtype, rows=slice(None)):
+    """Σ_j dy_j[:, rows] · W_j summed in `dtype` (the input's): this rank's part of the input's
+    gradient."""
+    parts = [(g[:, rows] @ w.to(g.dtype)).to(dtype) for g, w in zip(grads, weights)]  # (B, r, d)
+    return sum(parts[1:], parts[0])
 
 
-class Ring:
-    """The tp group as a ring.
+# ---------------------------------------------------------------- fuse: f with the column matmuls
 
-    `start` counts a logical collective. `hop` passes tensors on. `finish` records its end."""
+class ColumnParallel(Function):
+    """f fused with the column matmuls that read x: y_j = x · W_jᵀ, each (B, T, out_j/t).
 
-    def __init__(self, group):
-        self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
-        self.p2p = Group(group.name, group.ranks, group.pg, group.ranks[group.rank], Uncounted())
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+    x is the replicated (B, T, d), or under --sp this rank's block (B, T/t, d). The block is
+    gathered in forward and again in backward. Backward reduces the summed input gradient under
+    the weight-gradient matmuls.
+    """
 
-    @torch.compiler.disable
-    def start(self, kind, full_nbytes):
-        """Counts one all_gather or reduce_scatter of `full_nbytes`, as the comm layer would.
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, overlap, *weights):
+        ctx.group, ctx.sp, ctx.overlap = group, sequence_parallel, overlap
+        ctx.save_for_backward(x, *weights)
+        full = all_gather_seq(group, x) if sequence_parallel else x  # (B, T, d)
+        return tuple(F.linear(full, w) for w in weights)
 
-        Returns its log index."""
-        if self.size == 1:
-            return None
-        return self.stats.add(kind, self.group.name, (self.size - 1) / self.size * full_nbytes)
+    @staticmethod
+    def backward(ctx, *grads):  # dy_j: (B, T, out_j/t)
+        x, *weights = ctx.saved_tensors
+        full = all_gather_seq(ctx.group, x) if ctx.sp else x  # (B, T, d)
+        grad_x = input_grad(grads, weights, x.dtype)  # (B, T, d)
+        pending = None
+        if ctx.sp:
+            grad_x = reduce_scatter_seq(ctx.group, grad_x)  # (B, T/t, d)
+        else:  # in place: grad_x is new, and nothing else refers to it
+            pending = ctx.group.all_reduce(grad_x, async_op=ctx.overlap)
+        rows = full.flatten(0, 1)
+        grads_w = [g.flatten(0, 1).t() @ rows.to(g.dtype) for g in grads]  # (out_j/t, d)
+        if pending is not None:
+            pending.wait()  # the all-reduce travelled under the weight-gradient matmuls
+        return grad_x, None, None, None, *grads_w
 
-    @torch.compiler.disable
-    def finish(self, index):
-        if index is not None:
-            self.stats.timeline.append(("wait", index))
 
-    @torch.compiler.disable
-    def hop(self, sends):
-        """Sends each tensor to rank+1, receives one like it from rank-1: (received, a handle)."""
-        received = [torch.empty_like(t) for t in sends]
-        self.stats.log.append(("hop", self.group.name, 0))
-        index = len(self.stats.log) - 1
-        self.stats.timeline.append(("launch", index))
-        works = self.p2p.send_recv([(t, self.next) for t in sends],
-                                   [(t, self.prev) for t in received])
-        return received, Pending(Requests(works), self.stats, index)
+class FusedNormThenEnter(NormThenEnterTP):
+    """tp.NormThenEnterTP whose f runs with its readers' matmuls: returns their ColumnInput."""
 
+    def forward(self, x):
+        h = RMSNorm.forward(self, x)  # (B, T, d), or this rank's block (B, T/t, d) under --sp
+        B, T, d = h.shape
+        shape = (B, T * self.group.size if self.sequence_parallel else T, d)
+        weights = [r.weight for r in self.readers]
+        sp = self.sequence_parallel
+        outputs = ColumnParallel.apply(h, self.group, sp, self.overlap, *weights)
+        return ColumnInput(shape, outputs)
+
+
+class ColumnReader(ColumnParallelLinear):
+    """tp.ColumnParallelLinear whose product the fused norm in front computed: it picks its slot."""
+
+    def forward(self, x):
+        return x.outputs[self.slot]  # (B, T, out/t)
+
+
+def fuse(norm, readers, overlap):
+    norm.__class__, norm.readers, norm.overlap = FusedNormThenEnter, readers, overlap
+    for slot, reader in enumerate(readers):
+        reader.__class__, reader.slot = ColumnReader, slot
+
+
+def fuse_columns(chunk, overlap=True):
+    """Fuses each norm of a tp-parallelized chunk with the column linears that read it, in place.
+    Like torch's parametrize it swaps classes: parameters, names and tags stay. overlap=False
+    (--no-overlap): the input gradient's all-reduce blocks."""
+    for block in chunk.layers.values():
+        attn, mlp = block.self_attn, block.mlp
+        fuse(block.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], overlap)
+        fuse(block.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], overlap)
+    if chunk.lm_head is not None:
+        fuse(chunk.norm, [chunk.lm_head], overlap)
+    return chunk
+
+
+# ---------------------------------------------------------------- rings: --sp-ring
 
 def block(i, t, n):
     """The sequence positions of block i (mod t) of t blocks of n."""
     i %= t
     return slice(i * n, (i + 1) * n)
-
-
-def input_grad(grads, weights, rows, dtype):
-    """Σ_j dy_j[:, rows] · W_j, summed in `dtype` (the input's).
-
-    This rank's part of the input gradient's block."""
-    parts = [(g[:, rows] @ w).to(dtype) for g, w in zip(grads, weights)]  # (B, rows, d) each
-    return sum(parts[1:], parts[0])
 
 
 def gather_then_multiply(ring, x, weights):
@@ -155,7 +185,7 @@ def scatter_input_grads(ring, x, grads, weights):
         received, hop = ring.hop(sends)
         full[:, block(r - s, t, n)] = chunk
         # (B, T/t, d), while they travel
-        mine = input_grad(grads, weights, block(r - s - 1, t, n), x.dtype)
+        mine = input_grad(grads, weights, x.dtype, block(r - s - 1, t, n))
         if s == t - 1:  # x is whole: the weight gradients run under the last hop
             weight_grads = [g.flatten(0, 1).t() @ full.flatten(0, 1) for g in grads]  # (out_j, d)
         hop.wait()
@@ -191,8 +221,6 @@ def gather_then_grads(ring, grad, h, weight):
     ring.finish(index)
     return grad_h, grad_w
 
-
-# -------------------------------------------------------------- the Functions and modules on rings
 
 class RingColumnParallel(Function):
     """tp's column parallel under --sp, its gathers and reduce-scatter as rings.
@@ -248,7 +276,7 @@ class RowParallelRing(Function):
 
 
 class RingNormThenEnter(FusedNormThenEnter):
-    """tp_fused.FusedNormThenEnter whose column matmuls ride RingColumnParallel."""
+    """FusedNormThenEnter whose column matmuls ride RingColumnParallel."""
 
     def forward(self, x):
         h = RMSNorm.forward(self, x)  # this rank's block (B, T/t, d)
@@ -267,7 +295,7 @@ class RingRowParallelLinear(RowParallelLinear):
         return RowParallelRing.apply(x, self.weight, self.ring, saved[0])
 
 
-def apply(chunk):
+def rings(chunk):
     """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place.
 
     Like torch's parametrize, it swaps each module's class: the parameters, their names and tags
@@ -276,5 +304,5 @@ def apply(chunk):
         kind = {FusedNormThenEnter: RingNormThenEnter,
                 RowParallelLinear: RingRowParallelLinear}.get(type(module))
         if kind is not None and module.sequence_parallel:
-            module.__class__, module.ring = kind, Ring(module.group)
+            module.__class__, module.ring = kind, Ring(module.group, hops_counted=False)
     return chunk
