@@ -190,6 +190,31 @@ def test_no_folder_imports_a_folder_that_imports_it_back():
     assert not back, f"folders that import each other: {back}"
 
 
+ROOMS = {  # each room, and the rooms it may import: one way, bench on top and model.py at the ground
+    "model": set(), "parallel": {"model"}, "data": {"model", "parallel"},
+    "config": {"model", "parallel", "data"}, "train": {"config", "model", "parallel", "data"},
+    "sample": {"config", "model", "parallel", "data", "train"},
+    "bench": {"config", "model", "parallel", "data", "train", "sample"}}
+
+
+def room_of(name):
+    return name.split(".")[0].removesuffix(".py")
+
+
+def test_imports_flow_one_way_between_the_rooms():
+    """model.py imports nothing of the project; parallel/ model.py; data/ those two; config.py those three;
+    train.py and sample.py those; bench/ anything, and nothing imports bench/."""
+    wrong = []
+    for path in PYTHON:
+        room = room_of(path.relative_to(REPO).parts[0])
+        if room == "tests":
+            continue
+        assert room in ROOMS, f"{path.relative_to(REPO)} is in no room of the house"
+        used = {room_of(m) for m in imported_modules(path) if m} & set(ROOMS) - {room}
+        wrong += [f"{path.relative_to(REPO)} imports {r}" for r in sorted(used - ROOMS[room])]
+    assert not wrong, wrong
+
+
 SYMBOLS = set("NLdfTbMegPVEKRtc")  # the README's symbols (N parameters, M micro-batches, ...)
 
 
