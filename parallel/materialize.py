@@ -64,11 +64,6 @@ def local_init(name, param, cfg, seed, flat=None, out=None):
     return out.view(param.shape) if whole else out
 
 
-def full_init(name, shape, cfg, seed):
-    """A whole weight's initial value (one process, tests)."""
-    return local_init(name, torch.empty(shape, device="meta"), cfg, seed)
-
-
 @torch.no_grad()
 def materialize(module, device, init_param):
     """Meta parameters -> real ones on `device`, each filled by init_param(name, param, out=view).

@@ -171,12 +171,6 @@ def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
         dkv[1, :, :, ks] += dv_i
 
 
-def block_flops(q, blocks):
-    B, H, _, hd = q.shape
-    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd
-               * (0.5 if causal else 1.0) for qs, ks, causal in blocks)
-
-
 # ------------------------------------------ block kernels: q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd)
 
 def has_op(name):

@@ -39,12 +39,19 @@ def make_attend(mesh, name):
     return CP.make_attend(mesh, name)
 
 
+def block_flops(q, blocks):
+    """The attention FLOPs of q's blocks [(q rows, k rows, causal)]: a causal block does half."""
+    B, H, _, hd = q.shape
+    return sum(4 * B * H * (qs.stop - qs.start) * (ks.stop - ks.start) * hd * (0.5 if causal else 1.0)
+               for qs, ks, causal in blocks)
+
+
 def counting_ring_flops(flops):
     """ring_attention.attend_blocks, appending the FLOPs of the blocks each call attends to."""
     attend_blocks = ring_attention.attend_blocks
 
     def counted(q, kv, blocks, *args):
-        flops.append(ring_attention.block_flops(q, blocks))
+        flops.append(block_flops(q, blocks))
         return attend_blocks(q, kv, blocks, *args)
     return mock.patch.object(ring_attention, "attend_blocks", counted)
 
