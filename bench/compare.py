@@ -20,14 +20,14 @@ drawn as its last run. matplotlib is a tooling dependency (requirements-dev.txt)
 table still prints; training never imports this file.
 """
 import argparse
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench import common
 from bench.common import markdown_table
 from bench.planner.layout import Cluster, Layout, invalid
 from bench.planner.plan import error_bars
-from config import OneLineParser, UsageError
+from config import UsageError
 from data.metrics import PEAK_TFLOPS, read_metrics
 from model import ModelConfig
 from parallel import ckpt
@@ -197,29 +197,21 @@ def plot(paths, out):
     return fig
 
 
+@common.command
 def main(argv=None):
-    parser = OneLineParser(description=__doc__.splitlines()[0],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, results=False)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("runs", nargs="+", help="run folders (or their metrics files)")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="also draw the runs' curves into this PNG")
-    try:
-        args = parser.parse_args(argv)
-        if args.plot and not args.plot.lower().endswith(".png"):
-            raise UsageError(f"--plot: {args.plot!r} is not a .png file name")
-        if args.plot and Figure is None:
-            raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
-        print(markdown_table(*table(args.runs)))
-        for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
-            print(line)
-        if args.plot:
-            plot(args.runs, args.plot)
-            print(f"wrote {args.plot}")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the runs' curves into this PNG")
+    args = parser.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot: {args.plot!r} is not a .png file name")
+    if args.plot and Figure is None:
+        raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
+    print(markdown_table(*table(args.runs)))
+    for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
+        print(line)
+    if args.plot:
+        plot(args.runs, args.plot)
+        print(f"wrote {args.plot}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

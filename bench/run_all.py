@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench import common
 from bench.cluster.net import can_admin_net
-from config import OneLineParser, UsageError, positive_float
+from config import UsageError, positive_float
 
 QUESTIONS = {
     "L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
@@ -323,8 +323,9 @@ def selected(only):
     return [s for s in REGISTRY if not only or any(o in names(s) for o in only)]
 
 
+@common.command
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--only", action="append", help="run only the scripts of this name (repeatable; --list shows them)")
     p.add_argument("--list", action="store_true", help="print the registry and exit")
     p.add_argument("--quick", action="store_true",
@@ -335,12 +336,8 @@ def main(argv=None):
     p.add_argument("--index-only", action="store_true", help="rebuild INDEX.md from answers.json, run nothing")
     p.add_argument("--budget-scale", type=positive_float, default=1.0,
                    help="multiply every script's budget (a slow or shared machine); --budget-min still caps the run")
-    try:
-        args = p.parse_args(argv)
-        todo = selected(args.only)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    todo = selected(args.only)
     gpu = common.has_cuda()
     if args.list:
         for s in REGISTRY:
@@ -398,7 +395,3 @@ def main(argv=None):
     index = write_index(results, answers, statuses)
     print(f"wrote {shown(index)}", flush=True)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,7 +29,7 @@ from bench import common
 from bench.cluster.net import Net, can_admin_net
 from bench.cluster.report import JOBS, LAYOUTS, MODEL, OPS, report
 from bench.ranks import free_port
-from config import OneLineParser, UsageError, nonnegative_float, nonnegative_int, positive_float, positive_int
+from config import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 WORKER = ["-m", "bench.cluster.worker"]  # what torchrun starts in every node
 SIZES = [16, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
@@ -113,8 +113,9 @@ def run_jobs(args, log):
         return results, net.shaping, net.cpu_share
 
 
+@common.command
 def main(argv=None):
-    ap = common.add_common_args(OneLineParser(description=__doc__.split("\n")[0]))
+    ap = common.parser(__doc__)
     ap.add_argument("--nodes", type=int, default=2, choices=[2], help="emulated nodes (the layouts are for 2)")
     ap.add_argument("--ranks", type=int, default=2, choices=[2], help="ranks per node")
     ap.add_argument("--gbit", type=positive_float, default=1.0, help="each node's link, Gbit/s each way")
@@ -123,11 +124,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=positive_int, default=4, help="timed steps per layout per round")
     ap.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
     ap.add_argument("--timeout", type=positive_float, default=240, help="seconds one job may take")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = ap.parse_args(argv)
     if not can_admin_net():
         print("skipped: python -m bench.cluster needs root (CAP_NET_ADMIN) to make network namespaces")
         return 0
@@ -140,7 +137,3 @@ def main(argv=None):
     claims = report(results, args, shaping, cpu_share, Path(args.out))
     print("\n".join(f"{claim}: {'yes' if ok else 'NO'}" for claim, ok in claims.items()))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,6 @@ import json
 import math
 import shlex
 import statistics
-import sys
 from pathlib import Path
 
 from bench import common
@@ -197,13 +196,11 @@ def report(results, args, shaping, cpu_share, out):
     return claims
 
 
+@common.command
 def main(argv=None):
-    path = (argv if argv is not None else sys.argv[1:]) or ["bench/results/logs/cluster.json"]
-    for name, (step, wait, bill) in replan(json.loads(Path(path[0]).read_text())).items():
+    p = common.parser(__doc__, results=False)
+    p.add_argument("results", nargs="?", default="bench/results/logs/cluster.json", help="python -m bench.cluster's")
+    for name, (step, wait, bill) in replan(json.loads(Path(p.parse_args(argv).results).read_text())).items():
         terms = " ".join(f"{k} {v:.3f}" for k, v in bill.items() if v and k not in ("total", "mfu", "hfu"))
         print(f"{name:30} measured {step:.3f} s (exposed comm {wait:.3f}), planner {bill['total']:.3f} s "
               f"({bill['total'] / step - 1:+.0%}): {terms}")
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,6 @@ The spec (JSON) names the tasks, in order, and rank 0 writes every result to --o
 "order": "interleaved" is the one ablation of placement: rank = local_rank * nodes + node instead of torchrun's
 node * nproc + local_rank, so consecutive ranks (a tp group) land on different nodes.
 """
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import train
+from bench import common
 from bench.cluster.net import join_cpu_share
 from bench.labs.collective_bandwidth import bench_rank
 
@@ -152,8 +152,9 @@ def train_layout(spec, flags, world, rank):
     return steps, sent
 
 
+@common.command
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, results=False)
     ap.add_argument("--spec", required=True, help="a JSON file: tasks, model flags, layouts (see the docstring)")
     ap.add_argument("--out", required=True, help="rank 0 writes the results here (JSON)")
     args = ap.parse_args(argv)
@@ -183,7 +184,3 @@ def main(argv=None):
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown: gloo's threads of the many meshes' groups are not joined one by one
-
-
-if __name__ == "__main__":
-    main()

@@ -29,7 +29,7 @@ from bench.gpu import checks as gpu_checks
 from bench.gpu import factors as gpu_factors
 from bench.gpu.hf import transformers
 from bench.gpu.runs import model_cfg, run_hf, run_ours
-from config import OneLineParser, UsageError, nonnegative_float, positive_int
+from config import nonnegative_float, positive_int
 
 GPU_RUNS = [("small", {"seq_len": 1024}, 16), ("1b", {"seq_len": 2048}, 8)]  # preset, overrides, micro-batch
 SMOKE_RUNS = [("tiny", dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, seq_len=64), 4)]
@@ -201,18 +201,15 @@ def schedule(smoke):
     return out
 
 
+@common.command
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part: checks the script")
     p.add_argument("--out", default=str(common.RESULTS), help="folder for gpu.md and plan_factors.json")
     p.add_argument("--steps", type=positive_int, help="optimizer steps per run (default 30, --smoke 3)")
     p.add_argument("--budget-s", type=nonnegative_float, default=BUDGET_S,
                    help="the whole run's time budget, runs included")
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
     if not args.smoke and not common.has_cuda():
         print("bench.gpu: needs a CUDA GPU (none visible); skipped. `--smoke` checks the script on CPU.", flush=True)
         return 0
@@ -238,7 +235,3 @@ def main(argv=None):
     r.log(f"wrote {r.path}")
     print(r.path.read_text(), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,6 @@ Step time: median forward + backward without the op watcher, policies timed in t
 time with one intra-op thread, so other users of a shared machine do not enter it.
 L18 sweeps the segment length C of segment:C (segment:1 = full, segment:ceil(sqrt N) = sqrt).
 """
-import argparse
 import ctypes
 import datetime
 import math
@@ -136,8 +135,9 @@ def mb(v):
     return "n/a" if v is None else f"{v / 2 ** 20:.1f}"
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--n-layer", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
@@ -231,7 +231,3 @@ def main(argv=None):
     common.answer("L20", f"full checkpointing: MFU {by['full']['mfu']:.1%} vs {by['none']['mfu']:.1%} without, "
                   f"HFU {by['full']['hfu']:.1%} (HFU/MFU = {by['full']['hfu'] / by['full']['mfu']:.2f})")
     return rows, seg_rows
-
-
-if __name__ == "__main__":
-    main()

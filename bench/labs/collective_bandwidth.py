@@ -16,7 +16,6 @@ node). Every rank takes part: all the intra groups run at once, then all the int
 a training step. Under torchrun the node size is LOCAL_WORLD_SIZE and the backend NCCL on GPUs; without
 it the script starts --world gloo processes itself and pretends --gpus-per-node of them share a node.
 """
-import argparse
 import os
 import time
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from bench import common
 from bench.ranks import run_ranks
+from config import UsageError
 from parallel.comm import CommStats, Group
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -171,8 +171,9 @@ def report(rows, world, per_node, backend, out, loopback):
     common.answer("L12", f"all-reduce peak busbw {text} ({backend}{', loopback only' if loopback else ''})")
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=4, help="processes to start when not under torchrun")
     p.add_argument("--gpus-per-node", type=int, default=2, help="ranks per pretend node when not under torchrun")
     p.add_argument("--sizes", help="message sizes in bytes, comma-separated (default: 4 KB..64 MB on CPU, "
@@ -183,7 +184,7 @@ def main(argv=None):
     ops = args.ops.split(",")
     unknown = set(ops) - set(BUS_FACTOR)
     if unknown:
-        p.error(f"unknown collectives {sorted(unknown)}; choose from {', '.join(BUS_FACTOR)}")
+        raise UsageError(f"--ops: unknown collectives {sorted(unknown)}; choose from {', '.join(BUS_FACTOR)}")
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     gpu = torch.cuda.is_available() and under_torchrun
     if args.sizes:
@@ -206,10 +207,6 @@ def main(argv=None):
             report(rows, world, per_node, backend, args.out, loopback=world == per_node and not gpu)
         return
     if args.world % args.gpus_per_node:
-        p.error(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
+        raise UsageError(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
     rows = run_ranks(_spawned, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]
     report(rows, args.world, args.gpus_per_node, "gloo", args.out, loopback=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,6 @@ without it (--no-overlap) every all-reduce runs after backward and is all expose
 many calls (latency per call), one huge bucket means nothing can start before backward ends.
 For a timeline, run train.py --profile and open out/trace_rank0.json in ui.perfetto.dev.
 """
-import argparse
 import statistics
 import time
 
@@ -61,8 +60,9 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
     return out
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -98,7 +98,3 @@ def main(argv=None):
     off = [r for r in rows if r[1] == "off"]
     common.answer("L9", f"with overlap the sync left after backward is {min(float(r[6]) for r in on):.1f} ms at best "
                         f"vs {min(float(r[6]) for r in off):.1f} ms without (buckets launch from hooks in backward)")
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,6 @@ the script also injects storage latency into the loader's read (a subclass whose
 about half and one and a half compute steps: prefetch hides a read shorter than the step completely and
 a longer one partly (the wait becomes read - step), while without prefetch every read is a stall.
 """
-import argparse
 import statistics
 import time
 
@@ -52,8 +51,9 @@ def measure(train_step, device, rows, seq_len, steps, prefetch, latency_s):
     return statistics.median(waits), statistics.median(computes), statistics.median(totals), sum(waits) / sum(totals)
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     p.add_argument("--steps", type=int, help="timed steps per row")
     args = p.parse_args(argv)
@@ -99,7 +99,3 @@ def main(argv=None):
         text += (f"read = 0.5 step: {stall[(mid, False)]:.0%} -> {stall[(mid, True)]:.0%}; "
                  f"read = 1.5 step: {stall[(high, False)]:.0%} -> {stall[(high, True)]:.0%}")
     common.answer("L11", text.rstrip("; ") + f" ({device.type})")
-
-
-if __name__ == "__main__":
-    main()

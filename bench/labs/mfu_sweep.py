@@ -14,7 +14,6 @@ L24  each layout x micro-batch is a real `python train.py` (world 1) or `python 
      --standalone --nproc_per_node N train.py` run of --steps steps; the table holds medians over the steps
      after the first.
 """
-import argparse
 import os
 import re
 import subprocess
@@ -203,8 +202,9 @@ def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_swee
     return ok
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--model", default=None, help="preset for the sweep (default: tiny on CPU, small on GPU)")
     p.add_argument("--seq-len", type=int, help="sequence length (sweep and the one-config FLOP row)")
     p.add_argument("--global-batch", type=int, help="sequences per step in the sweep (default 16 CPU, 32 GPU)")
@@ -264,7 +264,3 @@ def main(argv=None):
     if len(ok) < len(results):
         print(f"mfu_sweep: {len(results) - len(ok)} of {len(results)} runs failed (see the table)", file=sys.stderr)
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,6 @@ drain fewer stages share the cores and run faster, which shrinks the bubble next
 "cores model" replays each schedule with processor sharing (k busy stages on C cores run at min(1, C/k) speed) to
 show how much of the gap to theory that explains; on one device per stage the two coincide.
 """
-import argparse
 import os
 import statistics
 import time
@@ -153,8 +152,9 @@ def processor_sharing(schedule, P, M, cores, dt=0.002):
     return sum(busy) / P / t
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, of " + " ".join(SCHEDULES))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", default="8,16", help="comma-separated M values")
@@ -217,7 +217,3 @@ def main(argv=None):
     common.answer("L26", f"P={P}, measured utilization (theory F = B = W): {summary}; worst deviation from theory "
                          f"{worst:.1%}")
     return worst
-
-
-if __name__ == "__main__":
-    main()

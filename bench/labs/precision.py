@@ -13,7 +13,6 @@ L4  fp16 without loss scaling: the share of gradient elements that are nonzero i
 fp8 (--dtype fp8, fp8.py) is a column of L1 and a row of L2; `--only fp8` (and the full run) adds the bf16-vs-fp8
     loss gap over a short run and, on a GPU, the 8192^3 matmul rate in fp8 (torch._scaled_mm) against bf16.
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -334,8 +333,9 @@ def underflow_table(device, rows, seq_len, divisors, out, shape):
                         f"with scale 65536 {summary[(k, 'fp16', 2.0 ** 16)]:.1%}, bf16 {summary[(k, 'bf16', 1.0)]:.1%}")
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--only", choices=["L1", "L2", "L3", "L4", "fp8"], help="run one table")
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     p.add_argument("--sizes", help="L3 matrix sizes, comma-separated (default by device)")
@@ -370,7 +370,3 @@ def main(argv=None):
     if "fp8" in todo:  # on CPU fp8 pays its casts op by op: a 2-layer tiny model keeps the run about a minute
         fp8_table(device, *f8, args.out, shape or ({} if gpu else dict(common.QUICK_MODEL, n_layer=2, d_model=64,
                                                                              n_head=4, n_kv_head=2, ffn_dim=128)))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,6 @@ before each run the bench times a busy loop in 1 and then 2 processes, whose spe
 program could reach at that moment, and it counts the CPU seconds per MB of all processes, which shows what the
 parallel version costs in extra work whatever the load. The shards of both runs must be byte-identical.
 """
-import argparse
 import base64
 import json
 import multiprocessing
@@ -21,7 +20,6 @@ import re
 import resource
 import shutil
 import statistics
-import sys
 import sysconfig
 import tempfile
 import time
@@ -118,8 +116,9 @@ def shard_bytes(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).glob("*.bin"))}
 
 
+@common.command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB")
     p.add_argument("--merges", type=int, default=1000, help="BPE merges learned for the tokenizer")
     p.add_argument("--repeats", type=int, default=2, help="runs per worker count (the best is kept)")
@@ -165,7 +164,3 @@ def main(argv=None):
     print(f"2 workers: {ratio:.2f}x the throughput of 1 ({best[2]:.2f} vs {best[1]:.2f} MB/s; a busy loop's 2-process "
           f"speedup at the time: {max(headroom[2]):.2f}x); CPU per MB {cpu[2] / cpu[1]:.2f}x; identical: {identical}")
     return 0 if identical else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

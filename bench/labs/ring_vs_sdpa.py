@@ -9,8 +9,6 @@ accumulators (K and V reach the kernel with their own kv heads, as in SDPA). Nee
 kernels); on CPU it says so and exits 0. Writes bench/results/ring_vs_sdpa.md. Also checks that both give the
 same output and gradients.
 """
-import argparse
-import sys
 
 import torch
 
@@ -28,8 +26,9 @@ def fwd_bwd(attend, q, k, v, dout):
     return step
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
@@ -76,7 +75,3 @@ def main(argv=None):
     common.write_result(args.out, "ring_vs_sdpa", "Ring attention overhead at cp = 1 vs SDPA (fwd+bwd)",
                         ["attention", "fwd+bwd ms", "TFLOP/s", "x SDPA"], rows, notes=notes)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

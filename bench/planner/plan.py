@@ -26,10 +26,10 @@ winner's step time and memory go; --layout prices one layout instead; --compare-
 its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin (by default
 the code's own: the reference's 5% beyond its overhead, ours memory.MARGIN, the margin train.py's check refuses by).
 """
-import sys
 import time
 from dataclasses import replace
 
+from bench import common
 from bench.planner.comm import collectives, comm_bytes
 from bench.planner.factors import FACTORS, load, ranges, vary
 from bench.planner.layout import CODES, GB, MEM_MARGIN, Cluster, Layout, Shape, invalid, parse_layout
@@ -37,7 +37,7 @@ from bench.planner.links import members_per_node
 from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
 from bench.planner.step_time import rates, step_time
-from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
+from config import UsageError, nonnegative_float, one_of, positive_float, probability, typed
 from model import PRESETS, param_counts
 from parallel.memory import MARGIN
 
@@ -124,8 +124,9 @@ def spread_limit(cfg, cl, seq, batch):
             f"{tp}, pp {cfg.n_layer} (the layers), cp {cp} (1024 tokens each): at most {most:,} GPUs")
 
 
+@common.command
 def main(argv=None):
-    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, results=False)
     ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):
         ap.add_argument(f"--{name}", type=up_to(LIMITS[name]), help="override the preset (vocab: 50257 if it has none)")
@@ -162,32 +163,25 @@ def main(argv=None):
     ap.add_argument("--mem-margin", type=probability,
                     help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error); "
                     f"default: the reference's {MEM_MARGIN * 100:.0f}%%, ours {MARGIN * 100:.0f}%% (train.py's check)")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = ap.parse_args(argv)
     over = {k: getattr(args, k) for k in SHAPE if getattr(args, k)}
     cfg = replace(PRESETS[args.model], **over)
     cfg = cfg if cfg.vocab_size else replace(cfg, vocab_size=50257)  # the GPT-2 tokenizer of our data
     problem = cfg.validate() or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node and (
         "--gpus", f"{args.gpus} GPUs are not a whole number of {args.gpus_per_node}-GPU nodes"))
     if problem:
-        print(f"error: {problem[0]}: {problem[1]}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{problem[0]}: {problem[1]}")
     seq = args.seq_len or cfg.seq_len
     if args.measured and not args.attn_tflops:
-        print("error: --measured: needs --attn-tflops, the attention rate measured with the others", file=sys.stderr)
-        return 2
+        raise UsageError("--measured: needs --attn-tflops, the attention rate measured with the others")
     factors, measured = None, ()
+    if args.factors and args.code != "ours":
+        raise UsageError("--factors: measured factors describe this repository's code: add --code ours")
     if args.factors:
         try:
-            if args.code != "ours":
-                raise ValueError("measured factors describe this repository's code: add --code ours")
             factors, measured = load(args.factors)
         except ValueError as e:
-            print(f"error: --factors: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--factors: {e}") from None
     cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs,
                  args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
                  args.measured, args.attn_tflops or 0.0, args.host_us, factors, args.mem_margin)
@@ -200,8 +194,7 @@ def main(argv=None):
         except (ValueError, TypeError) as e:
             why = str(e)
         if why:
-            print(f"error: --layout: {why}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--layout: {why}")
     total, non_emb = param_counts(cfg)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in over.items())
     name = f"custom shape (from {args.model} with {flags})" if over else args.model
@@ -246,7 +239,3 @@ def main(argv=None):
             why = invalid(cfg, cl, alt, seq, batch, args.code)
             print(f"{alt}: {why}" if why else bill(evaluate(cfg, cl, alt, seq, batch, code=args.code), cl))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

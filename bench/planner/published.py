@@ -12,15 +12,14 @@ matmul of each block's forward (k, o and up: SAC_SHARE of the forward's matmul F
 The 128-GPU rows are not used: they check the derivation (inter-node FSDP over 16 nodes).
 To check the planner against a run this file does not list, add its row; set nothing from it.
 """
-import sys
 from dataclasses import replace
 
+from bench import common
 from bench.planner.factors import OURS, REFERENCE, vary
 from bench.planner.layout import Cluster, Layout, Shape, parse_layout
 from bench.planner.plan import error_bars
 from bench.planner.search import evaluate
 from bench.planner.step_time import rates, shape_step_time
-from config import OneLineParser, UsageError
 from model import PRESETS, flops_per_token
 
 PEAK = 989.0  # H100 SXM dense bf16 TF/s, the peak torchtitan's and Llama 3's MFU divide by
@@ -88,12 +87,9 @@ def best(cfg, cl, seq, batch, mesh, code):
     return found
 
 
+@common.command
 def main(argv=None):
-    try:
-        OneLineParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no flags but --help
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    common.parser(__doc__, results=False).parse_args(argv)  # no flags but --help
     k = {name: scale(8, c, sac) for name, c, sac in (("compiled", True, False), ("eager", False, False),
                                                       ("compiled, recompute priced", True, True))}
     print("COMPUTE_OURS and its range, from torchtitan's Llama 3.1 8B on 8 H100s (factors.py holds them):")
@@ -120,7 +116,3 @@ def main(argv=None):
         print(f"| Llama 3 405B, {gpus} H100, seq {seq}, TP{tp} CP{cp} PP{pp} DP{dp} | {reported:.0%} | "
               f"{' | '.join(cells)} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,6 @@ one call: tp-sp) and with the ring layer that overlaps them on NCCL (tp-sp-ring)
 torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B) on the same stage modules. They use a config every pair
 can split (kv heads % 2).
 """
-import argparse
 import statistics
 
 import torch
@@ -96,8 +95,9 @@ def loss_match(ours, theirs):
     return diff, "bit-identical" if diff == 0 else "rtol 1e-5" if close else "NO"
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="alternating ours/torch runs per pair")
@@ -150,7 +150,3 @@ def main(argv=None):
                          "CPU ratio", "max loss diff", "losses match", "ratio <= 1.10"], rows,
                         notes=notes)
     common.answer("L8", "; ".join(answers))
-
-
-if __name__ == "__main__":
-    main()
