@@ -1,42 +1,22 @@
 """The 4D layout planner: which dp x cp x pp x tp layout trains a model fastest on a given cluster?
 
     python -m bench.planner --model llama3-405b --gpus 16384 --seq-len 131072
-    python -m bench.planner --model llama3-405b --gpus 8192 --layout dp=64,tp=8,pp=16,dp_mode=fsdp,V=8
+    python -m bench.planner --model llama3-8b --gpus 64 --code ours --layout dp=8,tp=8,dp_mode=fsdp
     python -m bench.planner --model llama3-8b --gpus 64 --compare-fsdp-scope   # L15
 
-Closed formulas, no simulation; each module's docstring states the formulas it implements:
-  layout.py     the notation, a layout, whether it can run, its per-GPU sizes, the memory margin
-  comm.py       bytes each rank sends per step, by group (comm_bytes)
-  memory.py     peak memory per GPU (memory); --code ours: train.py's own model (the top-level memory.py)
-  ours.py       the bytes for --code ours, and its memory through train.py's model
-  factors.py    the efficiency factors of each code, their sources and ranges
-  links.py      links, and what hidden communication costs
-  overlap.py    what hides under what, ring hops, fp8's casts
-  step_time.py  seconds per step and MFU (step_time)
-  search.py     the layouts tried and the best kept (plan, evaluate)
-  published.py  published runs priced, and ours' factors derived from torchtitan's
-This file is the command line, and `from bench.planner import plan` reaches the public names of all of them.
-
-Whose code (--code). "reference", the default, describes the implementation Llama 3 and Megatron-LM report, with
-Megatron's distributed optimizer and TP communication overlap among the options searched; "ours" describes this
-repository's parallel/*.py (tests/test_plan_measured.py holds its bytes and memory to fp32 CPU runs), at efficiency
-factors of its own (factors.py; --factors: what `python -m bench.gpu` measured). The output: the top layouts by
-predicted MFU, the best of each dp x tp x pp x cp mesh, the MFU at both ends of each uncertain factor, and where the
-winner's step time and memory go; --layout prices one layout instead; --compare-fsdp-scope adds the winner's mesh with
-its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin (by default
-the code's own: the reference's 5% beyond its overhead, ours memory.MARGIN, the margin train.py's check refuses by).
+Prints the top layouts by predicted MFU, each with its range over the uncertain factors, and where the winner's time
+and memory go; --code reference (Llama 3's, Megatron-LM's implementation) or ours (parallel/*.py). The formulas:
+bench/README.md, "The planner's formulas". `from bench.planner import plan` reaches the public names of every module.
 """
 import time
 from dataclasses import replace
 
 from bench import common
-from bench.planner.comm import collectives, comm_bytes
+from bench.planner.costs import collectives, comm_bytes, memory
 from bench.planner.factors import FACTORS, load, ranges, vary
 from bench.planner.layout import CODES, GB, MEM_MARGIN, Cluster, Layout, Shape, invalid, parse_layout
-from bench.planner.links import members_per_node
-from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
-from bench.planner.step_time import rates, step_time
+from bench.planner.step_time import members_per_node, rates, step_time
 from config import UsageError, nonnegative_float, one_of, positive_float, probability, typed
 from model import PRESETS, param_counts
 from parallel.memory import MARGIN

@@ -1,16 +1,9 @@
-"""Published runs, priced by the planner: the rows --code ours' efficiency is set from (torchtitan's), and the rows the
-reference is checked against (Llama 3 405B), each under both codes with the MFU range of factors.py.
+"""Published runs, priced by the planner: torchtitan's rows, which set --code ours' efficiency, and Llama 3 405B's,
+which check the reference, each under both codes with the MFU range of factors.py.
 
     python -m bench.planner.published   # the derivation of COMPUTE_OURS and its range, then every row
 
-The derivation. factors.COMPUTE_* scale the reference's matmul, attention and elementwise rates; for a published
-row, scale() finds the one at which --code ours predicts the row's MFU (bisection: the MFU rises with the scale), the
-other factors at ours' values. The row: torchtitan's Llama 3.1 8B on 8 GPUs (FSDP, seq 8192, 2 sequences per GPU, a
-step of 2 x 8192 tokens per GPU), priced on its hardware (96 GB, 2.4 TB/s HBM2e), as --layout
-dp=8,dp_mode=fsdp,micro=2,ckpt=selective. torchtitan's selective (op) checkpointing also recomputes every second
-matmul of each block's forward (k, o and up: SAC_SHARE of the forward's matmul FLOPs); sac=True prices that too.
-The 128-GPU rows are not used: they check the derivation (inter-node FSDP over 16 nodes).
-To check the planner against a run this file does not list, add its row; set nothing from it.
+The derivation: bench/README.md, "The planner's formulas". To check the planner against another run, add its row.
 """
 from dataclasses import replace
 
@@ -54,7 +47,7 @@ def predicted(cfg, cl, lay, seq, batch, code, sac=False):
 
 
 def scale(gpus, compiled=True, sac=False):
-    """The scale of the reference's compute rates at which --code ours predicts torchtitan's row (module docstring)."""
+    """The scale of the reference's compute rates at which --code ours predicts torchtitan's row (bench/README.md)."""
     cfg, cl, lay, seq, batch = titan_run(gpus)
     want = mfu_of(cfg, TORCHTITAN[[g for g, *_ in TORCHTITAN].index(gpus)][1 + compiled], seq)
     base = replace(OURS, mm=REFERENCE.mm, attn=REFERENCE.attn, elem=REFERENCE.elem)
