@@ -86,17 +86,9 @@ def markdown_table(header, rows):
 
 def write_result(out_dir, name, title, header, rows, notes=(), command=None, backend=None, echo=True):
     """Writes out_dir/name.md: title, command, date, hardware, the table, then notes. Prints it too (echo)."""
-    text = "\n".join([
-        f"### {title}",
-        "",
-        f"Command: `{command or command_line()}`  ",
-        f"Date: {datetime.date.today().isoformat()}  ",
-        f"Hardware: {hardware_line(backend)}",
-        "",
-        markdown_table(header, rows),
-        "",
-        *[f"- {n}" for n in notes],
-    ]).rstrip() + "\n"
+    text = "\n".join([f"### {title}", "", f"Command: `{command or command_line()}`  ",
+        f"Date: {datetime.date.today().isoformat()}  ", f"Hardware: {hardware_line(backend)}", "",
+        markdown_table(header, rows), "", *[f"- {n}" for n in notes],]).rstrip() + "\n"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
@@ -216,9 +208,8 @@ def autocast(mode, device):
 
 class TrainStep:
     """One precision mode's model, AdamW and loss scaler in one process, built and stepped by train.py itself
-    (config.resolve, train.prepare, train.train_step): `model` is the GPT, `step(x, y)` one optimizer step on a
-    batch of len(x) sequences; forward_backward and update are the step's two halves, for benches that look in
-    between."""
+    (config.resolve, train.prepare, train.train_step): `model` is the GPT, `step(x, y)` one optimizer step on a batch of
+    len(x) sequences; forward_backward and update are the step's two halves, for benches that look in between."""
 
     def __init__(self, mode, device, preset="tiny", **overrides):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]

@@ -5,22 +5,11 @@
     python -m bench.run_all --only precision --only collective_bandwidth
     python -m bench.run_all --list     # the registry and each script's time, without running anything
 
-Each script runs as `python -m MODULE` in its own process group, with --out set to the results folder (--results,
-default bench/results); its output goes to logs/NAME.log there, and the lines `ANSWER Lk: text` it prints
-(bench/common.answer) are the headline answers. One line says when a script starts (its usual time, its budget, its
-log) and one when it ends (its status, its seconds, the tables it wrote). INDEX.md lists L1-L28: the question, the
-scripts and tests that answer it, and the latest measured answer (kept in answers.json across partial runs). Scripts
-that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster) without root
-(CAP_NET_ADMIN) likewise; a script that is not in this tree is reported as missing.
-
-Script.seconds is what a script takes on a quiet 2-core machine, measured (a GPU script's: its bound); the first line
-sums them for the scripts about to run. Budgets guard against hangs; they are not a pass mark: a script gets
-BUDGET_FACTOR times its seconds, and at least MIN_BUDGET_S (--budget-scale stretches them all). A script still running
-at its budget is "over budget": if it has written something by then (a table, an ANSWER line) it is stopped there
-and what it wrote is kept; if not, it may run on to HANG_FACTOR times its budget (at most HARD_CEILING_S). Only a
-crash (a nonzero exit) or a hang (still running at that limit: killed) fails the run, with exit status 1;
-over-budget scripts are reported as such in INDEX.md and the run exits 0. --budget-min stops starting
-scripts after that many minutes (and stops the one running then, if it has written something).
+Each script runs as `python -m MODULE --out RESULTS` in its own session, its output in logs/NAME.log; its `ANSWER Lk:`
+lines go to answers.json and INDEX.md. A script gets BUDGET_FACTOR x its seconds (at least MIN_BUDGET_S); past it,
+it is stopped if it wrote something (kept, "over budget"), else it may run to HANG_FACTOR budgets (at most
+HARD_CEILING_S). Only a crash or a hang fails the run (exit 1). GPU-only scripts are skipped on a CPU, the emulated
+cluster without root; --budget-min stops starting scripts after that many minutes.
 """
 import datetime
 import importlib.util
@@ -40,12 +29,10 @@ from bench import common
 from bench.cluster.net import can_admin_net
 from config import UsageError, positive_float
 
-QUESTIONS = {
-    "L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
+QUESTIONS = {"L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
     "L2": "throughput of fp32 vs bf16/fp16 autocast",
     "L3": "matmul utilization at tile-unaligned sizes (8192 vs 8191/8200)",
-    "L4": "fp16 gradient underflow without loss scaling, fixed with it",
-    "L5": "each DP rank gets different samples",
+    "L4": "fp16 gradient underflow without loss scaling, fixed with it", "L5": "each DP rank gets different samples",
     "L6": "global batch = local batch x world x accumulation steps",
     "L7": "sum vs average of gradients: learning rate and loss normalization",
     "L8": "single-device gradient == DDP all-reduced gradient",
@@ -58,18 +45,15 @@ QUESTIONS = {
     "L15": "FSDP group inside one server vs across servers: throughput",
     "L16": "prefetch and reduce-scatter hidden under compute, on a timeline",
     "L17": "peak memory and step time with and without activation checkpointing",
-    "L18": "segment length C sweep: memory vs recompute",
-    "L19": "recomputed forward reproduces dropout exactly",
+    "L18": "segment length C sweep: memory vs recompute", "L19": "recomputed forward reproduces dropout exactly",
     "L20": "checkpointing every layer: effect on MFU and HFU",
     "L21": "useful FLOPs per step from architecture and global batch",
-    "L22": "MFU from device peak and measured step time",
-    "L23": "why HFU != MFU",
+    "L22": "MFU from device peak and measured step time", "L23": "why HFU != MFU",
     "L24": "sweep parallel degrees and micro-batches: compare MFU",
     "L25": "which collective lets a local query see all keys and values under CP",
     "L26": "pipeline utilization of each schedule (gpipe, 1f1b, interleaved, zb1, zbv) vs theory",
     "L27": "why the TP MLP splits column-wise then row-wise",
-    "L28": "which physical scope each of the TP/CP/PP/DP groups lands on",
-}
+    "L28": "which physical scope each of the TP/CP/PP/DP groups lands on",}
 
 # Items answered by tests or by the code itself: what the test asserts, shown once such a test exists.
 TESTED = {

@@ -1,20 +1,9 @@
-"""L12, L15 and the planner's step time, measured on an emulated cluster: network namespaces as nodes, one shaped
-NIC per rank through a bridge, a cpu-capped cgroup per rank (bench/cluster/net.py), one torchrun per node meeting at
-node 0 (c10d rendezvous).
+"""L12, L15 and the planner's step time, measured on an emulated cluster (net.py): one torchrun per node meeting at
+node 0, three jobs of bench/cluster/worker.py (bench/README.md, "An emulated cluster"), then the planner's price of
+each layout from the constants the ranks measured (report.py). Needs root (CAP_NET_ADMIN); without it, one line, exit 0.
 
     python -m bench.cluster   # 2 nodes x 2 ranks, 1 Gbit/s NICs: the whole table (< 6 min)
     python -m bench.cluster --gbit 0.5 --delay-ms 1 --rounds 3
-
-Needs root (CAP_NET_ADMIN); without it prints one line and exits 0. Three jobs, each a torchrun per node running
-bench/cluster/worker.py: 1 node x 4 ranks (FSDP inside one node), 2 nodes x 2 ranks (DDP, FSDP and HSDP across
-nodes, tp inside a node) and 2 x 2 with the ranks interleaved over the nodes (tp forced across them); the first two
-also sweep the collectives inside and across nodes (L12). --rounds repeats the jobs, alternating, so load from
-other jobs on the machine falls on every layout alike. Every job has a time limit; whatever happens (an error, a
-failed rank, Ctrl-C, SIGTERM), every namespace, link, qdisc and cgroup made here is removed before the script exits.
-
-The planner (`python -m bench.planner --code ours --measured`) then prices the same layouts from this cluster's own
-measured constants, never a step time: the ranks' matmul, attention and memory rates, the links' bus bandwidths and
-latencies (bench/cluster/report.py; results in bench/results/cluster.md).
 """
 import json
 import os

@@ -3,12 +3,9 @@
     python -m bench.labs.clean_exits --repeat 10 --parallel 2   # every family, two jobs at a time (load)
     python -m bench.labs.clean_exits --families ddp,fsdp,hsdp --repeat 20
 
-A run that ended its last step can still abort (SIGABRT, "terminate called without an active
-exception") if a rank tears its process group down while a peer is still in a collective, or a C++
-thread is still joinable at exit: torchrun then reports the job as failed, and --max-restarts would
-run it again. Families: each data-parallel mode, tp (± sp), pp with each schedule, cp with each mode,
-a 3D layout, with saves and --async-save, and a tp x pp run resumed from an FSDP save. One line per
-job; exit 1 if any job failed or any rank aborted.
+A run that ended its last step can still abort (SIGABRT) if a rank tears its process group down while a peer is in a
+collective, or a C++ thread is still joinable at exit: torchrun then calls the job failed. One line per job; exit 1
+if any job failed or any rank aborted.
 """
 import subprocess
 import sys

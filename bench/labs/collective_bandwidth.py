@@ -3,18 +3,10 @@
     python -m bench.labs.collective_bandwidth   # here: 4 gloo processes on loopback, "2 per node"
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint HOST:29500 -m bench.labs.collective_bandwidth   # a cluster
 
-For each collective and message size S (bytes): t = time per call (the slowest rank's mean over the
-iterations), algbw = S / t, busbw = algbw x factor, the factor that makes busbw comparable with the link
-speed whatever the group size n (nccl-tests doc/PERFORMANCE.md):
-    all-reduce 2(n-1)/n,  all-gather (n-1)/n,  reduce-scatter (n-1)/n,  all-to-all (n-1)/n,  send/recv 1,
-with S the full buffer: the all-reduce tensor, the all-gather output, the reduce-scatter input, the
-all-to-all input, the send buffer. busbw x t is also what parallel/comm.py counts as bytes sent per rank;
-the script checks the two agree.
-
-Two groups: intra-node (the ranks of one node) and inter-node (one rank per node: local rank i of every
-node). Every rank takes part: all the intra groups run at once, then all the inter groups, as they do in
-a training step. Under torchrun the node size is LOCAL_WORLD_SIZE and the backend NCCL on GPUs; without
-it the script starts --world gloo processes itself and pretends --gpus-per-node of them share a node.
+Per collective and message size S: t the slowest rank's mean per call, algbw = S / t, busbw = algbw x BUS_FACTOR
+(nccl-tests' doc/PERFORMANCE.md), checked against parallel/comm.py's bytes. The intra-node groups (a node's ranks)
+run at once, then the inter-node ones (local rank i of every node). Under torchrun the node is LOCAL_WORLD_SIZE (NCCL
+on GPUs); without it the script starts --world gloo processes and pretends --gpus-per-node share a node.
 """
 import os
 import time
@@ -28,8 +20,7 @@ from config import UsageError
 from parallel.comm import CommStats, Group
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "send_recv": lambda n: 1.0}
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
 COUNTER = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
            "all_to_all": "all_to_all", "send_recv": "send"}
 

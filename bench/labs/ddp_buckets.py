@@ -3,12 +3,8 @@
     python -m bench.labs.ddp_buckets   # world 2 gloo, a 4-layer d=256 GPT
     python -m bench.labs.ddp_buckets --quick
 
-For each --bucket-mb (0 = one bucket per parameter, the naive version) with overlap on and off, each
-rank times backward and finish_grad_sync separately. With overlap, buckets launch from autograd hooks
-during backward, so what finish_grad_sync still waits for is the exposed (unhidden) communication;
-without it (--no-overlap) every all-reduce runs after backward and is all exposed. Small buckets mean
-many calls (latency per call), one huge bucket means nothing can start before backward ends.
-For a timeline, run train.py --profile and open out/trace_rank0.json in ui.perfetto.dev.
+Per --bucket-mb (0: a bucket per parameter) with overlap on and off, each rank times backward and finish_grad_sync:
+with overlap what the sync still waits for is the exposed communication. For a timeline: train.py --profile.
 """
 import statistics
 import time

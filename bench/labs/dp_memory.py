@@ -3,12 +3,9 @@
     python -m bench.labs.dp_memory   # the tiny preset, fp32, one training step per layout
     python -m bench.labs.dp_memory --model small --seq-len 32 --micro-batch 1
 
-After one step (forward, backward, gradient sync, AdamW) each rank measures the storage behind its
-parameters, gradients and Adam moments (views of one buffer counted once). Full replication (DDP) is
-16 B/param; FSDP over M ranks is 16·P/M plus the padding that makes each unit divide by M; HSDP with
-shard groups of K is 16·P/K. Traffic comes from the comm counters (ring terms, parallel/comm.py) and is
-compared with the theory: FSDP 3·(M-1)/M·4P (all-gather in forward, again in backward, reduce-scatter);
-HSDP the same with K plus an all-reduce of P/K across the dp/K replicas; DDP 2·(M-1)/M·4P.
+After one step each rank measures the storage behind its parameters, gradients and Adam moments (DDP 16 B/param, FSDP
+16·P/M plus padding, HSDP 16·P/K) and its bytes from the comm counters, against the theory (FSDP 3·(M-1)/M·4P, HSDP
+the same with K plus the replicas' all-reduce of P/K, DDP 2·(M-1)/M·4P).
 """
 
 import torch

@@ -2,12 +2,9 @@
 
     python -m bench.labs.loader_stall
 
-Trains the tiny GPT (the `small` preset in bf16 on a GPU) on the pystdlib corpus with data/loader.py's
-TokenLoader, prefetch on and off. TokenLoader.wait_s is how long each get() blocked; the stall is
-sum(wait) / sum(step time). The real loader reads a few memmapped windows, far faster than a step, so
-the script also injects storage latency into the loader's read (a subclass whose _load sleeps first) at
-about half and one and a half compute steps: prefetch hides a read shorter than the step completely and
-a longer one partly (the wait becomes read - step), while without prefetch every read is a stall.
+The tiny GPT (small, bf16, on a GPU) on pystdlib with TokenLoader, prefetch on and off; the stall is sum(wait_s) /
+sum(step time). An injected read latency of about half and one and a half steps shows prefetch hiding a short read
+completely and a long one partly, while without prefetch every read is a stall.
 """
 import statistics
 import time

@@ -4,15 +4,9 @@
     python -m bench.labs.mfu_sweep --flops-only --model llama3-70b --seq-len 8192 --global-batch-tokens 16777216
     python -m bench.labs.mfu_sweep --layout "tp2=2:--tp 2 --sp" --micro-batches 4,8 --steps 10
 
-L21  FLOPs per step = model.flops_per_token(cfg) x tokens per step, PaLM appendix B: 6·N_non-embedding
-     + 12·L·d·T per token (no causal discount); HFU adds 2·N_layer + 4·d·T per recomputed layer.
-L22  MFU = useful FLOPs / (G · peak · t_step), read from train.py's --metrics rows (train.py computes it
-     from the measured step time; the peak is the device table on a GPU and a measured matmul rate on CPU).
-L23  HFU counts the FLOPs the hardware executed: with activation checkpointing the recomputed forwards
-     too, so HFU > MFU by the factor flops_per_token(recomputed) / flops_per_token().
-L24  each layout x micro-batch is a real `python train.py` (world 1) or `python -m torch.distributed.run
-     --standalone --nproc_per_node N train.py` run of --steps steps; the table holds medians over the steps
-     after the first.
+FLOPs per step: model.flops_per_token (PaLM: 6·N_non-embedding + 12·L·d·T per token) x tokens; HFU adds the recomputed
+forwards. Each layout x micro-batch is a real train.py run (torchrun past world 1); MFU and HFU are its --metrics
+medians over the steps after the first.
 """
 import os
 import re
@@ -56,8 +50,7 @@ def flops_row(name, cfg, tokens):
     recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
     step = per_token * tokens
     return [name, cfg.n_layer, cfg.d_model, cfg.vocab_size, f"{total / 1e9:.3g}", f"{non_emb / 1e9:.3g}", cfg.seq_len,
-            f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}",
-            f"{step / 989.4e12:.3g}"]
+            f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}", f"{step / 989.4e12:.3g}"]
 
 
 def flops_table(rows, out):

@@ -84,8 +84,7 @@ def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT
     recompute = act_per_token(s, "none", a_bytes) * s.t if lay.ckpt == "full" else 0.0  # one layer at a time
     first, _, last = s.layers
     best = None
-    for layers, params, flight, logits in ((first, s.p_first, inflight, P == 1),
-                                           (last, s.p_last, last_flight, True)):
+    for layers, params, flight, logits in ((first, s.p_first, inflight, P == 1), (last, s.p_last, last_flight, True)):
         gathered = 2 * s.p_layer * (w_bytes or MASTER_B) if zero3 else 0.0  # two full layers (prefetch)
         m = {"weights": w_bytes * params / (S if zero3 else 1) + gathered,
              "grads": G_B * (params / S + s.p_layer if zero3 else params),

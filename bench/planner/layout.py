@@ -137,8 +137,7 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
     if min(getattr(lay, k) for k in DEGREES) < 1 or lay.shard < 0:
         return f"{', '.join(DEGREES)} must be at least 1 and shard at least 0"
     world, g = lay.dp * lay.tp * lay.pp * lay.cp, lay.dp * lay.cp
-    for bad, why in [
-        (world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
+    for bad, why in [(world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
         (cl.gpus_per_node % lay.tp or cfg.n_head % lay.tp, "tp must divide the gpus per node and the heads"),
         (cfg.n_kv_head % lay.tp and lay.tp % cfg.n_kv_head, "kv heads and tp must divide one another"),
         (seq % (2 * lay.cp), "the sequence length must be divisible by 2*cp"),
@@ -163,8 +162,7 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
          "tp_comm_overlap and dist_opt are Megatron-LM's options (--code reference); train.py has neither"),
         (lay.tp_comm_overlap and not (lay.tp > 1 and lay.sp and lay.overlap),
          "tp_comm_overlap needs tp > 1, sp and overlap"),
-        (lay.dist_opt and (lay.dp_mode != "ddp" or g == 1), "dist_opt shards ddp's optimizer over dp x cp > 1"),
-    ]:
+        (lay.dist_opt and (lay.dp_mode != "ddp" or g == 1), "dist_opt shards ddp's optimizer over dp x cp > 1"),]:
         if bad:
             return why
     if code == "ours" and lay.pp > 1:  # train.py's own split of the layers over the stages

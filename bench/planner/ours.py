@@ -138,8 +138,7 @@ def as_run(s, a_bytes):
     """The train.py run a layout is, as far as memory.stage_bytes reads one: fp32 where the planner prices a CPU
     cluster (a_bytes 4), else bf16 (fp8: its block matmuls), fp32 reductions, the layers split as train.py does."""
     lay = s.lay
-    return SimpleNamespace(
-        dtype="fp32" if a_bytes == 4 else "fp8" if lay.fp8 else "bf16", reduce_dtype="fp32",
+    return SimpleNamespace(dtype="fp32" if a_bytes == 4 else "fp8" if lay.fp8 else "bf16", reduce_dtype="fp32",
         dp=lay.dp, dp_mode=lay.dp_mode, dp_shard=lay.shard // lay.cp if lay.dp_mode == "hsdp" else None,
         accumulate=lay.accumulate, tp=lay.tp, sp=lay.sp and lay.tp > 1, pp=lay.pp, pp_schedule=lay.schedule,
         pp_virtual=lay.V, pp_split=None, cp=lay.cp, ckpt=lay.ckpt, micro_batch=lay.micro, accum_steps=s.M,
