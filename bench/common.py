@@ -207,9 +207,8 @@ def autocast(mode, device):
 
 
 class TrainStep:
-    """One precision mode's model, AdamW and loss scaler in one process, built and stepped by train.py itself
-    (config.resolve, train.prepare, train.train_step): `model` is the GPT, `step(x, y)` one optimizer step on a batch of
-    len(x) sequences; forward_backward and update are the step's two halves, for benches that look in between."""
+    """One precision mode's model, AdamW and loss scaler, built and stepped by train.py itself: calling it is one
+    optimizer step on a batch of len(x) sequences; forward_backward and update are the step's two halves."""
 
     def __init__(self, mode, device, preset="tiny", **overrides):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]

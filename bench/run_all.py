@@ -103,17 +103,11 @@ class Script:
     def source(self):
         """The file or folder it runs, from the repository root, or None where this tree has no such module."""
         try:
-            spec = importlib.util.find_spec(self.module)
-        except ImportError:
+            path = Path(importlib.util.find_spec(self.module).origin)
+        except (ImportError, AttributeError, TypeError):  # no such module (find_spec None, or no origin)
             return None
-        if spec is None or spec.origin is None:
-            return None
-        path = Path(spec.origin)
         path = path.parent if path.name == "__init__.py" else path
-        try:
-            return path.relative_to(common.REPO).as_posix() + "/" * path.is_dir()
-        except ValueError:
-            return str(path)
+        return shown(path) + "/" * path.is_dir()
 
 
 QUICK = ["--quick"]

@@ -57,18 +57,11 @@ def buffers(op, size_bytes, n, device):
 
 
 def run_op(op, group, inp, out, device):
-    if op == "all_reduce":
-        group.all_reduce(inp)
-    elif op == "all_gather":
-        group.all_gather(out, inp)
-    elif op == "reduce_scatter":
-        group.reduce_scatter(out, inp)
-    elif op == "all_to_all":
-        group.all_to_all(out, inp)
-    else:  # a ring: send to the next rank of the group, receive from the previous one
-        n, r = group.size, group.rank
-        for req in group.send_recv([(inp, (r + 1) % n)], [(out, (r - 1) % n)]):
-            req.wait()
+    if op != "send_recv":  # all_reduce(inp); all_gather, reduce_scatter, all_to_all(out, inp)
+        return getattr(group, op)(*([inp] if op == "all_reduce" else [out, inp]))
+    n, r = group.size, group.rank  # a ring: send to the next rank of the group, receive from the previous one
+    for req in group.send_recv([(inp, (r + 1) % n)], [(out, (r - 1) % n)]):
+        req.wait()
 
 
 def world_max(value, device):
@@ -112,11 +105,6 @@ def bench_rank(rank, world, per_node, sizes, ops, target_s):
                 rows.append(dict(kind=kind, n=n, op=op, size=size, iters=iters, time_us=t * 1e6,
                                  algbw=algbw, busbw=busbw))
     return rows
-
-
-def _spawned(rank, world, per_node, sizes, ops, target_s):
-    torch.set_num_threads(1)
-    return bench_rank(rank, world, per_node, sizes, ops, target_s)
 
 
 def human(size):
@@ -199,5 +187,5 @@ def main(argv=None):
         return
     if args.world % args.gpus_per_node:
         raise UsageError(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
-    rows = run_ranks(_spawned, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]
+    rows = run_ranks(bench_rank, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]
     report(rows, args.world, args.gpus_per_node, "gloo", args.out, loopback=True)

@@ -38,16 +38,10 @@ def config_of(preset, seq_len=None, vocab_size=None, **overrides):
     return model.ModelConfig(**fields)
 
 
-def recomputed_full(cfg):
-    """Layers whose forward runs twice under --ckpt full: parallel.ckpt's count (torch's checkpoint skips
-    each segment's last matmul)."""
-    return recomputed_layers(cfg, "full")
-
-
 def flops_row(name, cfg, tokens):
     total, non_emb = model.param_counts(cfg)
     per_token = model.flops_per_token(cfg)
-    recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
+    recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_layers(cfg, "full"))
     step = per_token * tokens
     return [name, cfg.n_layer, cfg.d_model, cfg.vocab_size, f"{total / 1e9:.3g}", f"{non_emb / 1e9:.3g}", cfg.seq_len,
             f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}", f"{step / 989.4e12:.3g}"]
@@ -248,7 +242,8 @@ def main(argv=None):
                                    args.threads_per_rank)
     ok = sweep_table(results, peaks, base, device, steps, args.out, args.name)
     cfg = config_of(preset, seq_len)
-    predicted = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / model.flops_per_token(cfg)
+    redone = recomputed_layers(cfg, "full")
+    predicted = model.flops_per_token(cfg, recomputed_layers=redone) / model.flops_per_token(cfg)
     ckpt = [r for r in ok if "--ckpt" in r[3]]
     measured = f"; measured {ckpt[0][4]['hfu'] / ckpt[0][4]['mfu']:.3f} ({ckpt[0][0]})" if ckpt else \
         " (no --ckpt run in this sweep succeeded: predicted only)"
