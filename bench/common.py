@@ -1,14 +1,10 @@
-"""Small helpers shared by the bench scripts: where results go, what hardware ran them, timing.
+"""What the bench scripts share: their command line, where results go, what hardware ran them, timing.
 
-Every result file is one markdown table (or a few) headed by the command that made it, the date and
-the hardware, so a number in the README can always be traced back and re-run:
-
-    common.write_result(args.out, "L3_matmul_alignment", "L3: ...", header, rows, notes=[...])
-    common.answer("L3", "8191 runs at 0.62x the speed of 8192")   # run_all.py collects these lines
-
-A bench script runs from the repository root as a module: `python -m bench.labs.NAME`.
+Every result file is a markdown table headed by the command that made it, the date and the hardware, so a number
+in the README can be traced back and re-run (write_result); `ANSWER Lk: text` lines (answer) feed run_all's index.
 """
 import datetime
+import functools
 import platform
 import shlex
 import statistics
@@ -22,7 +18,7 @@ import torch
 import config
 import model
 import train
-from config import DTYPES
+from config import DTYPES, OneLineParser, UsageError
 from data.metrics import PEAK_TFLOPS
 from data.prepare import prepare
 from data.text import usable_cores as cpu_cores
@@ -90,17 +86,9 @@ def markdown_table(header, rows):
 
 def write_result(out_dir, name, title, header, rows, notes=(), command=None, backend=None, echo=True):
     """Writes out_dir/name.md: title, command, date, hardware, the table, then notes. Prints it too (echo)."""
-    text = "\n".join([
-        f"### {title}",
-        "",
-        f"Command: `{command or command_line()}`  ",
-        f"Date: {datetime.date.today().isoformat()}  ",
-        f"Hardware: {hardware_line(backend)}",
-        "",
-        markdown_table(header, rows),
-        "",
-        *[f"- {n}" for n in notes],
-    ]).rstrip() + "\n"
+    text = "\n".join([f"### {title}", "", f"Command: `{command or command_line()}`  ",
+        f"Date: {datetime.date.today().isoformat()}  ", f"Hardware: {hardware_line(backend)}", "",
+        markdown_table(header, rows), "", *[f"- {n}" for n in notes],]).rstrip() + "\n"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
@@ -114,10 +102,29 @@ def answer(item, text):
     print(f"{ANSWER_PREFIX}{item}: {text}", flush=True)
 
 
-def add_common_args(parser):
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke tests")
-    parser.add_argument("--out", default=str(RESULTS), help="folder for the result markdown files")
-    return parser
+def parser(doc, results=True):
+    """A parser that refuses in one line (config.OneLineParser), described by doc's first line; results: with
+    --quick and --out (the result files' folder)."""
+    p = OneLineParser(description=doc.split("\n")[0])
+    if results:
+        p.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke tests")
+        p.add_argument("--out", default=str(RESULTS), help="folder for the result markdown files")
+    return p
+
+
+def command(main):
+    """main(argv) as a command: a UsageError is one line, `error: ...`, on stderr and exit status 2. In the module
+    `python -m` runs it calls main at once and exits with its status, so main comes last there."""
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if main.__module__ == "__main__":
+        sys.exit(run())
+    return run
 
 
 def sync(device):
@@ -160,7 +167,7 @@ def measured_cpu_peak_tflops(dtype=torch.float32, threads=None, n=2048, min_s=1.
 
 
 def gpu_peak_tflops():
-    """The device table's dense bf16 peak of GPU 0 (config.PEAK_TFLOPS), or None."""
+    """The device table's dense bf16 peak of GPU 0 (data.metrics.PEAK_TFLOPS), or None."""
     if not has_cuda():
         return None
     name = torch.cuda.get_device_name(0)
@@ -180,14 +187,18 @@ def pystdlib_folder():
     return folder
 
 
-def build_gpt(preset="tiny", seed=1337, device="cpu", **overrides):
-    """model.GPT from a preset with train.py's initial weights. Presets without a vocabulary get the
-    byte corpus's 257 (what train.py uses on the pystdlib data)."""
+def preset_config(preset="tiny", **overrides):
+    """A preset's model.ModelConfig with overrides; one without a vocabulary gets the byte corpus's 257 (what
+    train.py uses on the pystdlib data)."""
     fields = {**model.PRESETS[preset].__dict__, **overrides}
     fields["vocab_size"] = fields["vocab_size"] or 257
-    cfg = model.ModelConfig(**fields)
+    return model.ModelConfig(**fields)
+
+
+def build_gpt(preset="tiny", seed=1337, device="cpu", **overrides):
+    """model.GPT of preset_config(preset, **overrides) with train.py's initial weights."""
     with torch.device("meta"):
-        gpt = model.GPT(cfg)
+        gpt = model.GPT(preset_config(preset, **overrides))
     return init_weights(gpt, seed, device)
 
 
@@ -196,10 +207,8 @@ def autocast(mode, device):
 
 
 class TrainStep:
-    """One precision mode's model, AdamW and loss scaler in one process, built and stepped by train.py itself
-    (config.resolve, train.prepare, train.train_step): `model` is the GPT, `step(x, y)` one optimizer step on a
-    batch of len(x) sequences; forward_backward and update are the step's two halves, for benches that look in
-    between."""
+    """One precision mode's model, AdamW and loss scaler, built and stepped by train.py itself: calling it is one
+    optimizer step on a batch of len(x) sequences; forward_backward and update are the step's two halves."""
 
     def __init__(self, mode, device, preset="tiny", **overrides):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]

@@ -1,33 +1,20 @@
 """Runs side by side: each run's summary and the flags that differ; with --plot, their curves.
 
-A run's summary is the last line train.py writes to its metrics; --plot draws the curves in one
-picture. A run on a GPU the planner knows gets a speed line: its MFU beside the planner's range.
+    python -m bench.compare runs/tiny runs/tiny-ckpt=full out/b/metrics.jsonl [--plot ablation.png]
 
-    python -m bench.compare runs/tiny runs/tiny-ckpt=full runs/tiny-dtype=bf16
-    # a run folder, or its metrics file:
-    python -m bench.compare out/a/metrics.jsonl out/b --plot ablation.png
-
-One row per run: final train and val loss, median tokens/s and MFU (the first step left out), peak
-memory, wall time, and a column for every flag whose value is not the same in all of them (a flag a
-run leaves at its default shows as "-"). A run that wrote no summary (killed, or still running) is
-one line on stderr, exit 2.
-
---plot FILE.png draws four panels, one curve per run, labelled by the flags it sets of those that
-differ (with the run's folder name where two runs share a label): train loss and val loss against
-steps, with the tokens seen on the top axis (against tokens instead where the runs' batches differ),
-then tokens/s and peak memory against steps. A step run twice (a resume from an earlier save) is
-drawn as its last run. matplotlib is a tooling dependency (requirements-dev.txt): without it the
-table still prints; training never imports this file.
+One row per run (a folder or its metrics file): final train and val loss, median tokens/s and MFU (the first step
+left out), peak memory, wall time, a column per flag that differs; a run on a GPU the planner knows gets its MFU beside
+the planner's range. --plot draws train and val loss, tokens/s and peak memory (bench/README.md, "Runs side by side";
+matplotlib, requirements-dev.txt). A run without a summary: one line on stderr, exit 2.
 """
-import argparse
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench import common
 from bench.common import markdown_table
 from bench.planner.layout import Cluster, Layout, invalid
 from bench.planner.plan import error_bars
-from config import OneLineParser, UsageError
+from config import UsageError
 from data.metrics import PEAK_TFLOPS, read_metrics
 from model import ModelConfig
 from parallel import ckpt
@@ -51,13 +38,11 @@ SUMMARY = {"run": (str,), "steps": (int,), "loss": NUMBER, "val_loss": NUMBER + 
 ROW = {"step": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),), "tokens": NUMBER,
        "tok_s": NUMBER, "mem_gb": NUMBER + (type(None),)}
 STYLES = ["-", "--", ":", "-."]
-PANELS = [("train loss", "loss"), ("val loss", "val_loss"), ("tokens/s", "tok_s"),
-          ("peak memory GB", "mem_gb")]
+PANELS = [("train loss", "loss"), ("val loss", "val_loss"), ("tokens/s", "tok_s"), ("peak memory GB", "mem_gb")]
 
 
 def checked(record, types, what):
-    """The record if it is a dict whose keys hold values of their types (bool is no number), else
-    UsageError."""
+    """The record if it is a dict whose keys hold values of their types (bool is no number), else UsageError."""
     if not isinstance(record, dict):
         raise UsageError(f"{what} is {type(record).__name__}, not an object")
     for key, allowed in types.items():
@@ -96,14 +81,12 @@ def table(paths):
     """(header, rows) of the runs' summaries and the flags that differ between them."""
     summaries = [read_run(p)[0] for p in paths]
     differ = differing(summaries)
-    header = (["run", "steps", "loss", "val loss", "tok/s", "MFU", "peak GB", "wall s"]
-              + [f"--{k}" for k in differ])
+    header = (["run", "steps", "loss", "val loss", "tok/s", "MFU", "peak GB", "wall s"] + [f"--{k}" for k in differ])
 
     def number(value, spec):
         return "-" if value is None else format(value, spec)
     rows = [[s["run"], s["steps"], number(s["loss"], ".4f"), number(s["val_loss"], ".4f"),
-             number(s["tok_s"], ".0f"), number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"),
-             number(s["wall_s"], ".0f")]
+             number(s["tok_s"], ".0f"), number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"), number(s["wall_s"], ".0f")]
             + [str(s["flags"].get(k, "-")) for k in differ] for s in summaries]
     return header, rows
 
@@ -121,8 +104,7 @@ def expected_mfu(run, cfg, gpu):
     kind = ckpt.parse(run.ckpt)[0]
     layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
                     shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
-                    ckpt=kind if kind in ("none", "selective") else "full",
-                    schedule=run.pp_schedule,
+                    ckpt=kind if kind in ("none", "selective") else "full", schedule=run.pp_schedule,
                     V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
                     cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
                     fp8=run.dtype == "fp8")
@@ -164,10 +146,8 @@ def plot(paths, out):
     """Draws the runs' curves into the PNG `out`; returns the Figure (its axes in PANELS' order)."""
     runs = [read_run(p, rows_too=True) for p in paths]
     differ = differing([s for s, _ in runs])
-    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults"
-              for s, _ in runs]
-    labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x
-              for x, (s, _) in zip(labels, runs)]
+    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults" for s, _ in runs]
+    labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x for x, (s, _) in zip(labels, runs)]
     batches = {r["tokens"] for _, rows in runs for r in rows}  # tokens per step
     per_step = next(iter(batches)) if len(batches) == 1 else None  # None: the runs' batches differ
     fig = Figure(figsize=(12, 8), layout="constrained")
@@ -186,8 +166,7 @@ def plot(paths, out):
         ax.set_xlabel("tokens" if x_tokens else "step")
         ax.grid(alpha=0.3)
         if loss and per_step:
-            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step,
-                                                       lambda t: t / per_step))
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
             top.set_xlabel("tokens")
     fig.axes[0].legend(fontsize="small")
     try:
@@ -197,29 +176,20 @@ def plot(paths, out):
     return fig
 
 
+@common.command
 def main(argv=None):
-    parser = OneLineParser(description=__doc__.splitlines()[0],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__, results=False)
     parser.add_argument("runs", nargs="+", help="run folders (or their metrics files)")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="also draw the runs' curves into this PNG")
-    try:
-        args = parser.parse_args(argv)
-        if args.plot and not args.plot.lower().endswith(".png"):
-            raise UsageError(f"--plot: {args.plot!r} is not a .png file name")
-        if args.plot and Figure is None:
-            raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
-        print(markdown_table(*table(args.runs)))
-        for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
-            print(line)
-        if args.plot:
-            plot(args.runs, args.plot)
-            print(f"wrote {args.plot}")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the runs' curves into this PNG")
+    args = parser.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot: {args.plot!r} is not a .png file name")
+    if args.plot and Figure is None:
+        raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
+    print(markdown_table(*table(args.runs)))
+    for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
+        print(line)
+    if args.plot:
+        plot(args.runs, args.plot)
+        print(f"wrote {args.plot}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

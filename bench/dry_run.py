@@ -1,21 +1,14 @@
-"""--dry-run: the command a user would launch, rehearsed on a CPU, at full scale.
+"""--dry-run: the command a user would launch, rehearsed on a CPU at full scale, one rank per pipeline stage.
 
     python train.py --model llama3-405b --tp 8 --pp 16 --dp-mode fsdp --micro-batch 1 \
         --global-batch 2048 --dry-run --world 16384 --gpu h100
 
-For one rank of each pipeline stage (mesh.rank_of(pp=s): a stage's tp, cp and dp ranks do alike),
-a process (as many at once as CPU cores, or --jobs) becomes rank r of a world of N on torch's
-`fake` process group, which accepts every collective and sends nothing. It runs the real
-config.resolve, train.prepare and two steps of train.train_step on fake CUDA tensors
-(FakeTensorMode: shapes, dtypes and devices, no data), on random tokens of the model's vocabulary.
-What it proves, per rank: the step fits the GPU (the peak of the live CUDA storages, in parts,
-beside the memory model, memory.stage_bytes); it touches no CPU tensor and reads nothing back to
-the host; every collective obeys NCCL's rules (CUDA, dense, contiguous, this rank's device, one
-dtype, sizes that split evenly over the group); and what each group sends (parallel/comm.py).
-What it cannot: compiled graphs (it runs eagerly), kernels and their speed, numerics (no value
-exists), the order of collectives across ranks (each rank runs alone). It sees no CUDA context,
-NCCL buffer or fragmentation: memory.MARGIN stands for them. Initial values are not drawn, and
-attention runs the kernel a GPU would pick.
+Each rank (a process per CPU core, or --jobs) joins torch's `fake` process group at the full world size and runs the
+real config.resolve, train.prepare and two train.train_step on fake CUDA tensors (shapes, no data). Per rank it
+proves the step fits the GPU (live CUDA storages in parts, beside memory.stage_bytes), touches no CPU tensor, reads
+nothing back to the host, that every collective obeys NCCL's rules, and what each group sends. It cannot see
+compiled graphs, kernels' speed, numerics, the order of collectives across ranks, or CUDA context, NCCL buffers and
+fragmentation (memory.MARGIN stands for them).
 """
 import ctypes
 import hashlib
@@ -43,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import config
 import model
@@ -76,8 +70,7 @@ GPUS = {"h100": GPU("NVIDIA H100 80GB HBM3", 81_089 * 2 ** 20, (9, 0)),
         "h200": GPU("NVIDIA H200", 143_156 * 2 ** 20, (9, 0)),
         "a100": GPU("NVIDIA A100-SXM4-80GB", 81_920 * 2 ** 20, (8, 0)),
         "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", 40_536 * 2 ** 20, (8, 0))}
-PARTS = ("weights", "gradients", "optimizer state", "weights in use", "activations", "logits",
-         "token ids")
+PARTS = ("weights", "gradients", "optimizer state", "weights in use", "activations", "logits", "token ids")
 
 
 # ---------------------------------------------------------------- the command line
@@ -100,9 +93,8 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    """train.py --dry-run: the command rehearsed with train.py's prepare and train_step. Exit 0;
-    2 for bad flags or a rank that does not fit (naming the flag to change); 3 when the step
-    breaks a rule a GPU run would fail on."""
+    """train.py --dry-run: the command rehearsed with train.py's prepare and train_step. Exit 0; 2 for bad flags or a
+    rank that does not fit (naming the flag to change); 3 when the step breaks a rule a GPU run would fail on."""
     try:
         args, train_argv = parse_args(sys.argv[1:] if argv is None else argv)
         gpu = GPUS[args.gpu]
@@ -114,8 +106,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenProcessPool:
-        print(f"error: --jobs: a rehearsing process died (out of memory?); {jobs} ran at once",
-              file=sys.stderr)
+        print(f"error: --jobs: a rehearsing process died (out of memory?); {jobs} ran at once", file=sys.stderr)
         return 3
     print(f"rehearsed {len(reports)} rank(s), one per pipeline stage, of {args.world} {args.gpu} "
           f"GPUs in {time.perf_counter() - t0:.1f} s")
@@ -169,8 +160,7 @@ class Report:
                  f"{1 - memory.MARGIN:.0%} of the {self.gpu.memory / 1e9:.1f} GB of an "
                  f"{self.gpu.name}; the memory model (memory.stage_bytes) says "
                  f"{estimate / 1e9:.3g} GB ({estimate / self.peak - 1:+.0%})"
-                 + ("; train.py's memory check refuses to start above that 90%"
-                    if estimate > self.usable else ""),
+                 + ("; train.py's memory check refuses to start above that 90%" if estimate > self.usable else ""),
                  f"  per step: {sum(self.launches[-1].values())} collective launches ("
                  + ", ".join(f"{op} {n}" for op, n in self.launches[-1].most_common()) + ")"]
         for (group, kind), (calls, nbytes) in sorted(self.steps[-1].items()):
@@ -190,14 +180,11 @@ def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=Fals
     """[Report] of one rank per pipeline stage (or per stage in `stages`): the stage's rank 0, or
     its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}). `jobs` ranks at once, each
     in a process of its own (a rank is one thread's work; they share nothing)."""
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": str(per_node)}
+    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(per_node)}
     with FakeGPUs(gpu, per_node):
         layout = config.resolve(train_argv, environ=env)  # the flags, checked before any rank
-    mesh = Mesh(0, world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
-                dp_shard=layout.dp_shard)
-    ranks = [mesh.rank_of(pp=s, **(at or {})) for s in (range(layout.pp) if stages is None
-                                                           else stages)]
+    mesh = Mesh(0, world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp_shard)
+    ranks = [mesh.rank_of(pp=s, **(at or {})) for s in (range(layout.pp) if stages is None else stages)]
     jobs = min(jobs, len(ranks))
     if show:
         print(mesh.describe(per_node), flush=True)
@@ -276,7 +263,8 @@ def rehearse_steps(run, cfg, report):
                 y = torch.randint(0, cfg.vocab_size, x.shape, device=run.device)
             mesh.stats.reset()
             with rules:
-                train.train_step(trainer, x, y, lr(run, step), run.grad_clip)
+                lr = train.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
+                train.train_step(trainer, x, y, lr, run.grad_clip)
             ledger.step_done(trainer)
             report.steps.append(per_group(mesh.stats))
             report.launches.append(rules.launches)
@@ -296,11 +284,6 @@ def no_initial_values():
         train.local_init = draw
 
 
-def lr(run, step):
-    """The learning rate train.py's loop gives the step."""
-    return train.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
-
-
 def per_group(stats):
     """{(group, kind): [calls, bytes]} of one step's counters."""
     out = defaultdict(lambda: [0, 0.0])
@@ -311,14 +294,12 @@ def per_group(stats):
 
 
 def where(error=None):
-    """The innermost line of this repository's code (outside this file) on the stack, or in the
-    error's traceback."""
+    """The innermost line of this repository's code (outside this file) on the stack, or in the error's traceback."""
     if error is None:
         frames = traceback.extract_stack()
     else:
         frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(str(REPO))
-            and "site-packages" not in f.filename
+    ours = [f for f in frames if f.filename.startswith(str(REPO)) and "site-packages" not in f.filename
             and Path(f.filename).name not in ("dry_run.py", "_contextlib.py")]
     f = (ours or frames)[-1]
     return f"{Path(f.filename).relative_to(REPO) if ours else f.filename}:{f.lineno} in {f.name}"
@@ -328,8 +309,7 @@ def where(error=None):
 
 @contextmanager
 def FakeWorld(rank, world):
-    """This process as rank `rank` of `world` on torch's fake process group: every collective
-    returns at once."""
+    """This process as rank `rank` of `world` on torch's fake process group: every collective returns at once."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
@@ -338,10 +318,8 @@ def FakeWorld(rank, world):
 
 
 class FakeCUDA(FakeTensorMode):
-    """FakeTensorMode that never touches a real GPU (torch.tensor(..., device="cuda") is made on
-    the CPU, then faked), and leaves the meta device alone: train.py builds the model there with
-    real meta tensors, which Module.to_empty replaces by fake ones; fake meta parameters it would
-    have to swap in place, which torch refuses for those its converter holds weak references to."""
+    """FakeTensorMode that never touches a real GPU and leaves the meta device alone: train.py builds the model on
+    meta tensors, which Module.to_empty replaces by fake ones (torch refuses to swap fake meta ones in place)."""
     avoid_device_init = True
 
     def __init__(self):
@@ -381,17 +359,15 @@ def shim():
         subprocess.run([compiler, "-O1", "-std=c++20", "-shared", "-fPIC", str(source),
                         "-o", str(partial), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}",
                         f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-L{lib}",
-                        f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"],
-                       check=True, capture_output=True)
+                        f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"], check=True, capture_output=True)
         os.replace(partial, built)  # whole or not at all, whoever builds it at the same time
     return ctypes.CDLL(str(built))
 
 
 @contextmanager
 def FakeGPUs(gpu, count):
-    """For the block: `count` GPUs of kind `gpu` per node, as torch.cuda describes them; autograd
-    on this thread, asking dry_run_gpu.cpp's device guard and hooks; attention routed to the kernel
-    a GPU would run."""
+    """For the block: `count` GPUs of kind `gpu` per node, as torch.cuda describes them; autograd on this thread, asking
+    dry_run_gpu.cpp's device guard and hooks; attention routed to the kernel a GPU would run."""
     lib = shim()
     props = SimpleNamespace(name=gpu.name, total_memory=gpu.memory, major=gpu.capability[0],
                             minor=gpu.capability[1], multi_processor_count=132)
@@ -417,8 +393,7 @@ def FakeGPUs(gpu, count):
         lib.dry_run_gpu_remove()
 
 
-def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False):
+def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as CUDA runs it for this model: FlashAttention in fp16 and
     bf16 (grouped K, V as they are), the memory-efficient kernel in fp32; their fake kernels return
     and save what theirs do (no (T x T) scores). SDPA's own choice asks the device, not there."""
@@ -426,12 +401,10 @@ def fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         raise NotImplementedError("the dry run rehearses attention without a mask, head_dim <= 256 "
                                   "a multiple of 8")
     if q.dtype in (torch.float16, torch.bfloat16):
-        return _ATEN._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal,
-                                                         scale=scale)[0]
+        return _ATEN._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     if k.shape[1] != q.shape[1]:
         raise NotImplementedError("fp32 attention on CUDA takes as many K, V heads as query heads")
-    return _ATEN._scaled_dot_product_efficient_attention(q, k, v, None, False, dropout_p, is_causal,
-                                                         scale=scale)[0]
+    return _ATEN._scaled_dot_product_efficient_attention(q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
 
 
 # ---------------------------------------------------------------- memory: the live CUDA storages
@@ -440,13 +413,9 @@ GATHERS = (fsdp.Unit.start_gather.__code__, fp8.FP8Gather.__call__.__code__)  # 
 
 
 class Ledger(StorageMode):
-    """Every CUDA storage an op creates, from then until it is freed (a finalizer; a storage resized
-    in place, as the pipeline frees what it sent, counts its new size). `peak` is the most alive at
-    once. The parts of that moment are told apart by what holds each storage between steps
-    (weights, gradients, optimizer state) and, for what a step frees, by its shape and when it was
-    made: a parameter's shape is autocast's cast in forward (weights in use) and a gradient in
-    backward; a 1-D buffer made in FSDP's gather is a unit in use; the vocabulary's width is
-    logits."""
+    """Every CUDA storage an op creates until it is freed (or resized); `peak` the most alive at once, in parts: what
+    the trainer keeps between steps by holder, the rest by shape and when it was made (a parameter's shape: weights
+    in use in forward, a gradient in backward; a 1-D buffer of FSDP's gather: weights in use; the vocab: logits)."""
 
     def __init__(self):
         super().__init__()
@@ -476,8 +445,7 @@ class Ledger(StorageMode):
         params = [p for c in trainer.chunks for p in c.parameters()]
         kept = {"weights": list(w.optim_params()) + params,
                 "gradients": [p.grad for p in w.optim_params()] + [u.grad for u in units]
-                + [getattr(u, "summed", None) for u in units]
-                + [b.buffer for b in getattr(w, "buckets", [])],
+                + [getattr(u, "summed", None) for u in units] + [b.buffer for b in getattr(w, "buckets", [])],
                 "optimizer state": [v for s in trainer.opt.state.values() for v in s.values()]}
         self.held = {}
         for part, tensors in kept.items():
@@ -612,15 +580,8 @@ def on_cpu(tree):
 
 
 def tensors_in(tree):
-    """The tensors in an op's arguments or results: nested tuples, lists and dicts."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for x in tree:
-            yield from tensors_in(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from tensors_in(x)
+    """The tensors in an op's arguments or results."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def group_size(args):

@@ -1,11 +1,9 @@
 // What the autograd engine asks of CUDA, answered for GPUs that are not there (dry_run.py).
 //
-// Under FakeTensorMode a CUDA tensor holds no data, but autograd still asks the CUDA runtime about streams and
-// contexts: a CUDA build without a GPU fails there, and a CPU build has no CUDA at all. For the rehearsal's
-// duration this library registers a CUDA device guard for `count` devices that does nothing (every stream the
-// default one, events no-ops), and makes the CUDA hooks say "built, no device has a context yet", so autograd
-// stashes no streams. torch offers no call that replaces hooks it has created, so the hooks object's class is
-// swapped (its vtable pointer) and restored on removal.
+// A fake CUDA tensor holds no data, but autograd still asks the CUDA runtime about streams and contexts. For the
+// rehearsal this registers a do-nothing CUDA device guard for `count` devices and makes the CUDA hooks say "built, no
+// context yet", so autograd stashes no streams; torch cannot replace hooks it made, so the hooks object's class
+// (its vtable pointer) is swapped, and restored on removal.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 

@@ -1,12 +1,6 @@
-"""Run a function on N gloo ranks on CPU, the way torchrun would start them.
-
-    results = run_ranks(fn, world=4, args=(...))   # fn(rank, world, *args) in each process
-
-Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a free MASTER_PORT in its environment
-and an initialized gloo process group. The parent collects every rank's return value, re-raises the
-first failing rank's traceback, reports a rank that dies without one (killed, or unable to import its
-function) as soon as it does, and kills everything after `timeout` seconds instead of hanging.
-Processes come from a forkserver that has imported torch once, so a rank starts in well under a second.
+"""Run a function on N gloo ranks on CPU, the way torchrun would start them: `run_ranks(fn, world=4, args=(...))`
+calls fn(rank, world, *args) in each process and returns every rank's value. It re-raises the first failing rank's
+traceback, reports a rank that dies without one, and kills everything after `timeout` seconds instead of hanging.
 """
 import multiprocessing as mp
 import os
@@ -18,7 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-_CTX = mp.get_context("forkserver")
+_CTX = mp.get_context("forkserver")  # it imports torch once: a rank starts in well under a second
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "model", "train"])
 
 

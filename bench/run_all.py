@@ -5,22 +5,11 @@
     python -m bench.run_all --only precision --only collective_bandwidth
     python -m bench.run_all --list     # the registry and each script's time, without running anything
 
-Each script runs as `python -m MODULE` in its own process group, with --out set to the results folder (--results,
-default bench/results); its output goes to logs/NAME.log there, and the lines `ANSWER Lk: text` it prints
-(bench/common.answer) are the headline answers. One line says when a script starts (its usual time, its budget, its
-log) and one when it ends (its status, its seconds, the tables it wrote). INDEX.md lists L1-L28: the question, the
-scripts and tests that answer it, and the latest measured answer (kept in answers.json across partial runs). Scripts
-that need a GPU are skipped on a CPU machine with a message, the emulated cluster (bench/cluster) without root
-(CAP_NET_ADMIN) likewise; a script that is not in this tree is reported as missing.
-
-Script.seconds is what a script takes on a quiet 2-core machine, measured (a GPU script's: its bound); the first line
-sums them for the scripts about to run. Budgets guard against hangs; they are not a pass mark: a script gets
-BUDGET_FACTOR times its seconds, and at least MIN_BUDGET_S (--budget-scale stretches them all). A script still running
-at its budget is "over budget": if it has written something by then (a table, an ANSWER line) it is stopped there
-and what it wrote is kept; if not, it may run on to HANG_FACTOR times its budget (at most HARD_CEILING_S). Only a
-crash (a nonzero exit) or a hang (still running at that limit: killed) fails the run, with exit status 1;
-over-budget scripts are reported as such in INDEX.md and the run exits 0. --budget-min stops starting
-scripts after that many minutes (and stops the one running then, if it has written something).
+Each script runs as `python -m MODULE --out RESULTS` in its own session, its output in logs/NAME.log; its `ANSWER Lk:`
+lines go to answers.json and INDEX.md. A script gets BUDGET_FACTOR x its seconds (at least MIN_BUDGET_S); past it,
+it is stopped if it wrote something (kept, "over budget"), else it may run to HANG_FACTOR budgets (at most
+HARD_CEILING_S). Only a crash or a hang fails the run (exit 1). GPU-only scripts are skipped on a CPU, the emulated
+cluster without root; --budget-min stops starting scripts after that many minutes.
 """
 import datetime
 import importlib.util
@@ -38,14 +27,12 @@ from pathlib import Path
 
 from bench import common
 from bench.cluster.net import can_admin_net
-from config import OneLineParser, UsageError, positive_float
+from config import UsageError, positive_float
 
-QUESTIONS = {
-    "L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
+QUESTIONS = {"L1": "dtype of params, inputs, accumulation, grads, optimizer state per precision mode",
     "L2": "throughput of fp32 vs bf16/fp16 autocast",
     "L3": "matmul utilization at tile-unaligned sizes (8192 vs 8191/8200)",
-    "L4": "fp16 gradient underflow without loss scaling, fixed with it",
-    "L5": "each DP rank gets different samples",
+    "L4": "fp16 gradient underflow without loss scaling, fixed with it", "L5": "each DP rank gets different samples",
     "L6": "global batch = local batch x world x accumulation steps",
     "L7": "sum vs average of gradients: learning rate and loss normalization",
     "L8": "single-device gradient == DDP all-reduced gradient",
@@ -58,18 +45,15 @@ QUESTIONS = {
     "L15": "FSDP group inside one server vs across servers: throughput",
     "L16": "prefetch and reduce-scatter hidden under compute, on a timeline",
     "L17": "peak memory and step time with and without activation checkpointing",
-    "L18": "segment length C sweep: memory vs recompute",
-    "L19": "recomputed forward reproduces dropout exactly",
+    "L18": "segment length C sweep: memory vs recompute", "L19": "recomputed forward reproduces dropout exactly",
     "L20": "checkpointing every layer: effect on MFU and HFU",
     "L21": "useful FLOPs per step from architecture and global batch",
-    "L22": "MFU from device peak and measured step time",
-    "L23": "why HFU != MFU",
+    "L22": "MFU from device peak and measured step time", "L23": "why HFU != MFU",
     "L24": "sweep parallel degrees and micro-batches: compare MFU",
     "L25": "which collective lets a local query see all keys and values under CP",
     "L26": "pipeline utilization of each schedule (gpipe, 1f1b, interleaved, zb1, zbv) vs theory",
     "L27": "why the TP MLP splits column-wise then row-wise",
-    "L28": "which physical scope each of the TP/CP/PP/DP groups lands on",
-}
+    "L28": "which physical scope each of the TP/CP/PP/DP groups lands on",}
 
 # Items answered by tests or by the code itself: what the test asserts, shown once such a test exists.
 TESTED = {
@@ -119,17 +103,11 @@ class Script:
     def source(self):
         """The file or folder it runs, from the repository root, or None where this tree has no such module."""
         try:
-            spec = importlib.util.find_spec(self.module)
-        except ImportError:
+            path = Path(importlib.util.find_spec(self.module).origin)
+        except (ImportError, AttributeError, TypeError):  # no such module (find_spec None, or no origin)
             return None
-        if spec is None or spec.origin is None:
-            return None
-        path = Path(spec.origin)
         path = path.parent if path.name == "__init__.py" else path
-        try:
-            return path.relative_to(common.REPO).as_posix() + "/" * path.is_dir()
-        except ValueError:
-            return str(path)
+        return shown(path) + "/" * path.is_dir()
 
 
 QUICK = ["--quick"]
@@ -323,8 +301,9 @@ def selected(only):
     return [s for s in REGISTRY if not only or any(o in names(s) for o in only)]
 
 
+@common.command
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--only", action="append", help="run only the scripts of this name (repeatable; --list shows them)")
     p.add_argument("--list", action="store_true", help="print the registry and exit")
     p.add_argument("--quick", action="store_true",
@@ -335,12 +314,8 @@ def main(argv=None):
     p.add_argument("--index-only", action="store_true", help="rebuild INDEX.md from answers.json, run nothing")
     p.add_argument("--budget-scale", type=positive_float, default=1.0,
                    help="multiply every script's budget (a slow or shared machine); --budget-min still caps the run")
-    try:
-        args = p.parse_args(argv)
-        todo = selected(args.only)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    todo = selected(args.only)
     gpu = common.has_cuda()
     if args.list:
         for s in REGISTRY:
@@ -398,7 +373,3 @@ def main(argv=None):
     index = write_index(results, answers, statuses)
     print(f"wrote {shown(index)}", flush=True)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,10 +11,9 @@ from bench.cluster.report import MODEL, misranked
 from bench.cluster.worker import CountOps
 from bench.planner import step_time
 from bench.planner.layout import Cluster, Layout, Shape
-from bench.planner.ours import fsdp_parts
+from bench.planner.ours import fsdp_parts, replica_bytes
 from config import model_config, parse_args
 from model import GPT, PRESETS, param_counts
-from parallel.hsdp import replica_bytes
 
 TINY = PRESETS["tiny"]
 # a 2-node CPU cluster as bench/cluster measures one: loopback 6x the NIC

@@ -9,9 +9,8 @@ import pytest
 
 from bench.planner import factors as F
 from bench.planner import plan, published, step_time
-from bench.planner.comm import collectives
-from bench.planner.links import link, seconds, tax
-from bench.planner.overlap import RING_HOP_OPS, chunk_matmuls, fp8_bytes, ours_tp, ring
+from bench.planner.costs import collectives
+from bench.planner.step_time import RING_HOP_OPS, chunk_matmuls, fp8_bytes, link, ours_tp, ring, seconds, tax
 from model import PRESETS, param_counts
 
 CFG8, CFG405 = PRESETS["llama3-8b"], PRESETS["llama3-405b"]

@@ -1,20 +1,9 @@
-"""L12, L15 and the planner's step time, measured on an emulated cluster: network namespaces as nodes, one shaped
-NIC per rank through a bridge, a cpu-capped cgroup per rank (bench/cluster/net.py), one torchrun per node meeting at
-node 0 (c10d rendezvous).
+"""L12, L15 and the planner's step time, measured on an emulated cluster (net.py): one torchrun per node meeting at
+node 0, three jobs of bench/cluster/worker.py (bench/README.md, "An emulated cluster"), then the planner's price of
+each layout from the constants the ranks measured (report.py). Needs root (CAP_NET_ADMIN); without it, one line, exit 0.
 
     python -m bench.cluster   # 2 nodes x 2 ranks, 1 Gbit/s NICs: the whole table (< 6 min)
     python -m bench.cluster --gbit 0.5 --delay-ms 1 --rounds 3
-
-Needs root (CAP_NET_ADMIN); without it prints one line and exits 0. Three jobs, each a torchrun per node running
-bench/cluster/worker.py: 1 node x 4 ranks (FSDP inside one node), 2 nodes x 2 ranks (DDP, FSDP and HSDP across
-nodes, tp inside a node) and 2 x 2 with the ranks interleaved over the nodes (tp forced across them); the first two
-also sweep the collectives inside and across nodes (L12). --rounds repeats the jobs, alternating, so load from
-other jobs on the machine falls on every layout alike. Every job has a time limit; whatever happens (an error, a
-failed rank, Ctrl-C, SIGTERM), every namespace, link, qdisc and cgroup made here is removed before the script exits.
-
-The planner (`python -m bench.planner --code ours --measured`) then prices the same layouts from this cluster's own
-measured constants, never a step time: the ranks' matmul, attention and memory rates, the links' bus bandwidths and
-latencies (bench/cluster/report.py; results in bench/results/cluster.md).
 """
 import json
 import os
@@ -29,7 +18,7 @@ from bench import common
 from bench.cluster.net import Net, can_admin_net
 from bench.cluster.report import JOBS, LAYOUTS, MODEL, OPS, report
 from bench.ranks import free_port
-from config import OneLineParser, UsageError, nonnegative_float, nonnegative_int, positive_float, positive_int
+from config import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 WORKER = ["-m", "bench.cluster.worker"]  # what torchrun starts in every node
 SIZES = [16, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
@@ -113,8 +102,9 @@ def run_jobs(args, log):
         return results, net.shaping, net.cpu_share
 
 
+@common.command
 def main(argv=None):
-    ap = common.add_common_args(OneLineParser(description=__doc__.split("\n")[0]))
+    ap = common.parser(__doc__)
     ap.add_argument("--nodes", type=int, default=2, choices=[2], help="emulated nodes (the layouts are for 2)")
     ap.add_argument("--ranks", type=int, default=2, choices=[2], help="ranks per node")
     ap.add_argument("--gbit", type=positive_float, default=1.0, help="each node's link, Gbit/s each way")
@@ -123,11 +113,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=positive_int, default=4, help="timed steps per layout per round")
     ap.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
     ap.add_argument("--timeout", type=positive_float, default=240, help="seconds one job may take")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = ap.parse_args(argv)
     if not can_admin_net():
         print("skipped: python -m bench.cluster needs root (CAP_NET_ADMIN) to make network namespaces")
         return 0
@@ -140,7 +126,3 @@ def main(argv=None):
     claims = report(results, args, shaping, cpu_share, Path(args.out))
     print("\n".join(f"{claim}: {'yes' if ok else 'NO'}" for claim, ok in claims.items()))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,9 @@
-"""An emulated cluster on one Linux machine: network namespaces as nodes, veth pairs through a bridge as their
-links, tc as the link speed. Needs root (CAP_NET_ADMIN); bench/cluster runs training layouts on it.
+"""An emulated cluster on one Linux machine: network namespaces as nodes, a veth NIC per rank through a bridge, each
+shaped to --gbit each way, a CPU-quota cgroup per rank. Needs root (CAP_NET_ADMIN); whatever happens, it removes all
+it made and touches nothing else (bench/README.md, "An emulated cluster", says what it builds and why).
 
     with Net(nodes=2, gbit=1.0, delay_ms=0.2, ranks=4, rails=2) as net:  # builds; tears down on exit, error, signal
-        net.run(0, ["ip", "addr"])                                           # a command inside node 0
-
-What it builds, every name under one prefix unique to this process (`npc<pid>x<hex>`):
-  PREFIX-sw      a namespace holding the switch: bridge br0 and a veth port vKrJ per node K and rail J;
-  PREFIX-nK      node K: loopback up (its ranks talk over it) and per rail J an interface ethJ, the other end of vKrJ,
-                 at 10.77.J.(K+1)/24.
-A rail is a NIC: as on GPU clusters, local rank J of every node has its own (`rails` = ranks per node; 1: one NIC a
-node's ranks share). Each rail is its own subnet, so a message to local rank J of another node leaves through rail J.
-Addresses exist only inside these namespaces; the machine's own namespace is never touched. Shaping: a node's ethJ
-(what it sends) and the switch's vKrJ (what it receives) each get a root qdisc, so every NIC is a full-duplex link
-of --gbit each way: netem with the rate and delay_ms where the kernel has sch_netem, else tbf at the rate and no
-added delay (the latency the bench measures is then the stack's own; `Net.shaping` says which).
-A rank is a device of its own, as a GPU is: with `ranks`, each gets a cgroup capping it at its share of the machine's
-cores (cgroup v1's CFS quota, PREFIX/rankR under /sys/fs/cgroup/cpu; a rank joins its own with `join_cpu_share`).
-Without it, ranks outnumbering the cores would lend each other the cycles one spends waiting on the network, and a
-slow link would hide behind another rank's compute. No cgroup v1 cpu controller: no caps (`Net.cpu_share` is None).
-Teardown kills every process left in our namespaces and deletes them, which removes their veths, bridge and
-qdiscs with them, then the cgroups; a namespace or cgroup of ours whose creating process is gone (killed with
-SIGKILL) is removed on the next start. Nothing else is touched.
+        net.popen(0, ["ip", "addr"])                                         # a process inside node 0
 """
 import os
 import re
@@ -65,9 +48,9 @@ def namespaces():
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def ours(prefix=None):
-    """Namespaces this module made: all of them, or those of one prefix."""
-    return [n for n in namespaces() if NAME_RE.match(n) and (prefix is None or n.startswith(prefix + "-"))]
+def ours():
+    """Namespaces this module made."""
+    return [n for n in namespaces() if NAME_RE.match(n)]
 
 
 def remove_namespace(name):
@@ -212,6 +195,3 @@ class Net:
         """A process inside node `node`'s network namespace (subprocess.Popen keywords pass through). nsenter, not
         `ip netns exec`, which remounts /sys and so hides the cgroups a rank joins."""
         return subprocess.Popen(["nsenter", f"--net=/run/netns/{self.names[node]}", "--", *cmd], **kw)
-
-    def run(self, node, cmd, timeout=30):
-        return sh(["ip", "netns", "exec", self.names[node], *cmd], timeout=timeout)

@@ -1,21 +1,12 @@
-"""The emulated cluster's tables: what it measured, and the planner's prediction from its constants.
+"""The emulated cluster's tables: what it measured, and the planner's prediction from the constants the cluster
+measured about itself (rates, links' bus bandwidth and latency), never from a step time.
 
-The planner (`python -m bench.planner --code ours --measured`) gets only what the cluster measured about itself, never
-a step time: the rank's matmul rate over a block's linears (its peak), its attention and memory rates, and per kind of
-link (inside a node: loopback; across nodes: the shaped link, shared by the node's ranks) the bus bandwidth of the
-largest messages and the latency per ring step of the smallest, both of the all-reduce (gloo's reduce-scatter is an
-all-reduce in disguise: the planner's --backend gloo).
-
-    python -m bench.cluster.report [bench/results/logs/cluster.json]
-
-prints, from a run's raw results, the measured step and exposed communication of every layout beside the planner's
-bill term by term, without running the cluster again: the time model can be changed and checked in seconds.
+    python -m bench.cluster.report [bench/results/logs/cluster.json]   # re-price a run's raw results, term by term
 """
 import json
 import math
 import shlex
 import statistics
-import sys
 from pathlib import Path
 
 from bench import common
@@ -40,14 +31,12 @@ LAYOUTS = {  # name: (job, train.py flags, the planner's --layout)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINK_OPS = ("all_reduce",)  # a link's bus bandwidth and latency: its all-reduce's, as nccl-tests reports them
 STEPS_PER_OP = {"all_reduce": lambda n: 2 * (n - 1).bit_length(), "all_gather": lambda n: n - 1,
-                "send_recv": lambda n: 1}  # the planner's ring steps: 2 log2 n for an all-reduce (plan_comm.py)
+                "send_recv": lambda n: 1}  # the planner's ring steps: 2 log2 n for an all-reduce
 
 
 def constants(results):
-    """The planner's constants, pooled over the whole run (the machine's other load changes by the minute): the
-    ranks' rates, sampled before every layout of every round, and the links' from every round's sweep (the same
-    loopback in both clusters, the link in the two-node one): medians of the rates, and per kind of link of the
-    bus bandwidth at the largest size and of the latency per ring step at the smallest."""
+    """The planner's constants, medians pooled over the whole run (other load changes by the minute): the ranks'
+    rates, and per kind of link the bus bandwidth at the largest size and the latency per ring step at the smallest."""
     rates = [rate for rounds in results.values() for r in rounds for t in r["train"].values() for rate in t["rates"]]
     out = {"peak_tflops": statistics.median(r["matmul"] for r in rates) / 1e12,
            "attn_tflops": statistics.median(r["attention"] for r in rates) / 1e12,
@@ -141,22 +130,19 @@ def report(results, args, shaping, cpu_share, out):
         cmds.append([name, f"`{torchrun_line(name, args)}`", f"`{cmd}`"])
     order_m, order_p = sorted(LAYOUTS, key=lambda n: meas[n][0]), sorted(LAYOUTS, key=lambda n: preds[n])
     names, step = list(LAYOUTS), {n: meas[n][0] for n in LAYOUTS}
-    claims = {
-        "FSDP across nodes is slower than FSDP inside a node": step[names[1]] > step[names[0]],
+    claims = {"FSDP across nodes is slower than FSDP inside a node": step[names[1]] > step[names[0]],
         "HSDP is faster than FSDP across nodes": step[names[2]] < step[names[1]],
         "tp across nodes is slower than tp inside a node": step[names[5]] > step[names[4]],
         "the planner lands within +-25% of every measured step": all(abs(preds[n] / step[n] - 1) <= 0.25
                                                                       for n in names),
         "the planner ranks the layouts as measured": order_m == order_p,
-        "... but for pairs whose round spreads overlap (ties this run cannot order)": not misranked(meas, preds),
-    }
+        "... but for pairs whose round spreads overlap (ties this run cannot order)": not misranked(meas, preds),}
     peak = link_peaks(results)
     l12 = [[op] + [f"{peak[(k, op)]:.3f}" for k in ("intra-node", "inter-node")]
            + [f"{peak[('intra-node', op)] / peak[('inter-node', op)]:.0f}x"] for op in OPS]
     caps = (f"each rank capped at {cpu_share:g} of a core (a cgroup: a rank is a device, and lends no one the "
             "cycles it spends waiting)" if cpu_share else "no cpu caps (no cgroup v1 cpu controller here)")
-    notes = [
-        f"The cluster: {args.nodes} network namespaces x {args.ranks} ranks on this {common.cpu_cores()}-core "
+    notes = [f"The cluster: {args.nodes} network namespaces x {args.ranks} ranks on this {common.cpu_cores()}-core "
         f"machine, {caps}; one NIC per rank (local rank J of every node on rail J), each {link}; inside a node the "
         f"ranks talk over loopback. {args.rounds} rounds of the three jobs, alternating; {args.steps} timed steps per "
         f"layout per round after {args.warmup} warm-up steps; step = the slowest rank's, exposed comm = the most "
@@ -170,10 +156,8 @@ def report(results, args, shaping, cpu_share, out):
         f"every round: inside a node {const['intra_gbs']:.3f} GB/s and {const['lat_intra_us']:.0f} us per ring step, "
         f"across nodes {const['inter_gbs']:.3f} GB/s and {const['lat_inter_us']:.0f} us (all-reduce bus bandwidth of "
         "the largest messages, latency of the smallest). The latencies are mostly the scheduler's: a rank woken by "
-        "a message waits for a core.",
-        "Measured: " + " < ".join(order_m) + ". Predicted: " + " < ".join(order_p) + ".",
-        *[f"{claim}: {'yes' if ok else 'NO'}" for claim, ok in claims.items()],
-    ]
+        "a message waits for a core.", "Measured: " + " < ".join(order_m) + ". Predicted: " + " < ".join(order_p) + ".",
+        *[f"{claim}: {'yes' if ok else 'NO'}" for claim, ok in claims.items()],]
     common.write_result(out, "cluster", "L12, L15 and the planner's step time on an emulated 2-node cluster",
                         ["layout", "step s", "spread s", "exposed comm s", "MB sent per rank", "planner s",
                          "planner vs measured", "planner comm s"], rows, notes)
@@ -197,13 +181,11 @@ def report(results, args, shaping, cpu_share, out):
     return claims
 
 
+@common.command
 def main(argv=None):
-    path = (argv if argv is not None else sys.argv[1:]) or ["bench/results/logs/cluster.json"]
-    for name, (step, wait, bill) in replan(json.loads(Path(path[0]).read_text())).items():
+    p = common.parser(__doc__, results=False)
+    p.add_argument("results", nargs="?", default="bench/results/logs/cluster.json", help="python -m bench.cluster's")
+    for name, (step, wait, bill) in replan(json.loads(Path(p.parse_args(argv).results).read_text())).items():
         terms = " ".join(f"{k} {v:.3f}" for k, v in bill.items() if v and k not in ("total", "mfu", "hfu"))
         print(f"{name:30} measured {step:.3f} s (exposed comm {wait:.3f}), planner {bill['total']:.3f} s "
               f"({bill['total'] / step - 1:+.0%}): {terms}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,9 @@
-"""What each rank of the emulated cluster runs (bench/cluster/measure.py starts it with torchrun in every node):
-
-    python -m torch.distributed.run --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint A:P \
-        -m bench.cluster.worker --spec SPEC.json --out RESULT.json
-
-The spec (JSON) names the tasks, in order, and rank 0 writes every result to --out:
-  "collectives"  bench/labs/collective_bandwidth.py's sweep over the intra-node groups (a node's ranks) and the
-                 inter-node groups (local rank i of every node), all groups of a kind at once.
-  "train"        each layout (train.py flags) for `steps` steps of train.train_step on random tokens, `rounds`
-                 times, the layouts alternating: per step the slowest rank's seconds and the most seconds a rank
-                 spent blocked in collectives (parallel/comm.py's wait_s: the exposed communication); just before
-                 them, the rank's rates (device_rates) at the load the steps will see.
-"order": "interleaved" is the one ablation of placement: rank = local_rank * nodes + node instead of torchrun's
-node * nproc + local_rank, so consecutive ranks (a tp group) land on different nodes.
+"""What each rank of the emulated cluster runs, started by measure.py with torchrun in every node:
+`python -m bench.cluster.worker --spec SPEC.json --out RESULT.json`. The spec names the tasks: "collectives"
+(collective_bandwidth's sweep, intra- and inter-node groups) and "train" (each layout's train_step, timed per step
+with its exposed communication and, just before, the ranks' rates); "order": "interleaved" puts consecutive ranks
+(a tp group) on different nodes. Rank 0 writes the results.
 """
-import argparse
 import json
 import os
 import statistics
@@ -28,7 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import train
+from bench import common
 from bench.cluster.net import join_cpu_share
+from bench.gpu.factors import flops, linears
 from bench.labs.collective_bandwidth import bench_rank
 
 
@@ -86,33 +78,19 @@ def small_ops(x, n=50):
     y.sum().backward()
 
 
-def matmuls(cfg, t):
-    """(a, b) operand pairs of one block's linears over t token rows: each weight's forward and both backward shapes."""
-    d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
-    pairs = []
-    for n_in, n_out in ((d, cfg.n_head * hd), (d, cfg.n_kv_head * hd), (d, cfg.n_kv_head * hd), (cfg.n_head * hd, d),
-                        (d, f), (d, f), (f, d)):
-        pairs += [((t, n_in), (n_in, n_out)), ((t, n_out), (n_out, n_in)), ((n_out, t), (t, n_in))]
-    return [(torch.randn(a), torch.randn(b)) for a, b in pairs]
-
-
 def device_rates(spec, trials):
-    """What one rank attains while every rank runs the same at once (the cores are shared, as in training), the
-    median over ranks and trials of each, at the workload's own sizes: matmul FLOP/s over a block's linears at the
-    microbatch's rows (forward and both backward shapes: all their FLOPs over all their time), causal attention
-    fwd + bwd FLOP/s counted as the planner counts it (12 d T per token), memory bytes/s of a 16 MB add, past
-    the caches as a step's weights, gradients and optimizer state are, and host ops/s of ops too small to cost more
-    than their dispatch (small_ops: a CPU runs a step's thousands of dispatches in line with its math)."""
+    """Median over ranks, all running at once at the workload's sizes: matmul FLOP/s over a block's linears, causal
+    attention fwd + bwd (12 d T FLOPs per token), memory bytes/s of a 16 MB add (past the caches) and host ops/s of
+    ops too small to cost more than their dispatch."""
     cfg = config.model_config(config.parse_args(spec["model"]), 0)
     t, d, T, hd = spec["rate_rows"], cfg.d_model, cfg.seq_len, cfg.head_dim
-    mm = matmuls(cfg, t)
-    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in mm)
+    mm = linears(cfg, t, torch.float32, "cpu")
     q, kv = torch.randn(1, cfg.n_head, T, hd), torch.randn(1, cfg.n_kv_head, T, hd)
     a, b = torch.randn(2 ** 22), torch.randn(2 ** 22)
     tiny = torch.ones(4, requires_grad=True)
     with CountOps() as counted:
         small_ops(tiny)
-    mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops, trials),
+    mine = {"matmul": shared_rate(lambda: [x @ w for x, w in mm], flops(mm), trials),
             "attention": shared_rate(lambda: attention(q, kv, kv), 12 * d * T * T, trials),
             "memory": shared_rate(lambda: a + b, 3 * 4 * a.numel(), trials),
             "host": shared_rate(lambda: small_ops(tiny), counted.n, trials)}
@@ -152,8 +130,9 @@ def train_layout(spec, flags, world, rank):
     return steps, sent
 
 
+@common.command
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, results=False)
     ap.add_argument("--spec", required=True, help="a JSON file: tasks, model flags, layouts (see the docstring)")
     ap.add_argument("--out", required=True, help="rank 0 writes the results here (JSON)")
     args = ap.parse_args(argv)
@@ -183,7 +162,3 @@ def main(argv=None):
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown: gloo's threads of the many meshes' groups are not joined one by one
-
-
-if __name__ == "__main__":
-    main()

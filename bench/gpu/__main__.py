@@ -3,5 +3,4 @@ import sys
 
 from bench.gpu.measure import main
 
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

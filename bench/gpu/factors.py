@@ -1,18 +1,8 @@
-"""Part 6 of the GPU run: this code's efficiency factors as the planner's --code ours uses them
-(bench/planner/factors.py), measured on the GPU at the 1b model's sizes, written to OUT/plan_factors.json for
-`python -m bench.planner --factors`.
-
-  mm         a block's linears (forward and both backward shapes of q, k, v, o, gate, up, down) over the microbatch's
-             rows in bf16: their FLOPs over their time, over the device's bf16 peak, divided by the planner's rows
-             loss rows/(rows + 128) to give its large-GEMM factor
-  attn       SDPA (causal, its own kv heads) forward + backward, counted as the planner counts it (12*d*T FLOPs per
-             token), over the peak, divided by the planner's keys loss T/(T + 512)
-  elem       an out-of-place bf16 add of 256M elements (3 x 2 bytes each) over the device's HBM bandwidth (HBM_TBS);
-             not measured on a device the table lacks
-  launch_us  host microseconds per tiny op launched without a sync (what a ring hop's ops cost the host)
-  fp8        torch._scaled_mm (e4m3, tensorwise scales) over the bf16 matmuls of the same forward shapes (compute
-             capability 8.9+)
---smoke: the same on CPU with tiny sizes and fp32, the peak a measured matmul rate: it checks the script, not a GPU.
+"""Part 6 of the GPU run: this code's efficiency factors for the planner's --code ours (planner/factors.py), measured
+at the 1b model's sizes into OUT/plan_factors.json (`python -m bench.planner --factors`): mm, a block's linears
+(forward and both backward shapes) over the peak and the planner's rows loss; attn, causal SDPA fwd + bwd (12 d T
+FLOPs per token) over the peak and the keys loss; elem, a bf16 add over HBM_TBS; launch_us, host time per tiny op;
+fp8, _scaled_mm over bf16 on the forward shapes. --smoke: the same on CPU, tiny and fp32 (it checks the script).
 """
 import json
 import time

@@ -1,12 +1,9 @@
-"""Hugging Face's LlamaForCausalLM of our shapes, trained for the GPU run's part 2, as a child process it can stop
-at its deadline: one JSON line per step (seconds, peak memory) is flushed to OUT as it ends, so a stopped run keeps
-the steps it finished.
+"""Hugging Face's LlamaForCausalLM of our shapes, trained for the GPU run's part 2 as a child process: one JSON line per
+step (seconds, peak memory) flushed to OUT as it ends, so a run stopped at its deadline keeps the steps it finished.
+A step: bf16 autocast (or fp32), fp32 cross-entropy, clip 1.0, AdamW, random ids; torch.compile'd when compiled.
 
     python -m bench.gpu.hf '{"cfg": {...}, "micro": 16, "steps": 30, "compiled": true, "device": "cuda",
                              "dtype": "bf16"}' OUT.jsonl
-
-A step: bf16 autocast (fp32 with "dtype": "fp32"), fp32 cross-entropy, clip 1.0, AdamW (fused on CUDA), random ids in
-our batch shapes; torch.compile of the whole model when compiled.
 """
 import json
 import sys

@@ -3,18 +3,11 @@
     python -m bench.gpu --out DIR   # CUDA: small (seq 1024) and 1b (seq 2048); ends within --budget-s (480 s)
     python -m bench.gpu --smoke     # CPU, tiny shapes, every part (tests/test_gpu_bench.py runs it)
 
-Parts, in gpu.md's order: 1. our training step (train.py, --metrics): tokens/s, MFU, peak memory; 2. Hugging Face's
-LlamaForCausalLM of the same shapes (bench/gpu/hf.py); 3. the attention kernels the profiler sees; 4. ring attention
-(cp = 1) and its block kernels against SDPA (bench/gpu/checks.py); 5. the step with --dtype fp8 against 1.'s bf16
-(compute capability 8.9+); 6. this code's efficiency factors for the planner (bench/gpu/factors.py), printed and
-written to plan_factors.json for `python -m bench.planner --code ours --factors`.
-Order (SCHEDULE): the rows that matter most run first: ours, then Hugging Face, small and 1b, bf16, compiled; then the
-factors; then the eager rows, fp8, the kernels and the ring checks.
-Budget: --budget-s, 480 s by default, leaves 2 minutes of a 10-minute command to start-up, imports and the report.
-Every training run is a child process with a deadline, what is left of the budget and at most RUN_CAP_S: at the
-deadline it is killed, and its row keeps the steps it finished ("stopped at the budget"); a run starts only with
-MIN_START_S left, else its row says skipped. Each finished section is written at once: a kill keeps what ran.
-No GPU and no --smoke: says so and exits 0.
+gpu.md's parts: 1. our step (train.py), 2. Hugging Face's (hf.py), 3. the attention kernels, 4. ring attention against
+SDPA (checks.py), 5. fp8 against 1.'s bf16, 6. the planner's factors (factors.py); run in SCHEDULE's order, the rows
+that matter most first. The budget leaves 2 minutes of 10 to start-up and the report; every run is a child killed at
+its deadline (its row keeps the steps it finished), started only with MIN_START_S left; each section is written at
+once. No GPU and no --smoke: says so and exits 0.
 """
 import sys
 import tempfile
@@ -28,8 +21,8 @@ from bench import common
 from bench.gpu import checks as gpu_checks
 from bench.gpu import factors as gpu_factors
 from bench.gpu.hf import transformers
-from bench.gpu.runs import model_cfg, run_hf, run_ours
-from config import OneLineParser, UsageError, nonnegative_float, positive_int
+from bench.gpu.runs import run_hf, run_ours
+from config import nonnegative_float, positive_int
 
 GPU_RUNS = [("small", {"seq_len": 1024}, 16), ("1b", {"seq_len": 2048}, 8)]  # preset, overrides, micro-batch
 SMOKE_RUNS = [("tiny", dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_dim=128, seq_len=64), 4)]
@@ -113,8 +106,8 @@ def report_training(r):
             rows1.append([p, mode, o["seq_len"], m, *cells(mine, *OURS), status])
             theirs, status = result(r, "hf", c, p)
             peak = mine["tflops"] / mine["mfu"] if mine.get("mfu") else common.gpu_peak_tflops()  # train.py's peak
-            mfu = theirs.get("tok_s") and peak and 100 * model.flops_per_token(model_cfg(p, o)) * theirs["tok_s"] / (
-                peak * 1e12)
+            flops = model.flops_per_token(common.preset_config(p, **o))
+            mfu = theirs.get("tok_s") and peak and 100 * flops * theirs["tok_s"] / (peak * 1e12)
             ratio = mine.get("tok_s") and theirs.get("tok_s") and mine["tok_s"] / theirs["tok_s"]
             rows2.append([p, mode, *([NO_HF] if transformers is None else cells(theirs, ("tok_s", ".0f"))), *cells(
                 dict(theirs, mfu=mfu, ours=mine.get("tok_s"), ratio=ratio), ("mfu", ".1f"), ("mem", ".2f"),
@@ -169,7 +162,7 @@ def training(r, tmp, part, compiled):
 def factors_part(r):
     """6. The planner's factors, measured at the largest model's sizes: printed, and written to plan_factors.json."""
     preset, overrides, micro = r.runs[-1]
-    cfg, path = model_cfg(preset, overrides), r.out / "plan_factors.json"
+    cfg, path = common.preset_config(preset, **overrides), r.out / "plan_factors.json"
     why = r.skip(None) or (None if r.smoke or common.gpu_peak_tflops() else "no bf16 peak for this device's name")
     got, status = ({}, why) if why else gpu_checks.attempt(gpu_factors.measure, cfg, micro, r.device, r.smoke)
     got = got or {}
@@ -177,8 +170,7 @@ def factors_part(r):
         gpu_factors.write(path, r.name, got)
     rates, factors = got.get("rates", {}), got.get("factors", {})
     rows = [[name, unit, cells(rates, (key, fmt))[0], cells(factors, (factor, ".3g"))[0]]
-            for name, unit, key, fmt, factor in (
-                ("matmul, a block's linears", "TFLOP/s", "matmul_tflops", ".4g", "mm"),
+            for name, unit, key, fmt, factor in (("matmul, a block's linears", "TFLOP/s", "matmul_tflops", ".4g", "mm"),
                 ("attention fwd + bwd (12 d T per token)", "TFLOP/s", "attention_tflops", ".4g", "attn"),
                 ("elementwise (an out-of-place add)", "GB/s", "memory_gbs", ".4g", "elem"),
                 ("host launch per tiny op", "us", "launch_us", ".3g", "launch_us"),
@@ -201,18 +193,15 @@ def schedule(smoke):
     return out
 
 
+@common.command
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part: checks the script")
     p.add_argument("--out", default=str(common.RESULTS), help="folder for gpu.md and plan_factors.json")
     p.add_argument("--steps", type=positive_int, help="optimizer steps per run (default 30, --smoke 3)")
     p.add_argument("--budget-s", type=nonnegative_float, default=BUDGET_S,
                    help="the whole run's time budget, runs included")
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
     if not args.smoke and not common.has_cuda():
         print("bench.gpu: needs a CUDA GPU (none visible); skipped. `--smoke` checks the script on CPU.", flush=True)
         return 0
@@ -238,7 +227,3 @@ def main(argv=None):
     r.log(f"wrote {r.path}")
     print(r.path.read_text(), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

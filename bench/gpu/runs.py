@@ -10,6 +10,7 @@ from pathlib import Path
 
 import model
 from bench import common
+from data.metrics import read_metrics
 
 
 def child(cmd, timeout_s, log):
@@ -30,17 +31,9 @@ def child(cmd, timeout_s, log):
     return "OOM" if "out of memory" in text else f"exit {code}: {last[0][:120]}"
 
 
-def model_cfg(preset, overrides):
-    fields = {**model.PRESETS[preset].__dict__, **overrides}
-    fields["vocab_size"] = fields["vocab_size"] or 257  # the pystdlib byte corpus train.py reads by default
-    return model.ModelConfig(**fields)
-
-
 def lines(path):
-    """The step rows of a --metrics file (its summary line left out)."""
-    p = Path(path)
-    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
-    return [r for r in rows if "summary" not in r]
+    """The step rows of a --metrics file (its summary left out); none before the child wrote one."""
+    return read_metrics(path)[0] if Path(path).exists() else []
 
 
 def finished(r, path, status):
@@ -55,7 +48,7 @@ def run_ours(r, tmp, preset, overrides, micro, compiled, dtype):
     metrics, log = tmp / f"{preset}-{compiled}-{dtype}.jsonl", tmp / f"{preset}-{compiled}-{dtype}.log"
     shm = Path("/dev/shm")  # train.py saves at its last step (untimed, 12 B/param): into RAM when it has room
     room = shm.is_dir() and os.access(shm, os.W_OK) and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize > 15 * (
-        model.param_counts(model_cfg(preset, overrides))[0])
+        model.param_counts(common.preset_config(preset, **overrides))[0])
     with tempfile.TemporaryDirectory(dir=shm if room else None) as out:
         flags = [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         if r.smoke:  # a CPU has no peak of its own in train.py: the bench gives it its best measured matmul rate
@@ -77,11 +70,11 @@ def run_ours(r, tmp, preset, overrides, micro, compiled, dtype):
 
 def run_hf(r, tmp, preset, overrides, micro, compiled):
     """bench/gpu/hf.py in a child: Hugging Face's tokens/s, memory and attention implementation, status."""
-    cfg, out, log = model_cfg(preset, overrides), tmp / f"hf-{preset}-{compiled}.jsonl", tmp / f"hf-{preset}.log"
+    cfg = common.preset_config(preset, **overrides)
+    out, log = tmp / f"hf-{preset}-{compiled}.jsonl", tmp / f"hf-{preset}.log"
     spec = {"cfg": cfg.__dict__, "micro": micro, "steps": r.steps, "compiled": compiled, "device": r.device.type,
             "dtype": r.dtype}
-    status = child([sys.executable, "-m", "bench.gpu.hf", json.dumps(spec), str(out)],
-                   r.deadline(compiled), log)
+    status = child([sys.executable, "-m", "bench.gpu.hf", json.dumps(spec), str(out)], r.deadline(compiled), log)
     rows, status = finished(r, out, status)
     dt = common.median([x["dt"] for x in rows])
     return dict(tok_s=dt and micro * cfg.seq_len / dt, attn=rows[-1]["attn"] if rows else None,

@@ -3,17 +3,11 @@
     python -m bench.labs.ckpt_memory           # 16 layers, b=4, T=256, fp32, on CPU (or the GPU if present)
     python -m bench.labs.ckpt_memory --quick   # 4 layers, for the smoke test
 
-One process, one model (deep and thin, so activations dominate), one forward + backward per measurement.
-Memory: on CPU, the bytes glibc's malloc has handed out (mallinfo2: in-use heap + mmapped blocks), read
-after every aten op through a TorchDispatchMode, minus the value before the step (params, grads and the
-batch are already allocated then); on a GPU, torch.cuda's allocated-bytes counters. "kept after forward"
-is what the autograd graph holds between forward and backward; "peak" adds backward's working set (the
-recomputed segment, gradients of activations). Deterministic on CPU: no RSS, no sampling thread.
-Step time: median forward + backward without the op watcher, policies timed in turn; on CPU in process CPU
-time with one intra-op thread, so other users of a shared machine do not enter it.
-L18 sweeps the segment length C of segment:C (segment:1 = full, segment:ceil(sqrt N) = sqrt).
+One deep, thin model (activations dominate), one forward + backward per measurement. Memory: on CPU glibc's in-use
+bytes (mallinfo2) read after every aten op, on a GPU torch.cuda's allocated bytes, both less what was held before the
+step. Step time: median forward + backward without the watcher (on CPU: process CPU time, one thread). L18 sweeps
+the segment length C of segment:C (segment:1 = full, segment:ceil(sqrt N) = sqrt).
 """
-import argparse
 import ctypes
 import datetime
 import math
@@ -136,8 +130,9 @@ def mb(v):
     return "n/a" if v is None else f"{v / 2 ** 20:.1f}"
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--n-layer", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
@@ -184,18 +179,11 @@ def main(argv=None):
                   "glibc mallinfo2 in-use bytes after every aten op" if read else "unavailable (no glibc)")
     text = "\n".join([
         f"### L17/L20: activation checkpointing policies, {n} layers, d={cfg.d_model}, ffn={cfg.ffn_dim}, "
-        f"batch {args.batch} x T={cfg.seq_len}, fp32",
-        "",
-        f"Command: `{common.command_line(argv)}`  ",
-        f"Date: {datetime.date.today().isoformat()}  ",
-        f"Hardware: {common.hardware_line()}, 1 intra-op thread",
-        "",
-        common.markdown_table(header, table),
-        "",
-        f"### L18: segment length C (segment:C), N = {n}: memory O(N/C + C) against one extra forward",
-        "",
-        common.markdown_table(seg_header, seg_table),
-        "",
+        f"batch {args.batch} x T={cfg.seq_len}, fp32", "", f"Command: `{common.command_line(argv)}`  ",
+        f"Date: {datetime.date.today().isoformat()}  ", f"Hardware: {common.hardware_line()}, 1 intra-op thread", "",
+        common.markdown_table(header, table), "",
+        f"### L18: segment length C (segment:C), N = {n}: memory O(N/C + C) against one extra forward", "",
+        common.markdown_table(seg_header, seg_table), "",
         f"- Memory: {memory_how}, above the value before the step (weights, grads, batch). \"kept after fwd\" is "
         "held by the autograd graph between forward and backward; \"peak\" includes backward's working set.",
         f"- MFU/HFU: FLOPs of model.flops_per_token (PaLM; HFU adds the recomputed layers) per step time, peak "
@@ -211,8 +199,7 @@ def main(argv=None):
         f"alike. Measured, a block keeps {mb(per_block)} MB for backward against its {mb(boundary)} MB input "
         f"(ratio {per_block / boundary:.0f}), so N/C·s + C·A is least at C = sqrt(N·s/A) = "
         f"{math.sqrt(n * boundary / per_block):.2f}: the sqrt rule holds when blocks are as cheap as boundaries.",
-        "- The memory columns are exact and repeat to the byte; step times still vary a few percent.",
-    ]) + "\n"
+        "- The memory columns are exact and repeat to the byte; step times still vary a few percent.",]) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ckpt_memory.md").write_text(text)
@@ -231,7 +218,3 @@ def main(argv=None):
     common.answer("L20", f"full checkpointing: MFU {by['full']['mfu']:.1%} vs {by['none']['mfu']:.1%} without, "
                   f"HFU {by['full']['hfu']:.1%} (HFU/MFU = {by['full']['hfu'] / by['full']['mfu']:.2f})")
     return rows, seg_rows
-
-
-if __name__ == "__main__":
-    main()

@@ -3,14 +3,10 @@
     python -m bench.labs.clean_exits --repeat 10 --parallel 2   # every family, two jobs at a time (load)
     python -m bench.labs.clean_exits --families ddp,fsdp,hsdp --repeat 20
 
-A run that ended its last step can still abort (SIGABRT, "terminate called without an active
-exception") if a rank tears its process group down while a peer is still in a collective, or a C++
-thread is still joinable at exit: torchrun then reports the job as failed, and --max-restarts would
-run it again. Families: each data-parallel mode, tp (± sp), pp with each schedule, cp with each mode,
-a 3D layout, with saves and --async-save, and a tp x pp run resumed from an FSDP save. One line per
-job; exit 1 if any job failed or any rank aborted.
+A run that ended its last step can still abort (SIGABRT) if a rank tears its process group down while a peer is in a
+collective, or a C++ thread is still joinable at exit: torchrun then calls the job failed. One line per job; exit 1
+if any job failed or any rank aborted.
 """
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -18,7 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import common
 from bench.common import REPO
+from config import UsageError, positive_int
 
 PP = ["--pp", "2", "--global-batch", "8", "--micro-batch", "2"]
 FAMILIES = {  # name: [(ranks, flags), ...]: the jobs of one run, in order (a resume follows its first job)
@@ -56,17 +54,18 @@ def run(family, steps, out):
     return code, time.perf_counter() - t0, aborted, last
 
 
+@common.command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=10, help="runs per family")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--parallel", type=int, default=1, help="runs at a time: others' jobs load the machine")
+    p = common.parser(__doc__, results=False)
+    p.add_argument("--repeat", type=positive_int, default=10, help="runs per family")
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--parallel", type=positive_int, default=1, help="runs at a time: others' jobs load the machine")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
     args = p.parse_args(argv)
     families = args.families.split(",")
     unknown = [f for f in families if f not in FAMILIES]
-    if unknown or min(args.repeat, args.steps, args.parallel) < 1:
-        p.error(f"unknown families {unknown}" if unknown else "--repeat, --steps and --parallel must be >= 1")
+    if unknown:
+        raise UsageError(f"--families: unknown {unknown}")
     jobs = [(f, i) for f in families for i in range(args.repeat)]
     counts = {f: [0, 0] for f in families}  # family: [clean, failed]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
@@ -82,7 +81,3 @@ def main(argv=None):
     failed = sum(f for _, f in counts.values())
     print(f"{failed} of {len(jobs)} runs failed")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

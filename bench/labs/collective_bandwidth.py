@@ -3,20 +3,11 @@
     python -m bench.labs.collective_bandwidth   # here: 4 gloo processes on loopback, "2 per node"
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint HOST:29500 -m bench.labs.collective_bandwidth   # a cluster
 
-For each collective and message size S (bytes): t = time per call (the slowest rank's mean over the
-iterations), algbw = S / t, busbw = algbw x factor, the factor that makes busbw comparable with the link
-speed whatever the group size n (nccl-tests doc/PERFORMANCE.md):
-    all-reduce 2(n-1)/n,  all-gather (n-1)/n,  reduce-scatter (n-1)/n,  all-to-all (n-1)/n,  send/recv 1,
-with S the full buffer: the all-reduce tensor, the all-gather output, the reduce-scatter input, the
-all-to-all input, the send buffer. busbw x t is also what parallel/comm.py counts as bytes sent per rank;
-the script checks the two agree.
-
-Two groups: intra-node (the ranks of one node) and inter-node (one rank per node: local rank i of every
-node). Every rank takes part: all the intra groups run at once, then all the inter groups, as they do in
-a training step. Under torchrun the node size is LOCAL_WORLD_SIZE and the backend NCCL on GPUs; without
-it the script starts --world gloo processes itself and pretends --gpus-per-node of them share a node.
+Per collective and message size S: t the slowest rank's mean per call, algbw = S / t, busbw = algbw x BUS_FACTOR
+(nccl-tests' doc/PERFORMANCE.md), checked against parallel/comm.py's bytes. The intra-node groups (a node's ranks)
+run at once, then the inter-node ones (local rank i of every node). Under torchrun the node is LOCAL_WORLD_SIZE (NCCL
+on GPUs); without it the script starts --world gloo processes and pretends --gpus-per-node share a node.
 """
-import argparse
 import os
 import time
 
@@ -25,11 +16,11 @@ import torch.distributed as dist
 
 from bench import common
 from bench.ranks import run_ranks
+from config import UsageError
 from parallel.comm import CommStats, Group
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "send_recv": lambda n: 1.0}
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
 COUNTER = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
            "all_to_all": "all_to_all", "send_recv": "send"}
 
@@ -66,18 +57,11 @@ def buffers(op, size_bytes, n, device):
 
 
 def run_op(op, group, inp, out, device):
-    if op == "all_reduce":
-        group.all_reduce(inp)
-    elif op == "all_gather":
-        group.all_gather(out, inp)
-    elif op == "reduce_scatter":
-        group.reduce_scatter(out, inp)
-    elif op == "all_to_all":
-        group.all_to_all(out, inp)
-    else:  # a ring: send to the next rank of the group, receive from the previous one
-        n, r = group.size, group.rank
-        for req in group.send_recv([(inp, (r + 1) % n)], [(out, (r - 1) % n)]):
-            req.wait()
+    if op != "send_recv":  # all_reduce(inp); all_gather, reduce_scatter, all_to_all(out, inp)
+        return getattr(group, op)(*([inp] if op == "all_reduce" else [out, inp]))
+    n, r = group.size, group.rank  # a ring: send to the next rank of the group, receive from the previous one
+    for req in group.send_recv([(inp, (r + 1) % n)], [(out, (r - 1) % n)]):
+        req.wait()
 
 
 def world_max(value, device):
@@ -123,11 +107,6 @@ def bench_rank(rank, world, per_node, sizes, ops, target_s):
     return rows
 
 
-def _spawned(rank, world, per_node, sizes, ops, target_s):
-    torch.set_num_threads(1)
-    return bench_rank(rank, world, per_node, sizes, ops, target_s)
-
-
 def human(size):
     for unit, scale in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
         if size >= scale:
@@ -171,8 +150,9 @@ def report(rows, world, per_node, backend, out, loopback):
     common.answer("L12", f"all-reduce peak busbw {text} ({backend}{', loopback only' if loopback else ''})")
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=4, help="processes to start when not under torchrun")
     p.add_argument("--gpus-per-node", type=int, default=2, help="ranks per pretend node when not under torchrun")
     p.add_argument("--sizes", help="message sizes in bytes, comma-separated (default: 4 KB..64 MB on CPU, "
@@ -183,7 +163,7 @@ def main(argv=None):
     ops = args.ops.split(",")
     unknown = set(ops) - set(BUS_FACTOR)
     if unknown:
-        p.error(f"unknown collectives {sorted(unknown)}; choose from {', '.join(BUS_FACTOR)}")
+        raise UsageError(f"--ops: unknown collectives {sorted(unknown)}; choose from {', '.join(BUS_FACTOR)}")
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     gpu = torch.cuda.is_available() and under_torchrun
     if args.sizes:
@@ -206,10 +186,6 @@ def main(argv=None):
             report(rows, world, per_node, backend, args.out, loopback=world == per_node and not gpu)
         return
     if args.world % args.gpus_per_node:
-        p.error(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
-    rows = run_ranks(_spawned, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]
+        raise UsageError(f"--world {args.world} is not a multiple of --gpus-per-node {args.gpus_per_node}")
+    rows = run_ranks(bench_rank, args.world, args=(args.gpus_per_node, sizes, ops, args.target_s), timeout=600)[0]
     report(rows, args.world, args.gpus_per_node, "gloo", args.out, loopback=True)
-
-
-if __name__ == "__main__":
-    main()

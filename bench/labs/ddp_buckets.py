@@ -3,14 +3,9 @@
     python -m bench.labs.ddp_buckets   # world 2 gloo, a 4-layer d=256 GPT
     python -m bench.labs.ddp_buckets --quick
 
-For each --bucket-mb (0 = one bucket per parameter, the naive version) with overlap on and off, each
-rank times backward and finish_grad_sync separately. With overlap, buckets launch from autograd hooks
-during backward, so what finish_grad_sync still waits for is the exposed (unhidden) communication;
-without it (--no-overlap) every all-reduce runs after backward and is all exposed. Small buckets mean
-many calls (latency per call), one huge bucket means nothing can start before backward ends.
-For a timeline, run train.py --profile and open out/trace_rank0.json in ui.perfetto.dev.
+Per --bucket-mb (0: a bucket per parameter) with overlap on and off, each rank times backward and finish_grad_sync:
+with overlap what the sync still waits for is the exposed communication. For a timeline: train.py --profile.
 """
-import argparse
 import statistics
 import time
 
@@ -61,8 +56,9 @@ def _sweep(rank, world, cfg_fields, settings, micro_batch, steps, warmup=2, seed
     return out
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -98,7 +94,3 @@ def main(argv=None):
     off = [r for r in rows if r[1] == "off"]
     common.answer("L9", f"with overlap the sync left after backward is {min(float(r[6]) for r in on):.1f} ms at best "
                         f"vs {min(float(r[6]) for r in off):.1f} ms without (buckets launch from hooks in backward)")
-
-
-if __name__ == "__main__":
-    main()

@@ -3,14 +3,10 @@
     python -m bench.labs.dp_memory   # the tiny preset, fp32, one training step per layout
     python -m bench.labs.dp_memory --model small --seq-len 32 --micro-batch 1
 
-After one step (forward, backward, gradient sync, AdamW) each rank measures the storage behind its
-parameters, gradients and Adam moments (views of one buffer counted once). Full replication (DDP) is
-16 B/param; FSDP over M ranks is 16·P/M plus the padding that makes each unit divide by M; HSDP with
-shard groups of K is 16·P/K. Traffic comes from the comm counters (ring terms, parallel/comm.py) and is
-compared with the theory: FSDP 3·(M-1)/M·4P (all-gather in forward, again in backward, reduce-scatter);
-HSDP the same with K plus an all-reduce of P/K across the dp/K replicas; DDP 2·(M-1)/M·4P.
+After one step each rank measures the storage behind its parameters, gradients and Adam moments (DDP 16 B/param, FSDP
+16·P/M plus padding, HSDP 16·P/K) and its bytes from the comm counters, against the theory (FSDP 3·(M-1)/M·4P, HSDP
+the same with K plus the replicas' all-reduce of P/K, DDP 2·(M-1)/M·4P).
 """
-import argparse
 
 import torch
 from torch import nn
@@ -70,8 +66,9 @@ def theory_bytes(mode, world, shard, P, E):
     return (K - 1) / K * 4 * (3 * P - E) + 2 * (R - 1) / R * 4 * P / K
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=2)
@@ -115,7 +112,3 @@ def main(argv=None):
     common.answer("L14", f"{gathers.get('forward')} all-gathers in forward and {gathers.get('backward')} in backward "
                          f"per micro-batch ({units} units: embedding, one per block, norm + head), 1 reduce-scatter "
                          "per unit per micro-batch")
-
-
-if __name__ == "__main__":
-    main()

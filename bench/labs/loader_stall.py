@@ -2,14 +2,10 @@
 
     python -m bench.labs.loader_stall
 
-Trains the tiny GPT (the `small` preset in bf16 on a GPU) on the pystdlib corpus with data/loader.py's
-TokenLoader, prefetch on and off. TokenLoader.wait_s is how long each get() blocked; the stall is
-sum(wait) / sum(step time). The real loader reads a few memmapped windows, far faster than a step, so
-the script also injects storage latency into the loader's read (a subclass whose _load sleeps first) at
-about half and one and a half compute steps: prefetch hides a read shorter than the step completely and
-a longer one partly (the wait becomes read - step), while without prefetch every read is a stall.
+The tiny GPT (small, bf16, on a GPU) on pystdlib with TokenLoader, prefetch on and off; the stall is sum(wait_s) /
+sum(step time). An injected read latency of about half and one and a half steps shows prefetch hiding a short read
+completely and a long one partly, while without prefetch every read is a stall.
 """
-import argparse
 import statistics
 import time
 
@@ -52,8 +48,9 @@ def measure(train_step, device, rows, seq_len, steps, prefetch, latency_s):
     return statistics.median(waits), statistics.median(computes), statistics.median(totals), sum(waits) / sum(totals)
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     p.add_argument("--steps", type=int, help="timed steps per row")
     args = p.parse_args(argv)
@@ -99,7 +96,3 @@ def main(argv=None):
         text += (f"read = 0.5 step: {stall[(mid, False)]:.0%} -> {stall[(mid, True)]:.0%}; "
                  f"read = 1.5 step: {stall[(high, False)]:.0%} -> {stall[(high, True)]:.0%}")
     common.answer("L11", text.rstrip("; ") + f" ({device.type})")
-
-
-if __name__ == "__main__":
-    main()

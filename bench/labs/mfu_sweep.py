@@ -4,17 +4,10 @@
     python -m bench.labs.mfu_sweep --flops-only --model llama3-70b --seq-len 8192 --global-batch-tokens 16777216
     python -m bench.labs.mfu_sweep --layout "tp2=2:--tp 2 --sp" --micro-batches 4,8 --steps 10
 
-L21  FLOPs per step = model.flops_per_token(cfg) x tokens per step, PaLM appendix B: 6·N_non-embedding
-     + 12·L·d·T per token (no causal discount); HFU adds 2·N_layer + 4·d·T per recomputed layer.
-L22  MFU = useful FLOPs / (G · peak · t_step), read from train.py's --metrics rows (train.py computes it
-     from the measured step time; the peak is the device table on a GPU and a measured matmul rate on CPU).
-L23  HFU counts the FLOPs the hardware executed: with activation checkpointing the recomputed forwards
-     too, so HFU > MFU by the factor flops_per_token(recomputed) / flops_per_token().
-L24  each layout x micro-batch is a real `python train.py` (world 1) or `python -m torch.distributed.run
-     --standalone --nproc_per_node N train.py` run of --steps steps; the table holds medians over the steps
-     after the first.
+FLOPs per step: model.flops_per_token (PaLM: 6·N_non-embedding + 12·L·d·T per token) x tokens; HFU adds the recomputed
+forwards. Each layout x micro-batch is a real train.py run (torchrun past world 1); MFU and HFU are its --metrics
+medians over the steps after the first.
 """
-import argparse
 import os
 import re
 import subprocess
@@ -45,20 +38,13 @@ def config_of(preset, seq_len=None, vocab_size=None, **overrides):
     return model.ModelConfig(**fields)
 
 
-def recomputed_full(cfg):
-    """Layers whose forward runs twice under --ckpt full: parallel.ckpt's count (torch's checkpoint skips
-    each segment's last matmul)."""
-    return recomputed_layers(cfg, "full")
-
-
 def flops_row(name, cfg, tokens):
     total, non_emb = model.param_counts(cfg)
     per_token = model.flops_per_token(cfg)
-    recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg))
+    recompute = model.flops_per_token(cfg, recomputed_layers=recomputed_layers(cfg, "full"))
     step = per_token * tokens
     return [name, cfg.n_layer, cfg.d_model, cfg.vocab_size, f"{total / 1e9:.3g}", f"{non_emb / 1e9:.3g}", cfg.seq_len,
-            f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}",
-            f"{step / 989.4e12:.3g}"]
+            f"{per_token / 1e9:.4g}", f"{recompute / per_token:.3f}", tokens, f"{step:.3e}", f"{step / 989.4e12:.3g}"]
 
 
 def flops_table(rows, out):
@@ -203,8 +189,9 @@ def sweep_table(results, peaks, base, device, steps, out, name="L22_L24_mfu_swee
     return ok
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--model", default=None, help="preset for the sweep (default: tiny on CPU, small on GPU)")
     p.add_argument("--seq-len", type=int, help="sequence length (sweep and the one-config FLOP row)")
     p.add_argument("--global-batch", type=int, help="sequences per step in the sweep (default 16 CPU, 32 GPU)")
@@ -255,7 +242,8 @@ def main(argv=None):
                                    args.threads_per_rank)
     ok = sweep_table(results, peaks, base, device, steps, args.out, args.name)
     cfg = config_of(preset, seq_len)
-    predicted = model.flops_per_token(cfg, recomputed_layers=recomputed_full(cfg)) / model.flops_per_token(cfg)
+    redone = recomputed_layers(cfg, "full")
+    predicted = model.flops_per_token(cfg, recomputed_layers=redone) / model.flops_per_token(cfg)
     ckpt = [r for r in ok if "--ckpt" in r[3]]
     measured = f"; measured {ckpt[0][4]['hfu'] / ckpt[0][4]['mfu']:.3f} ({ckpt[0][0]})" if ckpt else \
         " (no --ckpt run in this sweep succeeded: predicted only)"
@@ -264,7 +252,3 @@ def main(argv=None):
     if len(ok) < len(results):
         print(f"mfu_sweep: {len(results) - len(ok)} of {len(results)} runs failed (see the table)", file=sys.stderr)
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,15 @@
 
     python -m bench.labs.placement --world 64 --tp 8 --pp 2 --cp 2
 """
-import argparse
-import sys
 
+from bench import common
+from config import UsageError
 from parallel.mesh import LayoutError, Mesh
 
 
+@common.command
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Print which ranks share each group and where they land (L28).")
+    p = common.parser(__doc__, results=False)
     p.add_argument("--world", type=int, required=True)
     for axis in ("dp", "pp", "cp", "tp", "dp-shard"):
         p.add_argument(f"--{axis}", type=int, default=None if axis in ("dp", "dp-shard") else 1)
@@ -18,10 +19,5 @@ def main(argv=None):
     try:
         print(Mesh(0, a.world, a.dp, a.pp, a.cp, a.tp, a.dp_shard).describe(a.gpus_per_node))
     except LayoutError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

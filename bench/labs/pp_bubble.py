@@ -4,28 +4,10 @@
     python -m bench.labs.pp_bubble --schedules 1f1b,zb1 --micro-batches 4,8
     python -m bench.labs.pp_bubble --quick
 
-Equal-cost stages: an 8-layer GPT (d 512, ffn 1536, micro-batches of 2 x 128 tokens, the 257-token byte vocab), two
-layers per stage (gpipe, 1f1b, zb1) or one per chunk (interleaved with V = 2, zbv), so a stage's work is the same
-under every schedule; the embedding lookup and the head (2·d·V FLOPs per token, ~4% of a layer) tilt the first and
-last stage a little (zbv puts both on rank 0). Each rank runs one thread. TimedPipeline, parallel/pp.py's executor
-with a clock, records per stage the seconds inside forward, backward and (zb1, zbv) weight-gradient actions (busy)
-and the rest of the step (idle: the bubble, and waiting on a neighbour); the stages start and end each step together
-(a barrier), so idle includes the fill before and the drain after a stage's work. The schedules take turns step by
-step, so a stall from another job on the machine hits them alike. Measured utilization = busy / (busy + idle) in the
-fastest step (the least disturbed: other jobs only add time; the median step is listed too), averaged over stages.
-Theory (pp_schedule.theoretical_utilization) takes F = B = W, which this shape comes close to on one CPU thread (short
-sequences: attention, whose backward is all B, is a small share); the table gives the measured F, B, W times, and the
-column "cost model" simulates each schedule with them (pp_schedule.simulate, one device per stage).
-
-Activation sets: the most micro-batches alive at once on a stage (forwarded, their backward, or under zb1 / zbv
-their W, not yet run), counted in stage-sized sets (a chunk's set is 1/V of one).
-
-Contention: P ranks share the machine's cores. While all stages compute each runs at cores/P speed; in the fill and
-drain fewer stages share the cores and run faster, which shrinks the bubble next to the busy time. The column
-"cores model" replays each schedule with processor sharing (k busy stages on C cores run at min(1, C/k) speed) to
-show how much of the gap to theory that explains; on one device per stage the two coincide.
+Equal-cost stages under every schedule; TimedPipeline (parallel/pp.py's executor with a clock) records each stage's
+busy and idle seconds; the "cost model" and "cores model" columns replay the schedules with the measured F, B, W times
+and with processor sharing (bench/README.md, "Pipeline parallel", says how and why).
 """
-import argparse
 import os
 import statistics
 import time
@@ -156,8 +138,9 @@ def processor_sharing(schedule, P, M, cores, dt=0.002):
     return sum(busy) / P / t
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, of " + " ".join(SCHEDULES))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", default="8,16", help="comma-separated M values")
@@ -167,8 +150,7 @@ def main(argv=None):
     schedules = [s for s in args.schedules.split(",") if s]
     cfg, seqs, steps, min_micro_batches = (QUICK, 1, 1, 0) if args.quick else (FULL, 2, args.steps, 16)
     t0, load_before = time.time(), os.getloadavg()[0]
-    per_rank = run_ranks(_measure, P, args=(cfg, seqs, schedules, micro_counts, steps, min_micro_batches),
-                         timeout=1200)
+    per_rank = run_ranks(_measure, P, args=(cfg, seqs, schedules, micro_counts, steps, min_micro_batches), timeout=1200)
     cores = common.cpu_cores()
     rows, util, medians, worst = [], {}, {}, 0.0
     for m in micro_counts:
@@ -208,8 +190,7 @@ def main(argv=None):
              "zb1 3M/(3M+P-1), zbv 6M/(6M+P-1) once M fills the warmup.",
              "busy = seconds inside a stage's F, B and W actions, idle = the rest of its step (TimedPipeline: "
              "parallel/pp.py with a clock); utilization = busy / (busy + idle). F/B/W ms: a stage's worth (a chunk's "
-             "x V); gpipe, 1f1b and interleaved run B and W as one backward, listed under B.",
-             *verdicts,
+             "x V); gpipe, 1f1b and interleaved run B and W as one backward, listed under B.", *verdicts,
              f"the {cores}-core model is the processor-sharing prediction (see the script's docstring). Wall time of "
              f"the whole measurement: {time.time() - t0:.0f} s; 1-minute load average {load_before:.1f} before, "
              f"{os.getloadavg()[0]:.1f} after (other jobs on the cores stretch single actions at random, and a "
@@ -220,7 +201,3 @@ def main(argv=None):
     common.answer("L26", f"P={P}, measured utilization (theory F = B = W): {summary}; worst deviation from theory "
                          f"{worst:.1%}")
     return worst
-
-
-if __name__ == "__main__":
-    main()

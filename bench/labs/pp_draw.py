@@ -4,9 +4,9 @@
     python -m bench.labs.pp_draw --pp 4 --microbatches 8 --schedule interleaved --virtual 2
     python -m bench.labs.pp_draw --pp 4 --microbatches 8 --schedule zb1   # or zbv: two chunks per rank in a V
 """
-import argparse
-import sys
 
+from bench import common
+from config import UsageError, positive_int
 from parallel import pp_schedule as S
 
 MAX_P, MAX_M, MAX_V = 64, 256, 8  # what a drawing can show a reader, simulated in seconds
@@ -49,26 +49,21 @@ def draw(schedule, P, M, V=1):
     return "\n".join(lines)
 
 
+@common.command
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Draw a pipeline schedule and its theoretical utilization.")
-    p.add_argument("--pp", type=int, default=4, help="stages P")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
+    p = common.parser(__doc__, results=False)
+    p.add_argument("--pp", type=positive_int, default=4, help="stages P")
+    p.add_argument("--microbatches", type=positive_int, default=8, help="micro-batches M")
     p.add_argument("--schedule", default="1f1b", choices=sorted(S.SCHEDULES))
-    p.add_argument("--virtual", type=int, default=1, help="chunks per stage V (interleaved)")
+    p.add_argument("--virtual", type=positive_int, default=1, help="chunks per stage V (interleaved)")
     args = p.parse_args(argv)
     P, M, V = args.pp, args.microbatches, args.virtual
-    for bad, message in ((P < 1, "--pp: must be >= 1"), (M < 1, "--microbatches: must be >= 1"),
-                         (V < 1, "--virtual: must be >= 1"), (P > MAX_P, f"--pp: at most {MAX_P} stages to draw"),
+    for bad, message in ((P > MAX_P, f"--pp: at most {MAX_P} stages to draw"),
                          (M > MAX_M, f"--microbatches: at most {MAX_M} to draw"),
                          (V > MAX_V, f"--virtual: at most {MAX_V} chunks per stage to draw"),
                          (V > 1 and args.schedule != "interleaved", "--virtual: V > 1 needs --schedule interleaved"),
                          (V > 1 and M > P and M % P, "--microbatches: interleaved needs M a multiple of P or M <= P")):
         if bad:
-            print(f"error: {message}", file=sys.stderr)
-            return 2
+            raise UsageError(message)
     print(draw(args.schedule, P, M, V))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,17 +3,11 @@
     python -m bench.labs.precision             # all four tables into bench/results/
     python -m bench.labs.precision --only L3   # one of them
 
-L1  the dtype of every tensor of a training step (model.GPT, optim.make_adamw, optim.LossScaler, as
-    train.py runs them) under fp32, bf16 autocast and fp16 autocast, read from the tensors themselves.
-L2  tokens/s of the same training step in fp32, bf16 and fp16 (steps interleaved, median).
-L3  TFLOP/s of n x n x n matmuls at tile-aligned and unaligned n (8192 vs 8191/8200 on a GPU).
-L4  fp16 without loss scaling: the share of gradient elements that are nonzero in an fp32 run and
-    underflow to exactly zero in fp16, as the per-token gradient shrinks (the loss is divided by k,
-    as accumulating k micro-batches does), against the same with a loss scale of 2^16, and bf16.
-fp8 (--dtype fp8, fp8.py) is a column of L1 and a row of L2; `--only fp8` (and the full run) adds the bf16-vs-fp8
-    loss gap over a short run and, on a GPU, the 8192^3 matmul rate in fp8 (torch._scaled_mm) against bf16.
+L1 the dtype of every tensor of one train.py step under fp32, bf16, fp16 and fp8; L2 its tokens/s in each (steps
+interleaved, median); L3 matmul TFLOP/s at tile-aligned and unaligned n; L4 the share of nonzero fp32 gradients that
+underflow to zero in fp16 as the loss is divided by k (k accumulated micro-batches), against a loss scale of 2^16
+and bf16. `--only fp8` (and the full run) adds fp8's loss gap to bf16 and, on a GPU, its matmul rate.
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -143,8 +137,7 @@ def dtype_table(device, rows, seq_len, out, shape):
              "bf16. Embedding, attention, lm_head and loss as bf16. Block matmul operands: the first matmul of "
              "forward (layers.0 q_proj) and the last of backward (a layers.0 weight gradient, dY with x); under fp8 "
              "as handed to fp8.scaled_mm (on a GPU torch._scaled_mm; on CPU upcast exactly to fp32 first). With "
-             "--fp8-all-gather FSDP also all-gathers the block weights in e4m3 (and their norm gains in bf16).",
-             ]
+             "--fp8-all-gather FSDP also all-gathers the block weights in e4m3 (and their norm gains in bf16).",]
     fp32_acc = all(columns[m][LABELS.index("matmul accumulation (measured)")].startswith("fp32") for m in columns)
     common.write_result(out, "L1_dtypes", "L1: dtypes in one training step, per precision mode",
                         ["tensor", "fp32", "bf16 autocast", "fp16 autocast", "fp8 (bf16 + fp8 block matmuls)"],
@@ -334,8 +327,9 @@ def underflow_table(device, rows, seq_len, divisors, out, shape):
                         f"with scale 65536 {summary[(k, 'fp16', 2.0 ** 16)]:.1%}, bf16 {summary[(k, 'bf16', 1.0)]:.1%}")
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--only", choices=["L1", "L2", "L3", "L4", "fp8"], help="run one table")
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     p.add_argument("--sizes", help="L3 matrix sizes, comma-separated (default by device)")
@@ -370,7 +364,3 @@ def main(argv=None):
     if "fp8" in todo:  # on CPU fp8 pays its casts op by op: a 2-layer tiny model keeps the run about a minute
         fp8_table(device, *f8, args.out, shape or ({} if gpu else dict(common.QUICK_MODEL, n_layer=2, d_model=64,
                                                                              n_head=4, n_kv_head=2, ffn_dim=128)))
-
-
-if __name__ == "__main__":
-    main()

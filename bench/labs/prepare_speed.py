@@ -3,16 +3,11 @@
     python -m bench.labs.prepare_speed                  # a 50 MB corpus, a 256 + 1000 token BPE, 1 then 2 workers
     python -m bench.labs.prepare_speed --mb 4 --quick   # the smoke test
 
-The corpus is this Python's standard library: every .py file copied as a .txt document, and every third one also as
-a line of a .jsonl file, repeated until it holds --mb MB. The tokenizer is a byte-level BPE learned here from the
-first MB (train_bpe), written as a .tiktoken file, so the bench runs offline. Each worker count runs --repeats times,
-alternating; every run's throughput is listed, with the ratio of the best ones (other jobs on a shared machine only
-ever slow a run down), the ratio of the medians and the load average. A shared machine may not have two free cores:
-before each run the bench times a busy loop in 1 and then 2 processes, whose speedup is the most any 2-process
-program could reach at that moment, and it counts the CPU seconds per MB of all processes, which shows what the
-parallel version costs in extra work whatever the load. The shards of both runs must be byte-identical.
+An offline corpus (this Python's standard library as .txt and .jsonl documents) and a byte-level BPE learned from its
+first MB (train_bpe). The worker counts alternate --repeats times; a busy loop in 1 and 2 processes before each run
+bounds what 2 processes could reach on a shared machine, and CPU seconds per MB show the extra work. The shards of
+both runs must be byte-identical.
 """
-import argparse
 import base64
 import json
 import multiprocessing
@@ -21,7 +16,6 @@ import re
 import resource
 import shutil
 import statistics
-import sys
 import sysconfig
 import tempfile
 import time
@@ -118,8 +112,9 @@ def shard_bytes(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).glob("*.bin"))}
 
 
+@common.command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, results=False)
     p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB")
     p.add_argument("--merges", type=int, default=1000, help="BPE merges learned for the tokenizer")
     p.add_argument("--repeats", type=int, default=2, help="runs per worker count (the best is kept)")
@@ -151,8 +146,7 @@ def main(argv=None):
     median = {w: statistics.median(rates[w]) for w in rates}
     rows = [[w, f"{best[w]:.2f}", f"{best[w] / best[1]:.2f}x", " / ".join(f"{r:.2f}" for r in rates[w]),
              f"{median[w] / median[1]:.2f}x", f"{cpu[w]:.3f}",
-             " / ".join(f"{x:.2f}x" for x in headroom[w]), " / ".join(f"{x:.1f}" for x in loads[w])]
-            for w in (1, 2)]
+             " / ".join(f"{x:.2f}x" for x in headroom[w]), " / ".join(f"{x:.1f}" for x in loads[w])] for w in (1, 2)]
     notes = [f"corpus: {size / 1e6:.1f} MB ({meta['train_docs'] + meta['val_docs']:,} documents, "
              f"{meta['train_tokens'] + meta['val_tokens']:,} tokens), BPE of {256 + merges} tokens + <|endoftext|>",
              f"best of {repeats} run(s) per worker count; shards of 1 and 2 workers byte-identical: {identical}",
@@ -165,7 +159,3 @@ def main(argv=None):
     print(f"2 workers: {ratio:.2f}x the throughput of 1 ({best[2]:.2f} vs {best[1]:.2f} MB/s; a busy loop's 2-process "
           f"speedup at the time: {max(headroom[2]):.2f}x); CPU per MB {cpu[2] / cpu[1]:.2f}x; identical: {identical}")
     return 0 if identical else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

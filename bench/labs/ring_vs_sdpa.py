@@ -1,20 +1,17 @@
-"""Ring attention's own cost at cp = 1: forward+backward time against plain SDPA on the full sequence.
+"""Ring attention's own cost at cp = 1: forward+backward time against plain SDPA on the full sequence (L25).
 
     python -m bench.labs.ring_vs_sdpa               # GPU: seq 8192, bf16, Llama-3-8B heads (32 q, 8 kv, hd 128)
     python -m bench.labs.ring_vs_sdpa --cpu-smoke   # CPU: a small size, to check the script (no result file)
 
-At cp = 1 the ring has one block, so the difference is the price of the machinery every cp > 1 step also pays:
-the explicit flash kernel call that returns the log-sum-exp, the fp32 online-softmax merge and the fp32 dQ/dK/dV
-accumulators (K and V reach the kernel with their own kv heads, as in SDPA). Needs a GPU (the bf16 flash
-kernels); on CPU it says so and exits 0. Writes bench/results/ring_vs_sdpa.md. Also checks that both give the
-same output and gradients.
+With one block the difference is what every cp > 1 step also pays: the flash kernel call that returns the
+log-sum-exp, the fp32 online-softmax merge and fp32 dQ/dK/dV accumulators. Also checks both give the same output and
+gradients. Needs a GPU (bf16 flash kernels): on CPU it says so and exits 0.
 """
-import argparse
-import sys
 
 import torch
 
 from bench import common
+from bench.gpu.checks import inputs, with_grads
 from model import causal_attention
 from parallel.comm import CommStats, Group
 from parallel.ring_attention import RingAttention, pick_kernel
@@ -28,8 +25,9 @@ def fwd_bwd(attend, q, k, v, dout):
     return step
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
@@ -43,21 +41,13 @@ def main(argv=None):
     device = torch.device("cuda" if common.has_cuda() and not args.cpu_smoke else "cpu")
     if args.cpu_smoke:
         args.seq, args.heads, args.kv_heads, args.head_dim = 512, 4, 2, 32
-    dtype = torch.bfloat16
-    g = torch.Generator(device=device).manual_seed(0)
-    shape = lambda h: (args.batch, h, args.seq, args.head_dim)
-    q, dout = (torch.randn(shape(args.heads), generator=g, device=device, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(shape(args.kv_heads), generator=g, device=device, dtype=dtype) for _ in range(2))
+    q, k, v, dout = inputs((args.batch, args.heads, args.kv_heads, args.seq, args.head_dim), device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    one_rank = Group("cp", [0], None, 0, CommStats())  # cp = 1: a group of one, nothing is sent
-    ring = RingAttention(one_rank)
-
+    ring = RingAttention(Group("cp", [0], None, 0, CommStats()))  # cp = 1: a group of one, nothing is sent
     results = {}
     for name, attend in (("sdpa", causal_attention), ("ring", ring)):
-        step = fwd_bwd(attend, q, k, v, dout)
-        step()
-        results[name] = [t.grad.float().clone() for t in (q, k, v)] + [attend(q, k, v).detach().float()]
-        results[name + "_s"] = common.time_it(step, device, min_s=1.0, min_reps=5, warmup=2)
+        results[name] = [t.float() for t in with_grads(attend, q, k, v, dout)]
+        results[name + "_s"] = common.time_it(fwd_bwd(attend, q, k, v, dout), device, min_s=1.0, min_reps=5, warmup=2)
     errors = [(a - b).abs().max().item() for a, b in zip(results["ring"], results["sdpa"])]
     flops = 4 * args.batch * args.heads * args.seq ** 2 * args.head_dim * 0.5 * 3.5  # causal, fwd 1 + bwd 2.5
     sdpa_ms, ring_ms = results["sdpa_s"] * 1e3, results["ring_s"] * 1e3
@@ -76,7 +66,3 @@ def main(argv=None):
     common.write_result(args.out, "ring_vs_sdpa", "Ring attention overhead at cp = 1 vs SDPA (fwd+bwd)",
                         ["attention", "fwd+bwd ms", "TFLOP/s", "x SDPA"], rows, notes=notes)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,5 @@
-"""The planner's efficiency factors: what fraction of the hardware's peak each kind of work reaches, for whose code,
-where each number comes from, and how far it may be off (plan.py prints the MFU at both ends of each range).
-
-Two sets, chosen by --code:
-  reference  Megatron-class stacks (Megatron-LM, Llama 3's). Set from hardware facts and checked against Llama 3 405B's
-             published runs (tests/test_plan.py: within 6 MFU points): the values step_time.py has always used.
-  ours       this repository. It has not yet run on a GPU, so until bench/gpu has measured it (--factors FILE),
-             its compute rates are the reference's scaled by COMPUTE_OURS, taken from the nearest public measurement
-             of a PyTorch-native stack: torchtitan's Llama 3.1 8B, FSDP on 8 H100s, seq 8192, compiled (bench/
-             published.py derives it; tests/test_plan_factors.py checks the constants against the derivation).
-             One published row pins one number, so one scale moves matmul, attention and elementwise rates together.
-Each factor: its nominal value, and a (pessimistic, optimistic) range: the end that lowers the MFU first.
+"""The planner's efficiency factors: what fraction of the hardware's peak each kind of work reaches, for whose code
+(--code), each with its source and a (pessimistic, optimistic) range (bench/README.md, "The planner's formulas").
 """
 import json
 from dataclasses import dataclass, replace
@@ -55,7 +45,7 @@ OURS = replace(
     REFERENCE,
     mm=REFERENCE.mm * COMPUTE_OURS, attn=REFERENCE.attn * COMPUTE_OURS, elem=REFERENCE.elem * COMPUTE_OURS,
     launch_us=10.0,   # not yet measured on a GPU host (bench/gpu does): PyTorch's eager dispatch plus a CUDA launch
-    credit=0.0,       # overlaps no test or emulated run measured hidden are not credited (overlap.py)
+    credit=0.0,       # overlaps no test or emulated run measured hidden are not credited (step_time.py)
 )
 FACTORS = {"reference": REFERENCE, "ours": OURS}
 
@@ -65,10 +55,6 @@ RANGES = {
     "ours": {"compute": (COMPUTE_EAGER / COMPUTE_OURS, COMPUTE_SAC / COMPUTE_OURS), "bus": (0.70, 0.90),
              "tax": (0.35, 0.15), "launch_us": (20.0, 5.0), "credit": (0.0, 1.0), "fp8": (1.5, 2.0)},
 }
-# The ranges are judgement, stated so a reader can disagree: bus, 0.70 for collectives below nccl-tests' largest
-# sizes, 0.90 for large ones over InfiniBand; tax, the SMs NCCL takes (8-40 of 132); launch, 5-20 us per eager op on
-# a host core; credit, none to all of an unmeasured overlap; fp8, GEMMs reaching 3/4 of bf16's fraction of their
-# (doubled) peak up to all of it. A measured factor (--factors) has no range.
 MEASURED = ("mm", "attn", "elem", "launch_us", "fp8")  # what bench/gpu's factors file may set
 
 

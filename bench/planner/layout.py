@@ -1,21 +1,5 @@
-"""The planner's layout (plan.py): its fields, whether it can run, and its per-GPU sizes (Shape).
-
-Notation, shared by every formula of the planner: L layers, d width, f ffn width, a / kv heads, hd head dim,
-T sequence, b micro-batch (sequences), t = b*T/cp tokens per microbatch per GPU, B global batch (sequences),
-M = B/(dp*b) microbatches, P = pp, V virtual stages, g = dp*cp (CP ranks hold the same weights and see
-other tokens, so gradients are reduced over dp x cp), S shard group (ddp 1, fsdp g, hsdp --shard),
-R = g/S replicas, kv_local = kv/tp (1 when tp > kv: replicated).
-
-Stages hold L/P layers; the first and last take one fewer when P does not divide L (Llama 3), the first adds
-the embedding, the last the head and the final norm; all / tp. A layer on one GPU holds model.layer_param_count's
-parameters with every matmul / tp, except the kv heads (kv_local per rank) and the two norms (whole on every rank).
-Layers per chunk ceil(L/(P*V)); P*V <= L + 2 (embedding and head may take a layer's slot, Llama 3). zbv runs V = 2
-chunks per rank in a V (parallel/pp_schedule.py): rank 0 holds the first and the last of 2P chunks, so the embedding
-and the head, and sends 2 activations per microbatch, as does rank P-1 (its two chunks meet on the rank); stages()
-places them so, while the time model's stage loads (layers) keep 1F1B's placement.
-A layout fits below HBM less Cluster.margin (the reference: MEM_MARGIN, 5%; ours: memory.MARGIN, 10%). --code ours
-also refuses a layout train.py's own split of the layers refuses (parallel/pp.py's layer_counts). tp_comm_overlap and
-dist_opt are Megatron-LM's options, the reference's only (invalid() refuses them for --code ours: train.py has neither).
+"""The planner's layout: its fields, whether it can run (invalid), its per-GPU sizes (Shape). The notation and the
+stage rules: bench/README.md, "The planner's formulas".
 """
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -28,10 +12,8 @@ from parallel.pp import layer_counts
 W_B, G_B, MASTER_B, ADAM_B, ACT_B = 2, 4, 4, 8, 2  # bytes: bf16 weights, fp32 grads, fp32 master, Adam, bf16
 BUCKET_MB = 25       # DDP bucket (PyTorch's default)
 GB = 1e9
-# --code reference: a layout fits only below HBM minus this share of it, beyond the reference model's own OVERHEAD_GB
-# and FRAG (memory.py): room for allocator spikes, NCCL buffers, a CUDA context larger than assumed. torchtitan and
-# Megatron-LM users keep 5-10% of HBM free. --code ours uses train.py's one policy instead: memory.MARGIN of HBM for
-# all that fake tensors cannot see, as train.py's check and --dry-run do.
+# --code reference: HBM left free beyond costs.py's OVERHEAD_GB and FRAG (allocator spikes, NCCL buffers, a larger
+# CUDA context; torchtitan and Megatron-LM users keep 5-10%). --code ours: train.py's memory.MARGIN instead.
 MEM_MARGIN = 0.05
 CODES = ("reference", "ours")  # whose implementation the byte and memory formulas describe (plan.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")  # parallel/pp_schedule.py
@@ -155,8 +137,7 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
     if min(getattr(lay, k) for k in DEGREES) < 1 or lay.shard < 0:
         return f"{', '.join(DEGREES)} must be at least 1 and shard at least 0"
     world, g = lay.dp * lay.tp * lay.pp * lay.cp, lay.dp * lay.cp
-    for bad, why in [
-        (world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
+    for bad, why in [(world != cl.gpus, f"dp*tp*pp*cp = {world} != {cl.gpus} gpus"),
         (cl.gpus_per_node % lay.tp or cfg.n_head % lay.tp, "tp must divide the gpus per node and the heads"),
         (cfg.n_kv_head % lay.tp and lay.tp % cfg.n_kv_head, "kv heads and tp must divide one another"),
         (seq % (2 * lay.cp), "the sequence length must be divisible by 2*cp"),
@@ -181,8 +162,7 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
          "tp_comm_overlap and dist_opt are Megatron-LM's options (--code reference); train.py has neither"),
         (lay.tp_comm_overlap and not (lay.tp > 1 and lay.sp and lay.overlap),
          "tp_comm_overlap needs tp > 1, sp and overlap"),
-        (lay.dist_opt and (lay.dp_mode != "ddp" or g == 1), "dist_opt shards ddp's optimizer over dp x cp > 1"),
-    ]:
+        (lay.dist_opt and (lay.dp_mode != "ddp" or g == 1), "dist_opt shards ddp's optimizer over dp x cp > 1"),]:
         if bad:
             return why
     if code == "ours" and lay.pp > 1:  # train.py's own split of the layers over the stages

@@ -1,25 +1,6 @@
-"""--code ours: the byte formulas of this repository's parallel/*.py and its own memory model, where the reference
-ones (comm.py, memory.py) describe the implementation Llama 3 and Megatron-LM report, the one the
-planner's calibration is for. Notation: layout.py; e the compute dtype's bytes, r the residual stream's: the
-dtype of the weights forward sees, 4 under ddp (fp32 masters, autocast casts per matmul), e under fsdp and hsdp
-(units gathered in the compute dtype); w the gathered units' bytes (e; 4 in an fp32 run).
-
-tests/test_plan_measured.py holds these to fp32 CPU runs of train.train_step: bytes equal to the comm counters per
-group, memory within 12% of the bytes allocated. The bytes come from the parallel modules' own traffic formulas (the
-end of parallel/tp.py, cp.py, ring_attention.py, pp.py, ddp.py, fsdp.py, hsdp.py). They differ from the reference:
-TP sends 8 (t, d) collectives per layer (sp: 10, as the reference; a recomputed block repeats 2, under sp 3), 2 each
-for the embedding and the head (sp: 3), all counted in e, the loss all-gathers 2 fp32 per token, and sp norms
-all-reduce their grads once per step (which of them overlap compute: step_time.py). Ring CP's backward adds cp hops
-of the fp32 dK,dV accumulators; recomputation repeats the forward's CP traffic. PP sends each (t, d) activation and
-its grad in r, and nothing else (shapes come from the config). FSDP units: the embedding, one per block, the final
-norm + head; per microbatch forward gathers every unit, backward the blocks again, and every backward reduce-scatters
-its unit (fp32) into the persistent shard gradient: with E the embedding, norm and head params of a stage,
-(S-1)/S * M*((2P - E)*w + 4P); under pp a unit is gathered once per step and kept: (S-1)/S * P*(w + 4M). HSDP adds
-one all-reduce of the fp32 shard gradients over the replicas per step, 2(R-1)/R * 4P/S. DDP: one of the buckets.
-
-Memory: memory.step_bytes, train.py's own model of a step's peak per pipeline stage (memory.py says what it
-counts), with memory.MARGIN of HBM left free. tests/test_dry_run.py holds it to fake-CUDA rehearsals at full world
-size, tests/test_plan_measured.py to the CPU runs above.
+"""--code ours: the bytes this repository's parallel/*.py send (their traffic formulas, copied here: only the planner
+reads them) and its memory through train.py's own model (parallel/memory.py). bench/README.md, "The planner's
+formulas", states them; tests/test_plan_measured.py holds them to the comm counters and allocated bytes of CPU runs.
 """
 import math
 from dataclasses import replace
@@ -27,19 +8,77 @@ from types import SimpleNamespace
 
 from bench.planner.layout import ACT_B, BUCKET_MB, G_B, W_B, shard_size
 from parallel import memory
-from parallel.cp import allgather_bytes, ulysses_bytes
-from parallel.ddp import all_reduce_bytes
-from parallel.fsdp import gather_reduce_bytes, gathers_per_step
-from parallel.hsdp import replica_bytes
-from parallel.pp import p2p_bytes
-from parallel.ring_attention import ring_bytes
-from parallel.tp import activation_collectives, loss_bytes, seq_collective_bytes
+
+# ---- traffic formulas of parallel/*.py (bytes one rank sends)
+
+
+def all_reduce_bytes(n_params, group_size, grad_bytes=4):
+    """ddp.py: all-reduce n_params gradients, 2(g-1)/g · grad_bytes · n_params."""
+    return 2 * (group_size - 1) / group_size * grad_bytes * n_params
+
+
+def gathers_per_step(micro_batches, keep_gathered, backward=True):
+    """fsdp.py: all-gathers of a unit per step; 1 when kept gathered (pp), else one per micro-batch for forward
+    and, for a block (backward=True), one more for backward."""
+    return 1 if keep_gathered else (1 + backward) * micro_batches
+
+
+def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes, reduces=1):
+    """fsdp.py, per step: (gathers·c + reduces·r)·(S-1)/S·n_params; reduces: the backwards (micro-batches)."""
+    per_param = gathers * compute_bytes + reduces * reduce_bytes
+    return per_param * (shard_size - 1) / shard_size * n_params
+
+
+def replica_bytes(n_params, shard_size, replicas, grad_bytes=4):
+    """hsdp.py: all-reduce the gradient shard over the replicas once per step, 2(R-1)/R · grad_bytes · n_params/K."""
+    return 2 * (replicas - 1) / replicas * grad_bytes * n_params / shard_size
+
+
+def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
+    """tp.py: an all_gather_seq or reduce_scatter_seq of (tokens, d)."""
+    return (tp - 1) / tp * tokens * d_model * elem_bytes
+
+
+def activation_collectives(layers, embedding, head, sequence_parallel, recompute):
+    """tp.py: (tokens, d) collectives per micro-batch (an all-reduce counts 2). A block 8 (sp 10), +2 recomputed
+    (sp 3); the embedding 2, the head 2 (sp 3)."""
+    sp = sequence_parallel
+    return layers * (8 + 2 * sp + recompute * (3 if sp else 2)) + 2 * embedding + (2 + sp) * head
+
+
+def loss_bytes(tokens, tp):
+    """tp.py: the loss's all-gather of (2, tokens) fp32, (t-1) · 2 · tokens · 4."""
+    return (tp - 1) * 2 * tokens * 4
+
+
+def p2p_bytes(sends, tokens, d_model, elem_bytes, seq_shards=1):
+    """pp.py: a stage's sends per step, sends · tokens · d · e / seq_shards (sp)."""
+    return sends * tokens * d_model * elem_bytes / seq_shards
+
+
+def ulysses_bytes(tokens, head_dim, q_heads, kv_heads, cp, elem_bytes):
+    """cp.py: (fwd, bwd) per layer, each (cp-1)/cp · tokens · hd · (2q + 2·lcm(kv, cp)) · e."""
+    each = (cp - 1) / cp * tokens * head_dim * (2 * q_heads + 2 * math.lcm(kv_heads, cp)) * elem_bytes
+    return each, each
+
+
+def allgather_bytes(kv_elements, cp, elem_bytes):
+    """cp.py: (fwd, bwd) per layer, K,V all-gathered and dK,dV reduce-scattered, each (cp-1) · kv · e."""
+    each = (cp - 1) * kv_elements * elem_bytes
+    return each, each
+
+
+def ring_bytes(kv_elements, cp, elem_bytes):
+    """ring_attention.py: (fwd, bwd) per layer, (cp-1) · kv · e each; backward adds cp hops of fp32 dK,dV."""
+    forward = (cp - 1) * kv_elements * elem_bytes
+    return forward, forward + cp * kv_elements * 4
+
+# ---- a layout's traffic and memory
 
 
 def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
     """One stage's FSDP/HSDP traffic per step, {"gather", "reduce", "replica": (bytes per rank, ring steps)}, and its
-    unit count: parallel/fsdp.py's gathers_per_step and gather_reduce_bytes for the blocks and for the end units
-    (embedding, norm + head; never gathered for backward), parallel/hsdp.py's replica_bytes."""
+    unit count; the end units (embedding, norm + head) are never gathered for backward."""
     lay, M, S, d = s.lay, s.M, shard_size(s.lay), s.cfg.d_model
     kept, ends = lay.pp > 1, s.p_embed * embed + (s.p_embed + d) * head
     blocks, once = gathers_per_step(M, kept), gathers_per_step(M, kept, backward=False)
@@ -57,8 +96,8 @@ def fsdp_parts(s, layers, params, embed, head, w_bytes=W_B, g_bytes=G_B):
 
 
 def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
-    """collectives() of this repository's parallel/*.py: for each group the most any rank of s.stages() sends,
-    term by term what the comm counters of tests/test_plan_measured.py read."""
+    """collectives() of parallel/*.py: per group the most any rank of s.stages() sends, term by term what the comm
+    counters of tests/test_plan_measured.py read."""
     cfg, lay, d, M, t = s.cfg, s.lay, s.cfg.d_model, s.M, s.t
     tp, cp, g = lay.tp, lay.cp, lay.dp * lay.cp
     redo = lay.ckpt == "full"  # a recomputed block repeats its forward collectives (but tp's last one)
@@ -79,8 +118,8 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
             else:  # allgather: an all-gather of K,V, in backward a reduce-scatter of dK,dV
                 fwd, bwd = allgather_bytes(kv, cp, a_bytes)
             mine["cp"] = (M * layers * ((1 + redo) * fwd + bwd), M * layers * (cp - 1) * (3 + redo))
-        if lay.pp > 1:  # activations forward, gradients back ((b, T/tp, d) under sp), in the residual's dtype
-            mine["pp"] = (p2p_bytes(M * sends, t, d, residual_bytes(s, a_bytes), tp if lay.sp else 1), M * sends)
+        if lay.pp > 1:  # activations forward, gradients back ((b, T/tp, d) under sp), in the compute dtype
+            mine["pp"] = (p2p_bytes(M * sends, t, d, a_bytes, tp if lay.sp else 1), M * sends)
         if g > 1 and lay.dp_mode == "ddp":
             buckets = math.ceil(g_bytes * params / (BUCKET_MB * 1e6))
             mine["dp"] = (all_reduce_bytes(params, g, g_bytes), buckets * 2 * math.ceil(math.log2(g)))
@@ -95,19 +134,11 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     return out
 
 
-def residual_bytes(s, a_bytes):
-    """Bytes per element of the residual stream: the compute dtype's in every layout (the precision policy,
-    parallel/__init__.py: the embedding's rows and every block's output). The pipeline sends it between stages."""
-    return a_bytes
-
-
 def as_run(s, a_bytes):
     """The train.py run a layout is, as far as memory.stage_bytes reads one: fp32 where the planner prices a CPU
-    cluster (a_bytes 4), else bf16 (fp8: its block matmuls), fp32 reductions, the layers split as train.py splits
-    them."""
+    cluster (a_bytes 4), else bf16 (fp8: its block matmuls), fp32 reductions, the layers split as train.py does."""
     lay = s.lay
-    return SimpleNamespace(
-        dtype="fp32" if a_bytes == 4 else "fp8" if lay.fp8 else "bf16", reduce_dtype="fp32",
+    return SimpleNamespace(dtype="fp32" if a_bytes == 4 else "fp8" if lay.fp8 else "bf16", reduce_dtype="fp32",
         dp=lay.dp, dp_mode=lay.dp_mode, dp_shard=lay.shard // lay.cp if lay.dp_mode == "hsdp" else None,
         accumulate=lay.accumulate, tp=lay.tp, sp=lay.sp and lay.tp > 1, pp=lay.pp, pp_schedule=lay.schedule,
         pp_virtual=lay.V, pp_split=None, cp=lay.cp, ckpt=lay.ckpt, micro_batch=lay.micro, accum_steps=s.M,
@@ -115,6 +146,6 @@ def as_run(s, a_bytes):
 
 
 def ours_memory(s, a_bytes):
-    """{part: bytes} of the fullest pipeline stage: train.py's own memory model (memory.step_bytes), the one its
-    pre-run check and --dry-run use, with their margin (memory.MARGIN) in place of the reference's overhead."""
+    """{part: bytes} of the fullest pipeline stage by memory.step_bytes, train.py's own model (its pre-run check and
+    --dry-run use it), with memory.MARGIN in place of the reference's overhead."""
     return memory.step_bytes(replace(s.cfg, seq_len=s.seq), as_run(s, a_bytes))

@@ -1,43 +1,23 @@
 """The 4D layout planner: which dp x cp x pp x tp layout trains a model fastest on a given cluster?
 
     python -m bench.planner --model llama3-405b --gpus 16384 --seq-len 131072
-    python -m bench.planner --model llama3-405b --gpus 8192 --layout dp=64,tp=8,pp=16,dp_mode=fsdp,V=8
+    python -m bench.planner --model llama3-8b --gpus 64 --code ours --layout dp=8,tp=8,dp_mode=fsdp
     python -m bench.planner --model llama3-8b --gpus 64 --compare-fsdp-scope   # L15
 
-Closed formulas, no simulation; each module's docstring states the formulas it implements:
-  layout.py     the notation, a layout, whether it can run, its per-GPU sizes, the memory margin
-  comm.py       bytes each rank sends per step, by group (comm_bytes)
-  memory.py     peak memory per GPU (memory); --code ours: train.py's own model (the top-level memory.py)
-  ours.py       the bytes for --code ours, and its memory through train.py's model
-  factors.py    the efficiency factors of each code, their sources and ranges
-  links.py      links, and what hidden communication costs
-  overlap.py    what hides under what, ring hops, fp8's casts
-  step_time.py  seconds per step and MFU (step_time)
-  search.py     the layouts tried and the best kept (plan, evaluate)
-  published.py  published runs priced, and ours' factors derived from torchtitan's
-This file is the command line, and `from bench.planner import plan` reaches the public names of all of them.
-
-Whose code (--code). "reference", the default, describes the implementation Llama 3 and Megatron-LM report, with
-Megatron's distributed optimizer and TP communication overlap among the options searched; "ours" describes this
-repository's parallel/*.py (tests/test_plan_measured.py holds its bytes and memory to fp32 CPU runs), at efficiency
-factors of its own (factors.py; --factors: what `python -m bench.gpu` measured). The output: the top layouts by
-predicted MFU, the best of each dp x tp x pp x cp mesh, the MFU at both ends of each uncertain factor, and where the
-winner's step time and memory go; --layout prices one layout instead; --compare-fsdp-scope adds the winner's mesh with
-its FSDP group across nodes (fsdp) and inside one node (hsdp). A layout fits below HBM less --mem-margin (by default
-the code's own: the reference's 5% beyond its overhead, ours memory.MARGIN, the margin train.py's check refuses by).
+Prints the top layouts by predicted MFU, each with its range over the uncertain factors, and where the winner's time
+and memory go; --code reference (Llama 3's, Megatron-LM's implementation) or ours (parallel/*.py). The formulas:
+bench/README.md, "The planner's formulas". `from bench.planner import plan` reaches the public names of every module.
 """
-import sys
 import time
 from dataclasses import replace
 
-from bench.planner.comm import collectives, comm_bytes
+from bench import common
+from bench.planner.costs import collectives, comm_bytes, memory
 from bench.planner.factors import FACTORS, load, ranges, vary
 from bench.planner.layout import CODES, GB, MEM_MARGIN, Cluster, Layout, Shape, invalid, parse_layout
-from bench.planner.links import members_per_node
-from bench.planner.memory import memory
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
-from bench.planner.step_time import rates, step_time
-from config import OneLineParser, UsageError, nonnegative_float, one_of, positive_float, probability, typed
+from bench.planner.step_time import members_per_node, rates, step_time
+from config import UsageError, nonnegative_float, one_of, positive_float, probability, typed
 from model import PRESETS, param_counts
 from parallel.memory import MARGIN
 
@@ -124,8 +104,9 @@ def spread_limit(cfg, cl, seq, batch):
             f"{tp}, pp {cfg.n_layer} (the layers), cp {cp} (1024 tokens each): at most {most:,} GPUs")
 
 
+@common.command
 def main(argv=None):
-    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap = common.parser(__doc__, results=False)
     ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):
         ap.add_argument(f"--{name}", type=up_to(LIMITS[name]), help="override the preset (vocab: 50257 if it has none)")
@@ -162,32 +143,25 @@ def main(argv=None):
     ap.add_argument("--mem-margin", type=probability,
                     help="share of HBM a layout leaves free (allocator, NCCL buffers, CUDA context, model error); "
                     f"default: the reference's {MEM_MARGIN * 100:.0f}%%, ours {MARGIN * 100:.0f}%% (train.py's check)")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = ap.parse_args(argv)
     over = {k: getattr(args, k) for k in SHAPE if getattr(args, k)}
     cfg = replace(PRESETS[args.model], **over)
     cfg = cfg if cfg.vocab_size else replace(cfg, vocab_size=50257)  # the GPT-2 tokenizer of our data
     problem = cfg.validate() or (args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node and (
         "--gpus", f"{args.gpus} GPUs are not a whole number of {args.gpus_per_node}-GPU nodes"))
     if problem:
-        print(f"error: {problem[0]}: {problem[1]}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{problem[0]}: {problem[1]}")
     seq = args.seq_len or cfg.seq_len
     if args.measured and not args.attn_tflops:
-        print("error: --measured: needs --attn-tflops, the attention rate measured with the others", file=sys.stderr)
-        return 2
+        raise UsageError("--measured: needs --attn-tflops, the attention rate measured with the others")
     factors, measured = None, ()
+    if args.factors and args.code != "ours":
+        raise UsageError("--factors: measured factors describe this repository's code: add --code ours")
     if args.factors:
         try:
-            if args.code != "ours":
-                raise ValueError("measured factors describe this repository's code: add --code ours")
             factors, measured = load(args.factors)
         except ValueError as e:
-            print(f"error: --factors: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--factors: {e}") from None
     cl = Cluster(args.gpus, args.gpus_per_node, args.hbm_gb, args.peak_tflops, args.intra_gbs, args.inter_gbs,
                  args.hbm_tbs, args.lat_intra_us, args.lat_inter_us, args.backend, 4 if args.dtype == "fp32" else 2,
                  args.measured, args.attn_tflops or 0.0, args.host_us, factors, args.mem_margin)
@@ -200,8 +174,7 @@ def main(argv=None):
         except (ValueError, TypeError) as e:
             why = str(e)
         if why:
-            print(f"error: --layout: {why}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--layout: {why}")
     total, non_emb = param_counts(cfg)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in over.items())
     name = f"custom shape (from {args.model} with {flags})" if over else args.model
@@ -246,7 +219,3 @@ def main(argv=None):
             why = invalid(cfg, cl, alt, seq, batch, args.code)
             print(f"{alt}: {why}" if why else bill(evaluate(cfg, cl, alt, seq, batch, code=args.code), cl))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

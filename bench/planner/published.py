@@ -1,26 +1,18 @@
-"""Published runs, priced by the planner: the rows --code ours' efficiency is set from (torchtitan's), and the rows the
-reference is checked against (Llama 3 405B), each under both codes with the MFU range of factors.py.
+"""Published runs, priced by the planner: torchtitan's rows, which set --code ours' efficiency, and Llama 3 405B's,
+which check the reference, each under both codes with the MFU range of factors.py.
 
     python -m bench.planner.published   # the derivation of COMPUTE_OURS and its range, then every row
 
-The derivation. factors.COMPUTE_* scale the reference's matmul, attention and elementwise rates; for a published
-row, scale() finds the one at which --code ours predicts the row's MFU (bisection: the MFU rises with the scale), the
-other factors at ours' values. The row: torchtitan's Llama 3.1 8B on 8 GPUs (FSDP, seq 8192, 2 sequences per GPU, a
-step of 2 x 8192 tokens per GPU), priced on its hardware (96 GB, 2.4 TB/s HBM2e), as --layout
-dp=8,dp_mode=fsdp,micro=2,ckpt=selective. torchtitan's selective (op) checkpointing also recomputes every second
-matmul of each block's forward (k, o and up: SAC_SHARE of the forward's matmul FLOPs); sac=True prices that too.
-The 128-GPU rows are not used: they check the derivation (inter-node FSDP over 16 nodes).
-To check the planner against a run this file does not list, add its row; set nothing from it.
+The derivation: bench/README.md, "The planner's formulas". To check the planner against another run, add its row.
 """
-import sys
 from dataclasses import replace
 
+from bench import common
 from bench.planner.factors import OURS, REFERENCE, vary
 from bench.planner.layout import Cluster, Layout, Shape, parse_layout
 from bench.planner.plan import error_bars
 from bench.planner.search import evaluate
 from bench.planner.step_time import rates, shape_step_time
-from config import OneLineParser, UsageError
 from model import PRESETS, flops_per_token
 
 PEAK = 989.0  # H100 SXM dense bf16 TF/s, the peak torchtitan's and Llama 3's MFU divide by
@@ -55,7 +47,7 @@ def predicted(cfg, cl, lay, seq, batch, code, sac=False):
 
 
 def scale(gpus, compiled=True, sac=False):
-    """The scale of the reference's compute rates at which --code ours predicts torchtitan's row (module docstring)."""
+    """The scale of the reference's compute rates at which --code ours predicts torchtitan's row (bench/README.md)."""
     cfg, cl, lay, seq, batch = titan_run(gpus)
     want = mfu_of(cfg, TORCHTITAN[[g for g, *_ in TORCHTITAN].index(gpus)][1 + compiled], seq)
     base = replace(OURS, mm=REFERENCE.mm, attn=REFERENCE.attn, elem=REFERENCE.elem)
@@ -88,12 +80,9 @@ def best(cfg, cl, seq, batch, mesh, code):
     return found
 
 
+@common.command
 def main(argv=None):
-    try:
-        OneLineParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no flags but --help
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    common.parser(__doc__, results=False).parse_args(argv)  # no flags but --help
     k = {name: scale(8, c, sac) for name, c, sac in (("compiled", True, False), ("eager", False, False),
                                                       ("compiled, recompute priced", True, True))}
     print("COMPUTE_OURS and its range, from torchtitan's Llama 3.1 8B on 8 H100s (factors.py holds them):")
@@ -120,7 +109,3 @@ def main(argv=None):
         print(f"| Llama 3 405B, {gpus} H100, seq {seq}, TP{tp} CP{cp} PP{pp} DP{dp} | {reported:.0%} | "
               f"{' | '.join(cells)} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

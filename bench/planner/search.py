@@ -1,21 +1,13 @@
-"""The planner's search: every layout of a cluster, each priced (memory.py, step_time.py), the best kept.
-
-tp (inside a node), cp, micro-batch (<= 16) and hsdp shards are powers of two, pp any divisor, V powers of two;
---code ours adds the zero-bubble schedules (zb1; zbv where 2P <= L), never with fp8, as train.py; --code reference
-adds Megatron-LM's distributed optimizer (ddp over dp x cp > 1) and TP communication overlap (tp > 1);
-hsdp shards smaller than a node's share of the dp x cp group and cp shards under 1024 tokens are skipped; per
-layout the lightest checkpointing that fits (below HBM less the margin) is kept (more recompute is never faster),
-and a micro-batch that fits with no policy stops the larger ones. The table shows the best layout of each
-dp x tp x pp x cp mesh; within 0.1 MFU point the simpler layout ranks first.
+"""The planner's search: every layout of a cluster, pruned (bench/README.md, "The planner's formulas"), each priced,
+the best of each dp x tp x pp x cp mesh kept.
 """
 import itertools
 import math
 from dataclasses import dataclass
 
+from bench.planner.costs import shape_memory
 from bench.planner.layout import GB, Layout, Shape, invalid
-from bench.planner.links import members_per_node
-from bench.planner.memory import shape_memory
-from bench.planner.step_time import shape_step_time
+from bench.planner.step_time import members_per_node, shape_step_time
 from model import param_counts
 
 CKPTS = ("none", "selective", "full")  # each saves more memory and recomputes more
@@ -50,12 +42,9 @@ def pow2(limit):
 
 
 def candidates(cfg, cl, seq, batch, max_micro=16, min_cp_tokens=1024, code="reference", fp8=False):
-    """Every valid layout, pruned: tp, cp, micro and hsdp shard powers of two, hsdp shards no smaller than
-    a node's share, cp shards of at least min_cp_tokens. Yields families that differ only in micro-batch
-    (ascending), each a list of one layout per checkpoint policy (CKPTS order). Under code="ours" fsdp and hsdp
-    come with both gradient accumulations (parallel/fsdp.py) and the zero-bubble schedules, the reference's reduces
-    once per step, and adds Megatron-LM's options: its distributed optimizer under ddp and, with sp, its TP
-    communication overlap. fp8: train.py --dtype fp8."""
+    """Every valid layout, pruned (bench/README.md), as families that differ only in micro-batch (ascending), each a
+    list of one layout per checkpoint policy (CKPTS order); ours with both fsdp accumulations and the zero-bubble
+    schedules, the reference with Megatron-LM's options. fp8: train.py --dtype fp8."""
     for tp in [x for x in pow2(cl.gpus_per_node) if cl.gpus % x == 0]:
         for cp in [c for c in pow2(seq // min_cp_tokens) if (cl.gpus // tp) % c == 0]:
             for pp in [p for p in range(1, cfg.n_layer + 1) if (cl.gpus // (tp * cp)) % p == 0]:

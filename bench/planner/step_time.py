@@ -1,58 +1,17 @@
-"""Seconds per step of a layout and its MFU (notation: layout.py; bytes per group: comm.py; links and what
-hiding costs: links.py; what hides under what: overlap.py; the efficiency factors: factors.py).
-
-Bytes are in the cluster's compute dtype (--dtype: bf16; fp32 on a CPU cluster), gradients fp32. Each code is priced
-with its own factors (factors.py: the reference's, or ours'), unless the cluster carries some (--factors, the
-error bars' ends).
-
-Time per step. One token through one layer on one GPU:
-  6*N_layer/tp / (peak*mm * t/(t+MM_ROWS0) * R) + 12*d*T/tp / (peak*attn * K/(K+ATTN_KEYS0))
-  + ELEM_BYTES*(d+f)/tp / (HBM*elem),     K = T/cp for ring CP (its key blocks), else T;
-mm, attn, elem the factors; with --measured (a cluster that measured its own rates at this workload's sizes,
-bench/cluster) the factors go: 6*N_layer/tp / peak + 12*d*T/tp / --attn-tflops; ELEM_BYTES counts bf16 tensors (x2
-in fp32). N_layer/tp the matmul weights of a layer on one GPU (Shape.p_layer without the norms); R = the factor fp8
-under fp8 (the block matmuls only), else 1; attention and the head stay bf16, and fp8's casts cost memory traffic of
-their own (overlap.fp8_bytes), per micro-batch and layer on the stage ("fp8").
-The optimizer's update, --code ours: OPT_BYTES per parameter the rank updates / HBM (ddp.py updates the whole
-replica on every rank; the reference, Megatron's distributed optimizer or FSDP, shards it: negligible), and the
-clip's blocking all-reduce of two floats over the world, 2*log2(world) latency steps. Gradients, --code ours:
-landing_bytes per parameter of the stage / HBM, the copies that take each micro-batch's weight gradients into
-the buffers the step reduces. Host: where the host is the device (--host-us > 0, a CPU cluster), every
-dispatched op costs host_us in line, HOST_OPS_LAYER per layer and HOST_OPS_REST per micro-batch; a GPU's
-kernels run while the host launches the next ones (--host-us 0), except where it waits for them (overlap.ring).
-The head: 6*vocab*d/tp FLOPs + 16*vocab/tp bytes (cross-entropy). Recompute: full adds a third of the layer (its
-forward), selective a third of the elementwise bytes. A stage's load in layers is max(first, middle, last + head);
-per microbatch t_stage = load*t_layer + layers*(fp8 casts + TP + CP exposed), and
-  step = M*t_stage + bubble + PP exposed + DP exposed,  bubble = idle * ceil(L/(P*V))/layers * t_stage,
-idle = P-1 chunk forward-and-backwards; zb1 max(P-1, 2P-1-M)/3, zbv max(P-1, 3P-3-M)/3 (F = B = W, a third each:
-parallel/pp_schedule.py).
-Exposed communication: TP overlap.py. CP: ring is hidden under the layer's attention (and full checkpointing's
-recompute of it); allgather and ulysses block. PP: the sends are asynchronous, hidden under compute except 2(P-1)
-hops of fill and drain. DP: ddp's all-reduce runs under the last microbatch's backward but its last bucket
-(BUCKET_MB, or the whole gradient if smaller: launched as backward ends); the reference's fsdp / hsdp per round (a
-microbatch with P = 1, the step with P > 1), under that round except one layer's share; --code ours and dist_opt:
-overlap.py. overlap=0 (train.py --no-overlap): every TP and DP collective blocks.
-MFU = model.flops_per_token (PaLM: 6N + 12*L*d*T) * B*T / (gpus * peak * step); HFU adds the recompute.
-Calibration: Llama 3 405B (Table 4) on 8k/16k H100s; tests/test_plan.py checks the predictions. bench/cluster checks
-the time model against steps measured on an emulated CPU cluster, from that cluster's own measured rates.
+"""Seconds per step of a layout and its MFU: links and what hiding costs, what hides under what (TP and DP exposed,
+ring hops, fp8's casts), the step's terms. The formulas: bench/README.md, "The planner's formulas".
 """
 import math
 from dataclasses import replace
 from functools import lru_cache
 
-from bench.planner.comm import collectives
+from bench.planner import ours
+from bench.planner.costs import collectives
 from bench.planner.factors import FACTORS, REFERENCE
-from bench.planner.layout import BUCKET_MB, G_B, Shape, shard_size
-from bench.planner.links import clip_norm, gloo_rs, hide, link, members_per_node, seconds, tax
-from bench.planner.overlap import TP_EXPOSED, dist_opt_dp, fp8_bytes, ours_dp, ours_tp, reference_tp, replica_chain
+from bench.planner.layout import BUCKET_MB, G_B, GB, Shape, shard_size
 from model import flops_per_token
 
-__all__ = ["ATTN_EFF", "BUS_EFF", "FP8_RATE", "HOST_OPS_LAYER", "HOST_OPS_REST", "MM_EFF", "MM_ROWS0", "OPT_BYTES",
-           "OVERLAP_TAX", "TP_EXPOSED", "clip_norm", "gloo_rs", "hide", "landing_bytes", "link", "members_per_node",
-           "rates", "replica_chain", "seconds", "shape_step_time", "step_time", "tax"]
-
-MM_EFF, ATTN_EFF, BUS_EFF = REFERENCE.mm, REFERENCE.attn, REFERENCE.bus  # the reference's factors (factors.py)
-OVERLAP_TAX, FP8_RATE = REFERENCE.tax, REFERENCE.fp8
+MM_EFF, OVERLAP_TAX = REFERENCE.mm, REFERENCE.tax  # the reference's factors (factors.py), as the tests name them
 MM_ROWS0 = 128       # GEMMs over t token rows lose about one 128-row tile wave: * t/(t + 128)
 ATTN_KEYS0 = 512     # a kernel streaming K keys: * K/(K + 512) (short ring-CP blocks run slower)
 ELEM_BYTES = 75      # HBM bytes per token per layer per unit of d+f: norms, RoPE, SwiGLU, residuals fwd+bwd
@@ -60,14 +19,222 @@ OPT_BYTES = 40       # memory bytes per parameter of an update, --code ours: the
 #                      and writes it once, fused AdamW reads weight, gradient and both moments and writes three
 HOST_OPS_LAYER = 186  # aten ops one block's forward and backward dispatch; the embedding, final norm, head and
 HOST_OPS_REST = 135   # loss another 135 per micro-batch (model.py; tests/test_plan_cluster.py counts both)
+TP_EXPOSED = 0.6     # reference: 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
+RING_HOP_OPS = 6     # ops the host dispatches per hop of one collective (tp_ring.py: a p2p pair, each chunk's matmul
+#                      and its copy or add; a column backward carries two collectives in one hop)
+FP8_LINEARS = 7      # q, k, v, o, gate, up, down: each all-reduces its amaxes over tp and cp in forward and backward
+
+
+def factors(cl):
+    """The cluster's efficiency factors (step_time.py sets them per code), the reference's if none."""
+    return cl.factors or REFERENCE
+
+
+@lru_cache(maxsize=None)
+def members_per_node(gpus_per_node, tp, cp, pp, dp, S, group, order="node"):
+    """How many members of rank 0's `group` (tp, cp, pp, dp = dp x cp, shard, replica) share its node: ranks
+    0..gpus_per_node-1, or every (world / gpus_per_node)-th rank under the interleaved order."""
+    def key(r):  # rank -> (tp, cp, pp, dp) coordinates, tp fastest; equal keys share a group
+        t, r = r % tp, r // tp
+        c, r = r % cp, r // cp
+        p, d = r % pp, r // pp
+        pos = c + cp * d  # position in the dp x cp group
+        return {"tp": (c, p, d), "cp": (t, p, d), "pp": (t, c, d), "dp": (t, p),
+                "shard": (t, p, pos // S), "replica": (t, p, pos % S)}[group]
+    world = tp * cp * pp * dp
+    nodes = max(world // gpus_per_node, 1)
+    mine = range(0, world, nodes) if order == "interleaved" else range(min(gpus_per_node, world))
+    return sum(key(r) == key(0) for r in mine)
+
+
+def link(cl, lay, group):
+    """(bytes/s, seconds per ring step) one rank of `group` gets."""
+    S = shard_size(lay)
+    size = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp, "shard": S,
+            "replica": lay.dp * lay.cp // S}[group]
+    k = members_per_node(cl.gpus_per_node, lay.tp, lay.cp, lay.pp, lay.dp, S, group, lay.order)
+    eff = 1.0 if cl.measured else factors(cl).bus
+    if k == size:
+        return eff * cl.intra_gbs * GB, cl.lat_intra_us * 1e-6
+    nics = k if cl.backend == "nccl" else 1  # NCCL stripes a ring over the node's NICs; gloo's one ring uses one
+    return eff * min(cl.intra_gbs, nics * cl.inter_gbs) * GB, cl.lat_inter_us * 1e-6
+
+
+def seconds(cl, lay, group, nbytes, steps):
+    """Time for one rank of `group` to send `nbytes` in `steps` dependent ring steps."""
+    bw, lat = link(cl, lay, group)
+    return nbytes / bw + steps * lat
+
+
+def all_reduce_latency(cl, lay, group, size):
+    """Seconds of one tiny blocking all-reduce over `size` ranks of `group`: 2*log2 of it latency steps."""
+    return 2 * math.ceil(math.log2(size)) * link(cl, lay, group)[1] if size > 1 else 0.0
+
+
+def tax(cl, lay, group):
+    """Compute lost per second of `group`'s communication hidden under it. NCCL: the factor `tax` (its kernels take
+    SMs). gloo: a rank's own threads copy its bytes, at the loopback rate, on its own cores: all of a collective
+    inside a node, the loopback's share of one whose wire is slower."""
+    if cl.backend == "nccl":
+        return factors(cl).tax
+    return min(1.0, link(cl, lay, group)[0] / (cl.intra_gbs * GB * (1.0 if cl.measured else factors(cl).bus)))
+
+
+def hide(t_comm, window, lost, credit=1.0):
+    """Exposed seconds of communication overlapped with `window` seconds of compute, `lost` per second hidden; an
+    overlap credited only `credit` of what it would hide exposes the rest."""
+    hidden = min(t_comm, window)
+    return max(t_comm - window, 0.0) + hidden * (lost + (1.0 - credit) * (1.0 - lost))
+
+
+def gloo_rs(cl, S):
+    """(bytes on the wire, ring steps) of a reduce-scatter over S ranks, each over its ring terms': on gloo (an
+    all-reduce of its whole input, results/cluster.md) 2 and an all-reduce's 2*log2 S steps over S-1; else 1, 1."""
+    return (2, 2 * math.ceil(math.log2(S)) / (S - 1)) if cl.backend == "gloo" and S > 1 else (1, 1)
+
+
+def clip_norm(cl, lay):
+    """The clip's all-reduce of two floats over the world, blocking, once per step (optim.global_grad_norm): 2*log2
+    of the world latency steps, over the network once the world spans nodes."""
+    world = lay.tp * lay.cp * lay.pp * lay.dp
+    lat = cl.lat_intra_us if world <= cl.gpus_per_node else cl.lat_inter_us
+    return 2 * math.ceil(math.log2(world)) * lat * 1e-6
+
+
+def chunk_matmuls(s, extra=0.0):
+    """(FLOPs per token of a layer's block matmuls cut into ring chunks, all of them): forward, input gradients and the
+    row-parallel weights' gradients (o, down) run chunk by chunk; the column weights' gradients run whole (under the
+    last hop). extra: forwards recomputed (full checkpointing: 1)."""
+    cfg, tp = s.cfg, s.lay.tp
+    w = s.p_layer - 2 * cfg.d_model                          # the layer's matmul weights on this GPU
+    w_row = (cfg.n_head * cfg.head_dim + cfg.ffn_dim) * cfg.d_model / tp   # o and down
+    return 4 * w + 2 * w_row + 2 * w * extra, 6 * w * (1 + extra / 3)
+
+
+def ring(cl, lay, n, unit, mm, penalty, ops):
+    """Exposed seconds of n collectives of `unit` seconds each, cut into tp-1 hops under the chunks of `mm` seconds
+    of matmuls that took `penalty` seconds more for being chunked; ops: host ops per hop (0: launched from C++)."""
+    hops = n * (lay.tp - 1)
+    if not hops:
+        return 0.0
+    window = (lay.tp - 1) / lay.tp * (mm + penalty)  # the last chunk of each ring has no hop left to hide
+    host = ops * factors(cl).launch_us * 1e-6
+    waits = hops * max(host - max(n * unit, window) / hops, 0.0)  # the GPU waits for a host slower than its hop
+    return hide(n * unit, window, tax(cl, lay, "tp")) + penalty + waits
+
+
+def fp8_bytes(s, code):
+    """Memory bytes per token per layer of the fp8 casts (bench/README.md): x, the linears' inputs; y, their outputs'
+    gradients; w, their weights per micro-batch (ours) or per step (the reference)."""
+    cfg, d, f, tp = s.cfg, s.cfg.d_model, s.cfg.ffn_dim, s.lay.tp
+    attn = cfg.n_head * cfg.head_dim
+    y = attn / tp + 2 * cfg.head_dim * s.kv_local + 2 * d + 2 * f / tp  # q, k, v, o, gate, up, down outputs
+    w = s.p_layer - 2 * d
+    if code == "ours":  # each linear casts its own input: q, k, v the first norm's output, gate and up the second's
+        return 10 * (5 * d + attn / tp + f / tp) + 7 * y + 10 * w / s.t
+    return 4 * (2 * d + attn / tp + f / tp) + 4 * y + 4 * w / (s.t * s.M)  # fused qkv and gate-up read x once
+
+
+def ours_tp(s, cl, flop_at):
+    """Exposed TP seconds per microbatch on the busiest stage, --code ours; flop_at(rows): seconds per matmul FLOP
+    over that many rows on one GPU."""
+    cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
+    unit = seconds(cl, lay, "tp", ours.seq_collective_bytes(t, d, tp, cl.dtype_bytes), tp - 1)  # a (t, d) gather or RS
+    full = lay.ckpt == "full"
+    n = ours.activation_collectives(1, False, False, lay.sp, full)  # per layer; an all-reduce is 2
+    lost, rate = tax(cl, lay, "tp"), (factors(cl).fp8 if lay.fp8 else 1.0)
+    block = flop_at(t) / rate  # seconds per block-matmul FLOP
+    head_units = 2 + lay.sp
+    if not lay.overlap or (lay.sp and lay.fp8):  # every collective blocks (fp8: no rings)
+        layer, head = n * unit, head_units * unit
+    elif lay.sp:  # rings: each hop under a 1/tp chunk of the matmul next to it
+        chunked, flops = chunk_matmuls(s, full)
+        slower = flop_at(t / tp) - flop_at(t)
+        layer = ring(cl, lay, n, unit, flops * t * block, chunked * t * slower, RING_HOP_OPS)
+        head = ring(cl, lay, head_units, unit, 6 * s.p_embed * t * flop_at(t), 4 * s.p_embed * t * slower, RING_HOP_OPS)
+    else:  # forward (and recompute) all-reduces block, backward ones run under the weight-grad matmuls
+        qkv = 2 * d * (cfg.n_head * cfg.head_dim / tp + 2 * cfg.head_dim * s.kv_local) * t * block
+        gate_up = 2 * d * 2 * cfg.ffn_dim / tp * t * block
+        layer = (n - 4) * unit + hide(2 * unit, qkv, lost) + hide(2 * unit, gate_up, lost)
+        head = hide(2 * unit, 2 * s.p_embed * t * flop_at(t), lost)
+    if lay.fp8:  # each linear's amax all-reduces, forward and backward
+        layer += 2 * FP8_LINEARS * all_reduce_latency(cl, lay, "tp", tp)
+    loss = seconds(cl, lay, "tp", ours.loss_bytes(t, tp), tp - 1)
+    worst = 0.0
+    for layers, _, embed, has_head, _ in s.stages():
+        norms = seconds(cl, lay, "tp", ours.all_reduce_bytes(d * (2 * layers + has_head), tp, G_B),
+                        2 * math.ceil(math.log2(tp))) * lay.sp / s.M  # once per step
+        worst = max(worst, layers * layer + embed * 2 * unit + has_head * (head + loss) + norms)
+    return worst
+
+
+def reference_tp(s, cl, comm_tp, flop_at):
+    """Exposed TP seconds per microbatch, the reference: comm_tp, the collectives' seconds per microbatch."""
+    lay, t = s.lay, s.t
+    if not lay.overlap:
+        return comm_tp
+    if not lay.tp_comm_overlap:
+        return TP_EXPOSED * comm_tp
+    chunked, flops = chunk_matmuls(s, lay.ckpt == "full")
+    rate = factors(cl).fp8 if lay.fp8 else 1.0
+    mm = s.most * flops * t * flop_at(t) / rate + 6 * s.p_embed * t * flop_at(t)
+    penalty = (s.most * chunked / rate + 4 * s.p_embed) * t * (flop_at(t / lay.tp) - flop_at(t))
+    return ring(cl, lay, 1, comm_tp, mm, penalty, 0) if comm_tp else 0.0
+
+
+def replica_chain(s, cl, layers, params, embed, head, t_layer, h):
+    """Exposed seconds of one stage's hsdp replica all-reduces (parallel/fsdp.py's _finish_reduction): in the last
+    backward a chain, unit i's under unit i+2's backward (2/3 of t_layer per layer; the head h layers); the last two
+    units' and the embedding's (an index add) hide under nothing."""
+    lay, S, d = s.lay, shard_size(s.lay), s.cfg.d_model
+    R = lay.dp * lay.cp // S
+    block = (params - s.p_embed * embed - (s.p_embed + d) * head) / layers
+    units = [(s.p_embed + d, h)] * head + [(block, 1.0)] * layers + [(s.p_embed, 0.0)] * embed  # (params, layers)
+    steps, lost = 2 * math.ceil(math.log2(R)), tax(cl, lay, "replica")
+    sums = [seconds(cl, lay, "replica", ours.replica_bytes(n, S, R, G_B), steps) for n, _ in units]
+    windows = [2 / 3 * t_layer * w for _, w in units[2:]] + [0.0, 0.0]
+    return sum(hide(r, w, lost) for r, w in zip(sums, windows))
+
+
+def ours_dp(s, cl, t_stage, t_layer, h, wire_steps):
+    """Exposed FSDP/HSDP seconds per step on the busiest stage, --code ours with overlap (parallel/fsdp.py, hsdp.py);
+    t_layer: one layer's seconds per microbatch, h: the head in layers; wire_steps: links.gloo_rs's."""
+    lay, M, worst = s.lay, s.M, 0.0
+    for layers, params, embed, head, _ in s.stages():
+        parts, units = ours.fsdp_parts(s, layers, params, embed, head, w_bytes=cl.dtype_bytes)
+        (gb, gs), (rb, rs) = parts["gather"], parts["reduce"]
+        group = "dp" if lay.dp_mode == "fsdp" else "shard"
+        lost = tax(cl, lay, group)
+        wire, steps = wire_steps
+        gather, reduce = seconds(cl, lay, group, gb, gs), seconds(cl, lay, group, rb * wire, rs * steps)
+        # the step's first gather and last reduce-scatter, of one unit each, have nothing to hide under: exposed,
+        # and taken out of what hides
+        if lay.pp > 1:  # each unit gathered once, under the first forward; reduce-scattered under each backward
+            first, last = gather / units, reduce / M / units
+            exp = (hide(gather - first, t_stage / 3, lost) + (M - 1) * hide(reduce / M, t_stage * 2 / 3, lost)
+                   + hide(reduce / M - last, t_stage * 2 / 3, lost) + first + last)
+        else:  # every microbatch gathers and reduce-scatters under its own forward and backward
+            per_mb = (gather + reduce) / M
+            exp = (M - 1) * hide(per_mb, t_stage, lost) + hide(per_mb - per_mb / units, t_stage, lost) + per_mb / units
+        if lay.dp_mode == "hsdp":  # once per step, a chain through the last backward
+            exp += replica_chain(s, cl, layers, params, embed, head, t_layer, h)
+        worst = max(worst, exp)
+    return worst
+
+
+def dist_opt_dp(cl, lay, comm_dp, buckets, t_stage):
+    """Exposed seconds of Megatron's distributed optimizer: the fp32 gradients' reduce-scatter (4 of the 6 bytes per
+    parameter) under the last backward, the bf16 weights' all-gather (2) under the next first forward, each but one
+    bucket."""
+    rs, ag, lost = comm_dp * 4 / 6, comm_dp * 2 / 6, tax(cl, lay, "dp")
+    return hide(rs - rs / buckets, t_stage * 2 / 3, lost) + hide(ag - ag / buckets, t_stage / 3, lost) + (
+        rs + ag) / buckets
 
 
 def landing_bytes(cl, lay, M):
-    """Memory bytes per parameter and step that take each micro-batch's fresh weight gradients to where the step
-    sums them (--code ours). ddp.py: autograd adds them into the bucket views (reads both fp32, writes one).
-    fsdp.py: each unit's are copied into its flat fp32 buffer (from the compute dtype), or added under
-    accumulate=unsharded (one fp32 read more); on gloo the reduce-scatter copies that buffer again on the caller's
-    thread, per micro-batch, or once per step under unsharded."""
+    """Memory bytes per parameter and step taking each micro-batch's weight gradients to where the step sums them
+    (--code ours): ddp's bucket adds (12), fsdp's copies into the flat fp32 buffer (adds under accumulate=unsharded)
+    and, on gloo, the reduce-scatter's copy of it on the caller's thread."""
     if lay.dp_mode == "ddp":
         return M * 12
     unsharded = lay.accumulate == "unsharded"

@@ -4,20 +4,10 @@
     python -m bench.vs_torch --quick   # smoke test sizes
     python -m bench.vs_torch --pairs tp,tp-sp,pp-gpipe,pp-1f1b,pp-interleaved   # only the tp/pp peers
 
-Pairs: parallel.ddp.DDP vs torch.nn.parallel.DistributedDataParallel, and parallel.fsdp.FSDP vs FSDP2
-`fully_shard` (torch.distributed.fsdp in torch >= 2.6, torch.distributed._composable.fsdp before), one unit
-per block plus the root, fp32, no clipping. Every run starts from model.init_weights and reads the same
-per-rank batches, so the losses must agree to float tolerance; the table shows the largest difference.
-Runs alternate ours/torch `--rounds` times so that a busy shared machine hurts both alike; the ratio is
-median(our step time) / median(torch's). Target: <= 1.10.
-
-TP and PP (bench/vs_torch/peers.py): parallel.tp.parallelize vs torch DTensor parallelize_module (+ SequenceParallel
-and loss_parallel), with and without sequence parallel; under sp ours as train.py runs it on gloo (each collective
-one call: tp-sp) and with the ring layer that overlaps them on NCCL (tp-sp-ring); parallel.pp.split + execute vs
-torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B) on the same stage modules. They use a config every pair
-can split (kv heads % 2).
+parallel.ddp.DDP against DistributedDataParallel, parallel.fsdp.FSDP against FSDP2's fully_shard (a unit per block
+plus the root), fp32, no clipping; TP and PP in peers.py. The same initial weights and batches, so the losses agree
+to float tolerance; ours and torch's alternate --rounds times, and the ratio is median step over median step.
 """
-import argparse
 import statistics
 
 import torch
@@ -40,8 +30,7 @@ except ImportError:
 
 
 def build(impl, cfg, mesh, seed):
-    """(module to call, optimizer params, our wrapper or None) for one implementation, from the same initial
-    weights."""
+    """(module to call, optimizer params, our wrapper or None) for one implementation, from the same initial weights."""
     with torch.device("meta"):
         gpt = model.GPT(cfg)
     if impl == "ours-fsdp":
@@ -96,8 +85,9 @@ def loss_match(ours, theirs):
     return diff, "bit-identical" if diff == 0 else "rtol 1e-5" if close else "NO"
 
 
+@common.command
 def main(argv=None):
-    p = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = common.parser(__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="alternating ours/torch runs per pair")
@@ -147,10 +137,5 @@ def main(argv=None):
              "losses: the loss curve of rank 0 (pp: of the last stage) compared step by step"]
     common.write_result(args.out, "vs_torch", "Our DDP/FSDP/TP/PP vs torch's (median step time)",
                         ["pair", "ours", "torch", "ours ms", "torch ms", "ratio", "ours CPU ms", "torch CPU ms",
-                         "CPU ratio", "max loss diff", "losses match", "ratio <= 1.10"], rows,
-                        notes=notes)
+                         "CPU ratio", "max loss diff", "losses match", "ratio <= 1.10"], rows, notes=notes)
     common.answer("L8", "; ".join(answers))
-
-
-if __name__ == "__main__":
-    main()

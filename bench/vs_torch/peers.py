@@ -1,13 +1,7 @@
-"""The tensor- and pipeline-parallel peers of bench/vs_torch: ours against torch's on the same split of the same
-model (same initial weights, same batches, fp32, gloo CPU ranks).
-
-TP (2 ranks):  ours = parallel.tp.parallelize(chunk, mesh, sequence_parallel=sp) + tp_overlap.fuse_columns under our DDP
-               wrapper (dp 1: it only sums the sp norms' partial gradients over tp); torch = parallelize_module
-               with ColwiseParallel (q, k, v, gate, up, lm_head), RowwiseParallel (o, down; the embedding
-               row-wise, i.e. vocab-parallel like ours), SequenceParallel norms and PrepareModuleInput gathers
-               under sp, and loss_parallel around the cross-entropy (vocab-parallel like ours).
-PP (2 ranks):  ours = parallel.pp.split + parallel.pp.execute; torch = pipelining.PipelineStage on the very same
-               chunks + ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, loss = our cross-entropy / M.
+"""The tensor- and pipeline-parallel peers of bench/vs_torch, on 2 gloo ranks, the same split of the same model:
+parallel.tp.parallelize (+ tp_overlap, under sp with and without the rings) against DTensor's parallelize_module
+(colwise q, k, v, gate, up, lm_head; rowwise o, down and the embedding; SequenceParallel norms; loss_parallel), and
+parallel.pp.split + execute against torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B on those chunks.
 """
 import inspect
 import time
@@ -148,8 +142,7 @@ def run_pp(rank, world, impl, schedule, cfg_fields, micro_batch, n_micro, steps,
         wrapper = DDP(nn.ModuleList(chunks), mesh)
         params = wrapper.optim_params()
     else:
-        stages = [PipelineStage(c, c.pipeline.virtual_stage, c.pipeline.n_virtual, torch.device("cpu"))
-                  for c in chunks]
+        stages = [PipelineStage(c, c.pipeline.virtual_stage, c.pipeline.n_virtual, torch.device("cpu")) for c in chunks]
         options = {"scale_grads": False} if "scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters \
             else {}  # the loss is already / M, as ours (older torch never scales)
         cls = TORCH_SCHEDULES[schedule]
