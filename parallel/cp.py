@@ -221,22 +221,3 @@ def parallelize(chunk, mesh, mode="ring"):
     for block in chunk.layers.values():
         block.self_attn.attend = attend
     return chunk
-
-
-# ---------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def ulysses_bytes(tokens, head_dim, q_heads, kv_heads, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer.
-
-    Each is (cp-1)/cp · tokens · hd · (2q + 2·lcm(kv, cp)) · e."""
-    each = ((cp - 1) / cp * tokens * head_dim * (2 * q_heads + 2 * math.lcm(kv_heads, cp))
-            * elem_bytes)
-    return each, each
-
-
-def allgather_bytes(kv_elements, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer: K,V all-gathered, dK,dV reduce-scattered.
-
-    Each is (cp-1) · kv · e."""
-    each = (cp - 1) * kv_elements * elem_bytes
-    return each, each

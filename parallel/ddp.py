@@ -135,10 +135,3 @@ def wrap(module, mesh, device, init_param, bucket_mb=25.0, overlap=True):
     """module: nn.ModuleList of GPT chunks on the meta device. Every rank materializes all of it."""
     materialize(module, device, lambda name, p, out: init_param(global_name(name), p, out=out))
     return DDP(module, mesh, bucket_mb=bucket_mb, overlap=overlap)
-
-
-# ---------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def all_reduce_bytes(n_params, group_size, grad_bytes=4):
-    """Bytes one rank sends to all-reduce n_params gradients: 2(g-1)/g · grad_bytes · n_params."""
-    return 2 * (group_size - 1) / group_size * grad_bytes * n_params

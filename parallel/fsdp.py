@@ -332,18 +332,3 @@ def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_d
     gathered. cls: FSDP, HSDP, or either with fsdp_accumulate's unsharded accumulation."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype,
                reduce_dtype, overlap=overlap, keep_gathered=mesh.pp > 1)
-
-
-# -------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def gathers_per_step(micro_batches, keep_gathered, backward=True):
-    """All-gathers of a unit per step: 1 when kept gathered (pp), else one per micro-batch for
-    forward and, for a block (backward=True), one more for backward."""
-    return 1 if keep_gathered else (1 + backward) * micro_batches
-
-
-def gather_reduce_bytes(n_params, shard_size, gathers, compute_bytes, reduce_bytes, reduces=1):
-    """Bytes one rank sends per step for n_params: (gathers·c + reduces·r)·(S-1)/S·n_params.
-    reduces: the backwards per step (micro-batches), each reduce-scatters its unit."""
-    per_param = gathers * compute_bytes + reduces * reduce_bytes
-    return per_param * (shard_size - 1) / shard_size * n_params

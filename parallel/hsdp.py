@@ -68,12 +68,3 @@ def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_d
          overlap=True, cls=HSDP):
     return fsdp.wrap(module, mesh, device, init_param, compute_dtype, reduce_dtype, overlap,
                      cls=cls, group=mesh.shard_group)
-
-
-# ---------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def replica_bytes(n_params, shard_size, replicas, grad_bytes=4):
-    """Bytes one rank sends to all-reduce its gradient shard over the replicas.
-
-    Once per step, whatever M: 2(R-1)/R · grad_bytes · n_params/K. The fp32 shard: 4 bytes."""
-    return 2 * (replicas - 1) / replicas * grad_bytes * n_params / shard_size

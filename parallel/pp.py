@@ -301,10 +301,3 @@ def eval_step(chunks, wrapper, mesh, batches, positions, autocast, dtype):
     """The summed mean loss of the micro-batches, on the device (last stage; 0 elsewhere)."""
     with torch.no_grad():
         return execute(chunks, mesh, batches, positions, autocast, dtype, train=False)[0]
-
-
-# ---------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def p2p_bytes(sends, tokens, d_model, elem_bytes, seq_shards=1):
-    """Bytes a stage sends per step: sends · tokens · d · e / seq_shards (sp)."""
-    return sends * tokens * d_model * elem_bytes / seq_shards

@@ -298,13 +298,3 @@ def pick_kernel(q):
             and has_op("_scaled_dot_product_flash_attention_for_cpu_backward")):
         return "flash_cpu"
     return "math"
-
-
-# ---------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def ring_bytes(kv_elements, cp, elem_bytes):
-    """(fwd, bwd) bytes one rank sends per layer: (cp-1) · kv · e each.
-
-    Backward adds cp hops of the fp32 dK,dV: cp · kv · 4."""
-    forward = (cp - 1) * kv_elements * elem_bytes
-    return forward, forward + cp * kv_elements * 4

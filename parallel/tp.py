@@ -251,25 +251,3 @@ def parallelize(chunk, mesh, sequence_parallel=False):
     if sp:
         chunk.seq_shards = group.size  # hidden states hold T/t tokens; RoPE still needs all T
     return chunk
-
-
-# -------------------------------------------------- traffic formulas (the planner's --code ours)
-
-def seq_collective_bytes(tokens, d_model, tp, elem_bytes):
-    """Bytes one rank sends in an all_gather_seq or reduce_scatter_seq of (tokens, d)."""
-    return (tp - 1) / tp * tokens * d_model * elem_bytes
-
-
-def activation_collectives(layers, embedding, head, sequence_parallel, recompute):
-    """(tokens, d) collectives per micro-batch as build() runs them (with tp_overlap.fuse_columns).
-
-    An all-reduce counts 2. A block: 8 (sp 10, the column inputs gathered again), +2 recomputed
-    (sp 3). The embedding 2, the head 2 (sp 3).
-    """
-    sp = sequence_parallel
-    return layers * (8 + 2 * sp + recompute * (3 if sp else 2)) + 2 * embedding + (2 + sp) * head
-
-
-def loss_bytes(tokens, tp):
-    """Bytes one rank sends in the loss's all-gather of (2, tokens) fp32: (t-1) · 2 · tokens · 4."""
-    return (tp - 1) * 2 * tokens * 4

@@ -66,18 +66,22 @@ LAYERS = ("parallel/tp_overlap.py", "parallel/pp_bw_split.py", "parallel/fsdp_ac
 BUDGET = {"FSDP": 345, "pipeline parallel": 305}  # lines a reader reads for one parallelism's plain path: 300;
 # FSDP's unit (a flat buffer cut into shards), gather-and-free with its prefetch both ways, the reduce-scatter, and the
 # shard-to-global map that saves and the gradient norm read; the pipeline's timing of its bubble
-PLANNER = re.compile(r"^# -+ traffic formulas", re.M)  # the planner's formulas close a file: not the algorithm
+PAGES_BUDGET = 1450  # the seven pages together
 
 
 def plain_lines(path):
-    """The lines of a file up to its traffic formulas."""
-    return PLANNER.split((REPO / path).read_text())[0].rstrip().count("\n") + 1
+    return len((REPO / path).read_text().splitlines())
 
 
 @pytest.mark.parametrize("concept", list(PLAIN))
 def test_each_parallelism_reads_in_one_file_within_the_budget(concept):
     n, budget = plain_lines(PLAIN[concept]), BUDGET.get(concept, 300)
     assert n <= budget, f"{PLAIN[concept]}: {n} lines of plain path > {budget}"
+
+
+def test_the_seven_pages_together_fit_the_budget():
+    n = sum(map(plain_lines, PLAIN.values()))
+    assert n <= PAGES_BUDGET, f"the seven pages: {n} lines > {PAGES_BUDGET}"
 
 
 @pytest.mark.parametrize("path", list(PLAIN.values()))
