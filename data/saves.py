@@ -59,12 +59,13 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data import SaveError, TrainingFailure
+from data import DataError, SaveError, TrainingFailure
 from data.files import fsync_dir, open_regular, read_text, write_json
 from data.integrity import (
     DTYPES,
@@ -78,6 +79,8 @@ from data.integrity import (
     seed_of,
 )
 from data.integrity import verify as verify_files
+from data.tokenizer import get_tokenizer
+from model import GPT, config_from_dict
 from parallel.comm import all_reduce_max
 
 ADAM = ("exp_avg", "exp_avg_sq")
@@ -633,10 +636,10 @@ class LazyTensor:
 
 
 def check_layers(cfg, tensors, where):
-    """SaveError unless the config's n_layer is the number of layers the save holds tensors of.
+    """SaveError unless cfg's n_layer is the number of layers the save holds tensors of.
 
-    It runs before a model of the config is built: building one of 10^6 layers,
-    even on the meta device, would run for hours."""
+    It runs before a model of cfg is built: one of 10^6 layers, even on the meta device, takes
+    hours."""
     held = {name.split(".")[1] for name in tensors
             if name.startswith("layers.") and name.count(".") >= 2}
     if cfg.n_layer != len(held):
@@ -644,17 +647,52 @@ def check_layers(cfg, tensors, where):
                         f"the save holds tensors of {len(held)} layer{'s' * (len(held) != 1)}")
 
 
-def model_tensors(run_dir, verify=True):
-    """(run config, {global name: LazyTensor}) of run_dir's newest complete save, or of that save.
+def model_shapes(cfg):
+    """{name: shape} of the parameters of a model of cfg, in its order (tied: no lm_head)."""
+    with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
+        warnings.simplefilter("ignore")
+        return {name: p.shape for name, p in GPT(cfg).named_parameters()}
 
-    With verify the params' CRC-32 is checked now, so sampling finds a bad file before anything
-    runs. Else each LazyTensor checks its pieces as it reads them: export makes one pass."""
-    run_dir = Path(run_dir)
-    path = (run_dir if (run_dir / "complete").exists()
-            else (complete_saves(run_dir) or [None])[-1])
+
+def check_tensors(cfg, tensors, where):
+    """The tensors in the model's order; SaveError naming `where` unless they are cfg's model's.
+
+    So every layout a save was made in exports the same bytes."""
+    shapes = model_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in tensors or tensors[name].shape != shape:
+            found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
+            raise SaveError(f"{where}: its config's model needs {name} of shape {list(shape)}, "
+                            f"the save has {found}")
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        raise SaveError(f"{where}: the save has {extra[0]}, "
+                        "which its config's model has no place for")
+    return {name: tensors[name] for name in shapes}
+
+
+def read_model(run, verify=True):
+    """(ModelConfig, tokenizer, {name: LazyTensor} in the model's order, save folder) of the
+    newest complete save in `run`, or of `run` if it is one: what export and sampling read.
+
+    SaveError names its meta.json unless it is a whole model of its config. With verify the
+    params' CRC-32 is checked now, so sampling finds a bad file before anything runs. Else each
+    LazyTensor checks its pieces as it is read: export makes one pass."""
+    run = Path(run)
+    path = run if (run / "complete").exists() else (complete_saves(run) or [None])[-1]
     if path is None:
-        raise SaveError(f"no complete save in {run_dir}")
-    saved = Saved(path).validate()
+        raise SaveError(f"no complete save in {run}")
+    saved, where = Saved(path).validate(), path / "meta.json"
     if verify:
         saved.verify(kinds=["param"])
-    return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}
+    config = saved.meta["config"]
+    try:
+        cfg = config_from_dict(config["model"])
+        enc = get_tokenizer(config["tokenizer"], config.get("tokenizer_file"))
+    except (TypeError, ValueError) as e:
+        raise SaveError(f"{where}: {e}".replace("\n", " ")) from None
+    except DataError as e:
+        raise SaveError(f"{where}: the run's tokenizer: {e}") from None
+    tensors = {name: LazyTensor(saved, name) for name in saved.tensors}
+    check_layers(cfg, tensors, where)
+    return cfg, enc, check_tensors(cfg, tensors, where), path
