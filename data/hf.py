@@ -9,11 +9,11 @@ out of range) is refused with one line naming the field, exit 2. rope_theta, rms
 Llama 3's rope scaling, vocab_size and tie_word_embeddings, which have no flags, are taken
 from it. Every tensor the model needs must be there, with its shape, and nothing else.
 
-Each rank then reads only its own pieces through saves.load, the path of --resume: a piece in
-one stretch of the file as that byte range, a tp block of columns cut from its full tensor. The
-run starts at step 0 with a fresh optimizer. safetensors is read with plain file reads: an
-8-byte header length, a JSON header of {name: dtype, shape, [start, end) byte offsets}, then
-the raw little-endian bytes, which the tensors must tile exactly.
+Each rank then reads only its own pieces through saves.load, the path of --resume: a piece of
+an unsplit tensor as its byte range, a tp block cut from its full tensor. The run starts at
+step 0 with a fresh optimizer. safetensors is read with plain file reads: an 8-byte header
+length, a JSON header of {name: dtype, shape, [start, end) byte offsets}, then the raw
+little-endian bytes, which the tensors must tile exactly.
 
 What the two sides agree on:
 - names: the model's own, under "model." (lm_head.weight aside).
@@ -38,7 +38,7 @@ import torch
 
 from data import SaveError
 from data.files import open_regular, read_json
-from data.saves import cut, global_shape, load, model_shapes, read_range
+from data.saves import Saved, load, model_shapes
 from model import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
 
@@ -256,76 +256,50 @@ def read_index(folder):
     return weight_map
 
 
-class HFWeights:
-    """A Hugging Face folder as saves.load reads a save: path, meta (its files; "param" the only
-    kind), tensors (the model's names) and read(piece, kind)."""
-
-    def __init__(self, folder, cfg, config):
-        self.path = folder
-        weight_map = read_index(folder)
-        files = sorted(set(weight_map.values()))
-        sources = {}  # file's tensor name -> (file, header entry, data start)
-        for name in files:
-            header, start = read_header(folder / name)
-            sources.update({t: (name, entry, start) for t, entry in header.items()})
-        for tensor, name in weight_map.items():  # an index and its files must agree
-            if sources.get(tensor, (name,))[0] != name:
-                raise SaveError(f"--init-from: {folder}: model.safetensors.index.json "
-                                f"puts {tensor} in {name}, which does not hold it")
-        self.meta = {"files": {name: (folder / name).stat().st_size for name in files},
-                     "optimizer": {"kinds": ["param"]}}
-        if not cfg.tie_embeddings and "lm_head.weight" not in sources:
-            raise SaveError(f"--init-from: {folder} has no lm_head.weight "
-                            "and config.json's tie_word_embeddings is false")
-        shapes = {name: list(shape) for name, shape in model_shapes(cfg).items()}
-        self.tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
-        for name, shape in shapes.items():
-            source = name if name == "lm_head.weight" else "model." + name
-            if source not in sources:
-                raise SaveError(f"--init-from: {folder} has no tensor {source}")
-            file, entry, start = sources[source]
-            padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
-                entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
-            if entry["shape"] != shape and not padded_rows:
-                raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, "
-                                f"this model needs {shape}")
-            self.tensors[name] = {"shape": shape, "source": source, "file": file,
-                                  "dtype": SAFETENSORS_TYPES[entry["dtype"]],
-                                  "numel": math.prod(entry["shape"]),
-                                  "offset": start + entry["data_offsets"][0]}
-            used.add(source)
-        unused = sorted(t for t in set(sources) - used if not t.endswith(IGNORED))
-        if unused:
-            raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) "
-                            f"this model has no place for, such as {unused[0]}")
-
-    def elements(self, name, first, n):
-        """Elements [first, first + n) of the flat, row-padded tensor in fp32 (rows past the
-        file's are 0)."""
-        info, out = self.tensors[name], torch.zeros(n, dtype=torch.float32)
-        have = max(0, min(n, info["numel"] - first))
-        if have:
-            raw = torch.empty(have, dtype=info["dtype"])
-            read_range(self.path, info["file"], info["offset"] + first * raw.element_size(), raw)
-            out[:have] = raw  # to fp32
-        return out
-
-    def read(self, piece, kind="param"):
-        """The piece's elements [offset, offset + end - start) of this rank's tp block (a Piece)."""
-        shape = self.tensors[piece.name]["shape"]
-        if shape != global_shape(piece):
-            raise SaveError(f"{self.path}: {piece.name} has shape {shape}, "
-                            f"this model has {global_shape(piece)}")
-        dim, rank, _ = piece.tp_shard or (0, 0, 1)
-        if dim != 0:  # a block of columns: strided in the file
-            full = self.elements(piece.name, 0, math.prod(shape)).view(shape)
-            return cut(full, piece)
-        block_start = rank * math.prod(piece.shape)  # a block of rows starts at its first row
-        return self.elements(piece.name, block_start + piece.offset, piece.end - piece.start)
+def hf_weights(folder, cfg):
+    """The folder's weights as a Saved of format 1 (no checksums, "param" the only kind): one
+    piece per tensor, in the file's dtype; rows past the file's (the padded vocabulary) are 0."""
+    weight_map = read_index(folder)
+    files = sorted(set(weight_map.values()))
+    sources = {}  # file's tensor name -> (file, header entry, data start)
+    for name in files:
+        header, start = read_header(folder / name)
+        sources.update({t: (name, entry, start) for t, entry in header.items()})
+    for tensor, name in weight_map.items():  # an index and its files must agree
+        if sources.get(tensor, (name,))[0] != name:
+            raise SaveError(f"--init-from: {folder}: model.safetensors.index.json "
+                            f"puts {tensor} in {name}, which does not hold it")
+    if not cfg.tie_embeddings and "lm_head.weight" not in sources:
+        raise SaveError(f"--init-from: {folder} has no lm_head.weight "
+                        "and config.json's tie_word_embeddings is false")
+    tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
+    for name, shape in model_shapes(cfg).items():
+        shape = list(shape)
+        source = name if name == "lm_head.weight" else "model." + name
+        if source not in sources:
+            raise SaveError(f"--init-from: {folder} has no tensor {source}")
+        file, entry, start = sources[source]
+        padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
+            entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
+        if entry["shape"] != shape and not padded_rows:
+            raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, "
+                            f"this model needs {shape}")
+        piece = {"file": file, "tp": None, "start": 0, "numel": math.prod(entry["shape"]),
+                 "offsets": {"param": start + entry["data_offsets"][0]}}
+        tensors[name] = {"shape": shape, "pieces": [piece],
+                         "dtype": str(SAFETENSORS_TYPES[entry["dtype"]]).split(".")[1]}
+        used.add(source)
+    unused = sorted(t for t in set(sources) - used if not t.endswith(IGNORED))
+    if unused:
+        raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) "
+                        f"this model has no place for, such as {unused[0]}")
+    return Saved(folder, {"format": 1, "step": 0, "optimizer": {"kinds": ["param"]},
+                          "files": {name: (folder / name).stat().st_size for name in files},
+                          "tensors": tensors})
 
 
 def init_from(folder, cfg, args):
-    """--init-from: (cfg updated from config.json, the HFWeights to load); (cfg, None) without.
+    """--init-from: (cfg updated from config.json, the weights to load); (cfg, None) without.
 
     args are the run's flags (--tp, --pp, --dp-mode: whether a tied checkpoint can run).
     Everything is checked here, on every rank alike, before anything is built or written."""
@@ -334,8 +308,8 @@ def init_from(folder, cfg, args):
     folder = Path(folder)
     if not folder.is_dir():
         raise SaveError(f"--init-from: {folder} is not a folder")
-    config, cfg = check_config(folder, cfg, args)
-    return cfg, HFWeights(folder, cfg, config)
+    _, cfg = check_config(folder, cfg, args)
+    return cfg, hf_weights(folder, cfg)
 
 
 def start_from(weights, wrapper, opt, rank):

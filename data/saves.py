@@ -377,10 +377,12 @@ class FileError(SaveError):
 class Saved:
     """One complete save on disk. tensor(name, kind) assembles a full global tensor from pieces."""
 
-    def __init__(self, path):
+    def __init__(self, path, meta=None):
         self.path = Path(path)
-        self.meta = read_json(self.path / "meta.json", SaveError)
-        check_meta(self.meta, self.path / "meta.json")
+        if meta is None:  # else a folder read as a save (hf.py), whose meta its reader checked
+            meta = read_json(self.path / "meta.json", SaveError)
+            check_meta(meta, self.path / "meta.json")
+        self.meta = meta
         self.step, self.tensors = self.meta["step"], self.meta["tensors"]
         # verified: the pieces whose CRC-32 passed on this rank
         self.checked, self.verified = self.meta["format"] >= 2, set()
@@ -395,7 +397,15 @@ class Saved:
             self._fill(piece, name, p, kind)
             out.copy_(piece[first:first + out.numel()])
             return
-        read_range(self.path, p["file"], p["offsets"][kind] + first * out.element_size(), out)
+        try:
+            with open_regular(self.path / p["file"]) as f:
+                f.seek(p["offsets"][kind] + first * out.element_size())
+                n = f.readinto(out.view(torch.uint8).numpy())
+        except OSError as e:
+            raise FileError(f"cannot read {self.path / p['file']}: {e.strerror or e}",
+                            p["file"], 1) from None
+        if n != out.numel() * out.element_size():
+            raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
         if self.checked and whole and key not in self.verified:
             crc = zlib.crc32(out.view(torch.uint8).numpy(), seed_of(self.meta, name, kind, p))
             if crc != p["crc32"][kind]:
@@ -416,7 +426,7 @@ class Saved:
         """The full tensor, read piece by piece: each tp block is filled through one flat buffer."""
         info = self.tensors[name]
         dtype = DTYPES[info["dtype"]]
-        full = torch.empty(info["shape"], dtype=dtype)
+        full = torch.zeros(info["shape"], dtype=dtype)  # rows no piece covers: hf.py's padding
         blocks = {}
         for p in info["pieces"]:
             blocks.setdefault(tuple(p["tp"] or ()), []).append(p)
@@ -441,24 +451,12 @@ class Saved:
         if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
             return cut(self.tensor(piece.name, kind), piece)
         start, n = piece.offset, piece.end - piece.start
-        out = torch.empty(n, dtype=DTYPES[info["dtype"]])
+        out = torch.zeros(n, dtype=DTYPES[info["dtype"]])
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])
             if hi > lo and (p["tp"] is None or p["tp"][1] == piece.tp_shard[1]):
                 self._fill(out[lo - start:hi - start], piece.name, p, kind, first=lo - p["start"])
         return out
-
-
-def read_range(folder, name, offset, out):
-    """Fills out with the bytes of file `name` from offset on; FileError if it cannot."""
-    try:
-        with open_regular(folder / name) as f:
-            f.seek(offset)
-            n = f.readinto(out.view(torch.uint8).numpy())
-    except OSError as e:
-        raise FileError(f"cannot read {folder / name}: {e.strerror or e}", name, 1) from None
-    if n != out.numel() * out.element_size():
-        raise FileError(f"{folder / name} is truncated", name, 1)
 
 
 def cut(full, piece):
@@ -477,7 +475,7 @@ def load(saved, wrapper, opt, rng_of_rank=None, flag="--resume"):
 
     One all-reduce agrees on whether every rank's reads passed, so a corrupt file found by one
     stops all with the same SaveError naming it. `saved` may be anything with a Saved's path,
-    meta["files"], meta["optimizer"]["kinds"], tensors and read(), as hf.HFWeights."""
+    meta["files"], meta["optimizer"]["kinds"], tensors and read()."""
     pieces, mesh = wrapper.owned_pieces(), getattr(wrapper, "mesh", None)
     rank, names = mesh.global_rank if mesh else 0, sorted(saved.meta["files"])
     code, error = 0, None
