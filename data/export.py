@@ -3,21 +3,14 @@
     python -m data.export RUN_DIR OUT_DIR            # the newest complete save, of any layout
     python -m data.export RUN_DIR OUT_DIR --replace  # OUT_DIR may hold files: replaced whole
 
-OUT_DIR gets (and --init-from reads back, hf.py)
-    config.json             the model's shapes, RoPE settings, rms_norm_eps, the true vocab_size,
-                            tie_word_embeddings, and the end-of-text id as bos and eos
-    model.safetensors       fp32, under transformers' names, which are model.py's own. The
-                            embedding and head keep the true vocabulary's rows, not the padding;
-                            a tied model has its embedding alone, as save_pretrained does.
-    generation_config.json, tokenizer.json, tokenizer_config.json
-                            the run's tiktoken encoding as a byte-level BPE of the same tokens
-
-OUT_DIR must be new or empty, or replaced whole (--replace): no file of an older checkpoint
-stays beside the new one. It is built beside OUT_DIR and swapped in when complete, one export
-at a time (files.staged). Each piece is checked against its CRC-32 as it is read. Exit status 2
-for bad input (a save that is corrupt, incomplete or not its config's model, a tokenizer that
-cannot be loaded, a non-empty OUT_DIR), 3 for a failed write, 128 + the signal's number for
-Ctrl-C, SIGTERM or SIGHUP; nothing is left half-written.
+OUT_DIR gets config.json (the model, with the end-of-text id as bos and eos), model.safetensors
+(fp32, transformers' names, which are model.py's own; the embedding and head keep the true
+vocabulary's rows; a tied model has its embedding alone), generation_config.json, and the run's
+tiktoken encoding as tokenizer.json and tokenizer_config.json. --init-from reads it back (hf.py).
+OUT_DIR must be new or empty, or replaced whole, so no file of an older checkpoint stays beside
+the new one. It is built beside OUT_DIR and swapped in when complete, one export at a time
+(files.staged). Each piece is checked against its CRC-32 as it is read. Exit status 2 for bad
+input, 3 for a failed write, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP.
 """
 import json
 import math

@@ -1,32 +1,19 @@
-"""Starting a run from a Hugging Face Llama folder: `train.py --init-from DIR`.
+"""Starting a run from a Hugging Face Llama folder (`train.py --init-from DIR`), as export.py
+and save_pretrained write one: config.json and model.safetensors, or an index and its files.
 
-DIR holds config.json and model.safetensors, or model.safetensors.index.json and the files it
-names (not both: which one is the checkpoint would be a guess), as save_pretrained and export.py
-write them. Before anything is built, config.json is held against the run's model: every shape
-field must equal its flag, and anything this model cannot be (another model_type, biases, an
-activation other than SiLU, a RoPE scaling other than Llama 3's, a field of the wrong type or
-out of range) is refused with one line naming the field, exit 2. rope_theta, rms_norm_eps,
-Llama 3's rope scaling, vocab_size and tie_word_embeddings, which have no flags, are taken
-from it. Every tensor the model needs must be there, with its shape, and nothing else.
+Before anything is built, config.json is held against the run's model. Every shape field must
+equal its flag; what this model cannot be (another model_type, biases, an activation other than
+SiLU, a RoPE scaling other than Llama 3's, a field of the wrong type or out of range) is one line
+naming the field, exit 2. rope_theta, rms_norm_eps, Llama 3's rope scaling, vocab_size and
+tie_word_embeddings, which have no flags, are taken from it. Every tensor the model needs must
+be there with its shape, and nothing else. The folder is then read as a save of its tensors
+(saves.load, the path of --resume): each rank reads its own pieces, starting at step 0.
 
-Each rank then reads only its own pieces through saves.load, the path of --resume: a piece of
-an unsplit tensor as its byte range, a tp block cut from its full tensor. The run starts at
-step 0 with a fresh optimizer. safetensors is read with plain file reads: an 8-byte header
-length, a JSON header of {name: dtype, shape, [start, end) byte offsets}, then the raw
-little-endian bytes, which the tensors must tile exactly.
-
-What the two sides agree on:
-- names: the model's own, under "model." (lm_head.weight aside).
-- RoPE: both rotate the pairs (i, i + head_dim/2), so q_proj and k_proj load as they are (Meta's
-  interleaved layout goes through transformers' converter first). Llama 3's scaling is read from
-  rope_parameters (transformers 5) or rope_scaling; where both are given they must agree.
-- vocabulary: the run's vocab_size becomes config.json's, which must lie between the run's (the
-  data's, or --vocab-size) and that rounded up to a multiple of 64. The rows past the file's are
-  zero, and their logits take no part in the loss, so the loss is transformers' on one batch.
-- tied embeddings: lm_head is embed_tokens, one tensor (an lm_head.weight in the file is ignored,
-  as transformers does). It trains in one process or under --dp-mode ddp (and --cp); --tp, --pp
-  and --dp-mode fsdp/hsdp are refused, naming the flag.
-- dtypes: F32, F16, BF16 and F64 tensors become fp32 master weights.
+The two sides agree: the model's own names under "model."; RoPE rotating the pairs (i, i +
+head_dim/2), so q_proj and k_proj load as they are; config.json's vocab_size, between the run's
+and that rounded up to a multiple of 64, whose padded rows are zero and take no part in the loss;
+tied embeddings as one tensor, which --tp, --pp and --dp-mode fsdp/hsdp would hold apart (refused,
+naming the flag); F32, F16, BF16 or F64 tensors, which become fp32 master weights.
 """
 import json
 import math

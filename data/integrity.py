@@ -2,18 +2,13 @@
 names, file sizes, checksums, and a save that agrees with itself.
 
 Checksums (format 3): each piece's param and Adam moments carry the zlib.crc32 of their bytes,
-started from the CRC-32 of what the bytes are (piece_seed: the tensor's name, the kind, the
-tp block, start and numel). So each piece checks on its own, and another piece's intact bytes
-are refused too. Format 2's CRCs cover the bytes alone; format 1 saves (before checksums) load
-with the structure and size checks only. The writer takes each CRC as it writes the buffer.
-
-Every piece read is checked: a resume reads each saved byte once on some rank, and a part of a
-piece is read whole and checked once per rank. Export checks the params as it streams them,
+started from the CRC-32 of what the bytes are (piece_seed), so another piece's intact bytes are
+refused too. Format 2's cover the bytes alone; format 1 saves load with the other checks only.
+Every piece read is checked once per rank; export checks the params as it streams them,
 sampling before it builds the model. CRC-32 guards against disk and copy damage, not forgery.
-
-A save agrees with itself: its folder's name (step_NNNNNNN) and its `complete` say the step
-meta.json says; Adam has taken no more steps than training; the loss scale is a finite positive
-fp32 number, 1 without fp16's scaler.
+A save agrees with itself: its folder's name and its `complete` say the step meta.json says;
+Adam has taken no more steps than training; the loss scale is a finite positive fp32 number,
+1 without fp16's scaler.
 """
 import json
 import math

@@ -6,21 +6,13 @@
     folder.save(step, wrapper, opt, scaler)                # every --save-every steps, and the last
     folder.finish()                                        # last async save written; attempt "done"
 
-One writer at a time: rank 0 holds an flock on the folder itself (files.lock_folder) from the
-checks to the end, and OUT/.lock names its pid and host for a second run's one line (exit 2).
-The folder is the run's own: its files are regular files or missing, never a link out of it,
-and it does not lie inside a save folder, which its run would delete when it prunes. A fresh run
-refuses a folder holding another run's saves or attempts (holds_a_run). --resume takes the
-newest complete save whose config matches: model, data, optimization; --steps may grow. A run
-stopped before its first save leaves only its own attempts: the same run starts again at step 0.
-
-Restarts (torchrun --max-restarts N, --resume auto): a killed rank restarts every process from
-the newest complete save. A non-finite loss or a failed save stops the run (exit 3), naming the
-newest save that verifies. RUN/attempts.json keeps one record per attempt: where it resumed,
-the last step it completed, how it ended; written at each event, at most a minute behind.
-When the last two attempts failed at the same step, the next refuses to start (exit 3) rather
-than loop until the restarts run out. An attempts.json that is not such records is refused
-(exit 2): starting over would forget the history and a repeated failure.
+One writer at a time: rank 0 holds an flock on the folder (files.lock_folder) to the end, and
+OUT/.lock names its pid and host. The folder is the run's own: its files are regular files or
+missing, never a link out of it, and it lies in no save folder. A fresh run refuses a folder
+holding another run's saves or attempts; --resume takes the newest complete save whose model,
+data and optimization config match (--steps may grow). RUN/attempts.json keeps one record per
+attempt, at most a minute behind. When the last two attempts failed at the same step, the next
+refuses to start (exit 3) rather than loop until torchrun's restarts run out.
 """
 import hashlib
 import json

@@ -13,21 +13,17 @@
     RUN/metrics.jsonl, RUN/.lock   train.py's metrics; who holds the folder (run.py)
 
 A piece is the run of elements [start, start + numel) of the flattened tp block
-`tp` = [dim, rank, world] of a global tensor, or of the whole tensor when tp is null: a DDP
-param or an FSDP shard segment. Adam's state maps like its param. Every element has one writer
-(DDP, HSDP and tp replicas write once), so a save is 12 bytes per parameter in any layout.
+`tp` = [dim, rank, world] of a global tensor (or of the whole tensor when tp is null): a DDP
+param or an FSDP shard segment, and Adam's state with it. Every element has one writer, so a
+save is 12 bytes per parameter in any layout. The ranks write into RUN/.tmp_step_STEP_ID/; rank 0
+merges their indexes into meta.json, writes `complete` and renames the folder to step_STEP.
+--async-save writes a CPU copy from a thread. A save that fails on any rank (a full disk) stops
+every rank alike with SaveFailed (exit 3), naming the newest save that verifies.
 
-Writing is atomic. The ranks write into RUN/.tmp_step_STEP_ID/; rank 0 merges their indexes into
-meta.json, writes `complete`, and renames the folder to step_STEP. The newest --keep saves stay.
---async-save copies the pieces to CPU memory (the stall), then a thread writes them; no
-collective runs off the main thread. A save that fails on any rank (a full disk) stops every
-rank alike: they agree by an all-reduce of a failure code, and each raises SaveFailed (exit 3)
-naming the newest save that verifies.
-
-Loading takes each piece a rank now holds. Saved with the same tp split, it is read from the
-overlapping byte ranges: a same-layout resume or a dp/fsdp reshard reads each byte once. Else
-it is cut from the full tensor, assembled and dropped. Each piece read is checked against its
-CRC-32, and the ranks agree on whether every read passed.
+Loading takes each piece a rank now holds: from the overlapping byte ranges when the save split
+that tensor over tp the same way (a same-layout resume or a dp/fsdp reshard reads each byte
+once), else cut from the full tensor. Each piece read is checked against its CRC-32, and the
+ranks agree on whether every read passed.
 """
 import contextlib
 import json
