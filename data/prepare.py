@@ -320,7 +320,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     t0, name = time.time(), args.name
     out_dir, code = run_command(lambda: prepare(name, args.out, args.shards),
-                        args.out or default_folder(name), quiet=args.fallback is not None)
+                                args.out or default_folder(name), quiet=args.fallback is not None)
     if isinstance(out_dir, DataError):  # the network, or a download that did not check out
         name = args.fallback
         print(f"note: {args.name} could not be prepared ({out_dir}); "
