@@ -442,7 +442,7 @@ class Saved:
         info = self.tensors[piece.name]
         if info["shape"] != global_shape(piece):
             raise SaveError(f"{self.path}: {piece.name} has shape {info['shape']}, "
-                                  f"this model has {global_shape(piece)}")
+                            f"this model has {global_shape(piece)}")
         split = piece.tp_shard and (piece.tp_shard[0], piece.tp_shard[2])  # (dim, world), or None
         if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
             return cut(self.tensor(piece.name, kind), piece)
@@ -470,8 +470,7 @@ def load(saved, wrapper, opt, rng_of_rank=None, flag="--resume"):
     whose RNG states to restore, or None), holding one full tensor at a time at most.
 
     One all-reduce agrees on whether every rank's reads passed, so a corrupt file found by one
-    stops all with the same SaveError naming it. `saved` may be anything with a Saved's path,
-    meta["files"], meta["optimizer"]["kinds"], tensors and read()."""
+    stops all with the same SaveError naming it."""
     pieces, mesh = wrapper.owned_pieces(), getattr(wrapper, "mesh", None)
     rank, names = mesh.global_rank if mesh else 0, sorted(saved.meta["files"])
     code, error = 0, None

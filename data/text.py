@@ -1,19 +1,16 @@
 """Token shards from your own text: `python -m data.prepare text PATH... --tokenizer NAME`.
 
-Documents are the files corpus.py finds. A text file is one document; a .jsonl file one per
-line, the string field `text_key` of a JSON object. Each document ends with the end-of-text
-token; empty ones are left out. Invalid UTF-8 becomes U+FFFD, as errors="replace" does, and is
-counted. A document goes to val when a hash of (seed, its file's name, its byte offset) falls
-below val_fraction: the same split for any number of workers, with no counting pass.
+Documents are the files corpus.py finds: a text file is one, a .jsonl file one per line (the
+string field `text_key`). Each ends with the end-of-text token; empty ones are left out. Invalid
+UTF-8 becomes U+FFFD, as errors="replace" does, and is counted. A document goes to val when a
+hash of (seed, its file's name, its byte offset) falls below val_fraction.
 
-The files are cut by byte ranges into units of about `unit_bytes`. A .jsonl range holds the
-lines that start in it. A text range starts and ends at a cut (CUT), where every tiktoken
-pre-tokenizer ends a piece anyway, so the tokens equal those of the whole document.
-Worker processes tokenize units, a few each in flight. The main process writes their tokens in
-unit order into shards of `shard_tokens` tokens (uint32 past 65535 ids, else uint16).
-So the shards are byte-identical for any number of workers, and the corpus is never in memory.
-The set is built beside out_dir and swapped in when complete (files.staged). meta.json,
-written last, also records the document counts and where the text came from.
+The files are cut into units of about `unit_bytes`: a .jsonl range holds the lines that start in
+it, a text range starts and ends at a cut (CUT), where every tiktoken pre-tokenizer ends a piece
+anyway. Worker processes tokenize units, a few each in flight; the main process writes their
+tokens in unit order into shards of `shard_tokens` (uint32 past 65535 ids, else uint16). So the
+split and the shards are byte-identical for any number of workers, and the corpus is never in
+memory. The set is built beside out_dir and swapped in when complete (files.staged).
 """
 import hashlib
 import itertools
