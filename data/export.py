@@ -29,10 +29,8 @@ USAGE = "usage: python -m data.export RUN_DIR OUT_DIR [--replace]"
 
 
 def write_safetensors(path, tensors, dtype=None):
-    """An 8-byte header length, a JSON header, then the raw little-endian bytes of `tensors`.
-
-    A value may be a tensor or a function returning one, with .shape and .dtype (LazyTensor,
-    FirstRows): each is fetched, converted to `dtype` and written in turn."""
+    """An 8-byte header length, a JSON header, then the raw bytes of `tensors`: tensors or
+    callables with .shape and .dtype (LazyTensor, FirstRows), fetched and written in turn."""
     header, offset = {}, 0
     for name, t in tensors.items():
         out_dtype = dtype or t.dtype
@@ -166,11 +164,8 @@ def check_target(out, replace, keep=()):
 
 
 def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the state dict"):
-    """Writes a folder LlamaForCausalLM.from_pretrained loads into OUT_DIR, as one step.
-
-    With `enc`, the run's tiktoken Encoding, the tokenizer comes too. state_dict values may be
-    lazy (read_model's): one full tensor is then in memory at a time. source names state_dict
-    in an error."""
+    """Writes a folder LlamaForCausalLM.from_pretrained loads into OUT_DIR, as one step; with
+    `enc` (the run's tiktoken Encoding) the tokenizer too. Lazy tensors are read one at a time."""
     out, tensors = Path(out_dir), {}
     for name, t in check_tensors(cfg, state_dict, source).items():
         rows = name in ("embed_tokens.weight", "lm_head.weight")  # the true vocabulary, no padding

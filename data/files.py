@@ -223,12 +223,10 @@ def interruptible():
 
 
 def run_command(work, out, quiet=False):
-    """(work()'s result, 0), or (None, an exit status) after one line on stderr.
-
-    2 for bad input (DataError, SaveError, ValueError, a name too long), 3 for a failure that
-    is not (TrainingFailure, a failed write: a full disk), 128 + the signal's number for Ctrl-C,
-    SIGTERM or SIGHUP; out is then as it was. With quiet, a DataError is returned in the
-    result's place, not printed: a fallback follows."""
+    """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input
+    (DataError, SaveError, ValueError, a name too long), 3 for TrainingFailure or a failed write,
+    128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. With quiet, a DataError is
+    returned in the result's place, not printed: a fallback follows."""
     try:
         with interruptible():
             return work(), 0

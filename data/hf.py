@@ -288,8 +288,7 @@ def hf_weights(folder, cfg):
 def init_from(folder, cfg, args):
     """--init-from: (cfg updated from config.json, the weights to load); (cfg, None) without.
 
-    args are the run's flags (--tp, --pp, --dp-mode: whether a tied checkpoint can run).
-    Everything is checked here, on every rank alike, before anything is built or written."""
+    args are the run's flags. Everything is checked here, before anything is built or written."""
     if folder is None:
         return cfg, None
     folder = Path(folder)

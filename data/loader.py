@@ -9,11 +9,9 @@ np.random.default_rng([seed, s]) over all windows inside one shard. DP rank r ta
 [r*B/dp, (r+1)*B/dp): every layout sees the one-process batch, and a resume needs no replay.
 A background thread prepares step s+1 while step s trains.
 
-meta.json (prepare.py writes it last) holds `tokenizer` and `vocab_size`, and may record each
-shard's size, fingerprint and largest id. The shards must be those it records (check_shards).
-Each shard's largest id is taken as it opens, and must lie below vocab_size. A fingerprint is
-the CRC-32 of 16 blocks of 4 KiB spread over the file: it catches a shard swapped or rewritten,
-not one token edited. data_identity, what a resume compares, is the hash of meta.json.
+meta.json (written last) holds `tokenizer` and `vocab_size`, and may record each shard's size,
+fingerprint (a CRC-32 of 16 blocks of 4 KiB spread over it) and largest id: the shards must be
+those it records. Each shard's largest id is taken as it opens, and must lie below vocab_size.
 """
 import hashlib
 import json

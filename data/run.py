@@ -57,10 +57,8 @@ class NonFiniteLoss(TrainingFailure):
 
 
 class Attempts:
-    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status", "run"}].
-
-    status is running, done, or "failed: ...". run is run_identity(config): by it a run knows
-    its own folder again."""
+    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status", "run"}]; status is
+    running, done or "failed: ...", run the run_identity by which a run knows its folder."""
 
     def __init__(self, run_dir, rank, resuming, run=None):
         self.path, self.rank, self.run = Path(run_dir) / "attempts.json", rank, run

@@ -537,10 +537,8 @@ class LazyTensor:
 
 
 def check_layers(cfg, tensors, where):
-    """SaveError unless cfg's n_layer is the number of layers the save holds tensors of.
-
-    It runs before a model of cfg is built: one of 10^6 layers, even on the meta device, takes
-    hours."""
+    """SaveError unless cfg's n_layer is the number of layers the save holds tensors of: checked
+    before a model of cfg is built, which for 10^6 layers takes hours even on the meta device."""
     held = {name.split(".")[1] for name in tensors
             if name.startswith("layers.") and name.count(".") >= 2}
     if cfg.n_layer != len(held):
@@ -556,9 +554,8 @@ def model_shapes(cfg):
 
 
 def check_tensors(cfg, tensors, where):
-    """The tensors in the model's order; SaveError naming `where` unless they are cfg's model's.
-
-    So every layout a save was made in exports the same bytes."""
+    """The tensors in the model's order (so every layout exports the same bytes); SaveError
+    naming `where` unless they are cfg's model's."""
     shapes = model_shapes(cfg)
     for name, shape in shapes.items():
         if name not in tensors or tensors[name].shape != shape:
