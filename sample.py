@@ -17,17 +17,13 @@ tokenizer file.
 import argparse
 import math
 import sys
-import warnings
-from pathlib import Path
 
 import torch
 
 import model
 from config import OneLineParser, UsageError, nonnegative_int
 from data import SaveError
-from data.loader import DataError
-from data.saves import check_layers, complete_saves, model_tensors
-from data.tokenizer import get_tokenizer
+from data.saves import read_model
 
 
 @torch.no_grad()
@@ -146,45 +142,13 @@ def parse_args(argv=None):
 
 
 def read_save(run):
-    """(model config, tokenizer, {name: LazyTensor}, save folder) of `run`'s newest complete save.
-
-    `run` may be that save itself. SaveError names its meta.json unless it is a train.py save
-    this code can sample from."""
-    config, tensors = model_tensors(run)  # a save from any layout; SaveError if there is none
-    run = Path(run)
-    save = run if (run / "complete").exists() else complete_saves(run)[-1]
-    try:
-        # complete and consistent, or ValueError naming the field
-        cfg = model.config_from_dict(config["model"])
-    except ValueError as e:
-        raise SaveError(f"{save / 'meta.json'}: {e}") from None
-    try:
-        return cfg, get_tokenizer(config["tokenizer"], config.get("tokenizer_file")), tensors, save
-    except (KeyError, TypeError, ValueError) as e:
-        what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-        raise SaveError(f"{save / 'meta.json'}: not a train.py save ({what})".replace("\n", " ")
-                        ) from None
+    """(model config, tokenizer, {name: LazyTensor}, save folder) of `run`'s newest save, or of
+    `run`, a save: SaveError names its meta.json unless it is a whole model of its config."""
+    return read_model(run)
 
 
 def build(cfg, tensors, save, device):
-    """The model of `cfg` on `device`, with the saved weights read one full tensor at a time.
-
-    The save must hold exactly that model's tensors; a tied one's head is its embedding,
-    one tensor. Its layer count is checked first."""
-    check_layers(cfg, tensors, save / "meta.json")
-    with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
-        warnings.simplefilter("ignore")
-        shapes = {name: p.shape for name, p in model.GPT(cfg).named_parameters()}
-    for name, shape in shapes.items():
-        if name not in tensors or tensors[name].shape != shape:
-            found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
-            raise SaveError(f"{save / 'meta.json'}: "
-                            f"its config's model needs {name} of shape {list(shape)}, "
-                            f"the save has {found}")
-    extra = sorted(set(tensors) - set(shapes))
-    if extra:
-        raise SaveError(f"{save / 'meta.json'}: the save has {extra[0]}, "
-                        "which its config's model has no place for")
+    """The model of `cfg` on `device`, the saved weights read one full tensor at a time."""
     with torch.device(device):
         gpt = model.GPT(cfg)
     with torch.no_grad():
@@ -210,7 +174,7 @@ def main(argv=None):
         cfg, enc, tensors, save = read_save(args.run)
         ids = encode_prompt(enc, args.prompt, cfg.vocab_size)
         gpt = build(cfg, tensors, save, args.device)
-    except (UsageError, SaveError, DataError) as e:
+    except (UsageError, SaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     decodable = decodable_ids(enc, cfg.vocab_size)

@@ -1,14 +1,10 @@
 """Which files `prepare.py text PATH...` reads, and what it skips.
 
-A PATH that is a file is read. It must be a regular file or a link to one:
-a FIFO or a device would block or never end. A PATH that is a folder is walked in sorted order.
-Its regular files are kept when their name, or path relative to PATH, matches a glob
-(default *.txt and *.jsonl). Each file is read once, however often it is reached:
-named twice, inside a folder also named, or through a symbolic link.
-Files are told apart by their resolved path; the first place to reach one names it.
-The output folder and the hidden folders a preparation builds beside it (staging.py)
-are never read, even inside a PATH. Everything skipped is counted by kind for one line at the end:
-its extension, "without an extension", "FIFO", "in the output folder", "already read".
+A PATH that is a file is read: a regular file or a link to one, never a FIFO or a device.
+A folder is walked in sorted order, keeping its regular files whose name or relative path
+matches a glob (default *.txt and *.jsonl). Each file is read once however often it is reached
+(told apart by resolved path), and never the output folder or a folder built beside it.
+What is skipped is counted by kind for one line at the end.
 """
 import os
 import stat
@@ -16,26 +12,21 @@ from collections import Counter
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from data.loader import DataError
-from data.staging import is_preparation_folder
+from data import DataError
+from data.files import is_preparation_folder, kind_of
 
 DEFAULT_GLOBS = ("*.txt", "*.jsonl")
-OTHER_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-               (stat.S_ISCHR, "device"), (stat.S_ISBLK, "device"))
 
 
 def irregular(path):
-    """None for a regular file or a link to one, else its kind ("FIFO", "socket", "device", ...).
+    """None for a regular file or a link to one, else its kind ("a FIFO", "a device", ...).
 
-    DataError names a path that cannot be read: a dangling link, or no permission.
-    It never opens the file."""
+    DataError names a path that cannot be stat'ed: a dangling link, or no permission."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
-    if stat.S_ISREG(mode):
-        return None
-    return next((kind for test, kind in OTHER_KINDS if test(mode)), "special file")
+    return None if stat.S_ISREG(mode) else kind_of(mode)
 
 
 def count_files(folder):
@@ -45,9 +36,8 @@ def count_files(folder):
 def find_files(paths, globs=DEFAULT_GLOBS, out=None):
     """([(path, name, is_jsonl, size)] in a fixed order, Counter of the files skipped by kind).
 
-    name is the path relative to its PATH argument; it seeds the split. `out` is the output folder,
-    never read. DataError for a missing path, a named file that is not regular or cannot be read,
-    or no file at all."""
+    name, the path relative to its PATH, seeds the split. `out`, the output folder, is never read.
+    DataError for a missing or irregular PATH, an unreadable file, or no file at all."""
     found, skipped, seen = [], Counter(), set()
 
     def keep(path, name):
@@ -77,12 +67,12 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
                     if not any(fnmatchcase(name, g) or fnmatchcase(rel, g) for g in globs):
                         skipped[path.suffix or "without an extension"] += 1
                     elif kind := irregular(path):
-                        skipped[kind] += 1
+                        skipped[kind.removeprefix("a ")] += 1
                     else:
                         keep(path, rel)
         elif root.exists() or root.is_symlink():
             if kind := irregular(root):
-                raise DataError(f"{arg}: not a regular file (a {kind}); name a file or a folder")
+                raise DataError(f"{arg}: not a regular file ({kind}); name a file or a folder")
             keep(root, root.name)
         else:
             raise DataError(f"{arg}: no such file or folder")
@@ -102,9 +92,7 @@ def find_files(paths, globs=DEFAULT_GLOBS, out=None):
 
 
 def describe_skipped(skipped, kinds_named=6):
-    """"skipped 5 files: 3 without an extension, 1 .csv, 1 .md".
-
-    The most common kinds come first; the rest are summed."""
+    """"skipped 5 files: 3 without an extension, 1 .csv, 1 .md": the most common kinds first."""
     kinds = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))
     parts = [f"{n:,} {kind}" for kind, n in kinds[:kinds_named]]
     if len(kinds) > kinds_named:

@@ -1,73 +1,36 @@
 """Export a save to a Hugging Face Llama folder, as LlamaForCausalLM and AutoTokenizer load it.
 
---init-from reads the same folder back.
-
     python -m data.export RUN_DIR OUT_DIR            # the newest complete save, of any layout
     python -m data.export RUN_DIR OUT_DIR --replace  # OUT_DIR may hold files: replaced whole
 
-OUT_DIR gets
-    config.json             the model: its shapes, rope_theta and Llama 3's rope scaling,
-                            rms_norm_eps, the true vocab_size, tie_word_embeddings, and the
-                            end-of-text id as bos_token_id and eos_token_id
-    model.safetensors       fp32, transformers' names. The embedding and the head keep the true
-                            vocabulary's rows, not the padding to a multiple of 64. A tied model
-                            has its embedding alone, as save_pretrained does.
-    generation_config.json  the end-of-text id, where generation stops
-    tokenizer.json, tokenizer_config.json
-                            the run's tokenizer, which its data was made with: the tiktoken
-                            encoding as a byte-level BPE that splits text into the same tokens
-
-The parameter names are the Hugging Face ones already (model.py): export is a rename and a format.
-Every file goes into a temporary folder beside OUT_DIR, which becomes OUT_DIR only when complete.
-A failed or interrupted export leaves nothing behind (Ctrl-C, SIGTERM, SIGHUP: exit 128 + the
-signal's number). No file of an older checkpoint is left beside the new one, such as a stale
-model.safetensors.index.json and its shards: OUT_DIR must be new or empty, or --replace replaces
-it whole. One export into OUT_DIR runs at a time. It is locked from the second check to the rename
-(data.files, as training locks a run folder). A second export started meanwhile stops with one
-line, exit 2, changing nothing; of two started together, exactly one wins whole.
-
-Each tensor's pieces are checked against their CRC-32 as they are read (load.py). Exit status 2,
-with one line naming it, for: a corrupt save; a model config that is incomplete or inconsistent
-(model.config_from_dict); tensors that are not that model's (the layer count is checked before any
-model is built); a tokenizer that cannot be loaded; a file that is not regular (a FIFO); or a
-non-empty OUT_DIR without --replace.
+OUT_DIR gets config.json (the model, with the end-of-text id as bos and eos), model.safetensors
+(fp32, transformers' names, which are model.py's own; the embedding and head keep the true
+vocabulary's rows; a tied model has its embedding alone), generation_config.json, and the run's
+tiktoken encoding as tokenizer.json and tokenizer_config.json. --init-from reads it back (hf.py).
+OUT_DIR must be new or empty, or replaced whole, so no file of an older checkpoint stays beside
+the new one. It is built beside OUT_DIR and swapped in when complete, one export at a time
+(files.staged). Each piece is checked against its CRC-32 as it is read. Exit status 2 for bad
+input, 3 for a failed write, 128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP.
 """
 import json
 import math
-import os
-import shutil
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from data import SaveError
-from data.files import (
-    Interrupted,
-    atomic_write,
-    fsync_dir,
-    interruptible,
-    lock_folder,
-    make_folders,
-    remove_created,
-    unlock_folder,
-)
-from data.loader import DataError
-from data.saves import check_layers, complete_saves, model_tensors
-from data.tokenizer import EOT, get_tokenizer
-from model import GPT, config_from_dict
+from data.files import atomic_write, run_command, staged
+from data.saves import check_tensors, read_model
+from data.tokenizer import EOT
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 USAGE = "usage: python -m data.export RUN_DIR OUT_DIR [--replace]"
 
 
 def write_safetensors(path, tensors, dtype=None):
-    """The safetensors format: 8-byte header length, a JSON header, then raw little-endian bytes.
-
-    tensors maps a name to a tensor, or to a function returning it that has .shape and .dtype
-    (load.LazyTensor, FirstRows). The header needs only shapes. So the tensors are then fetched,
-    converted to `dtype` and written one at a time."""
+    """An 8-byte header length, a JSON header, then the raw bytes of `tensors`: tensors or
+    callables with .shape and .dtype (LazyTensor, FirstRows), fetched and written in turn."""
     header, offset = {}, 0
     for name, t in tensors.items():
         out_dtype = dtype or t.dtype
@@ -100,8 +63,7 @@ class FirstRows:
 def hf_config(cfg, eot=None):
     """config.json of a model of `cfg`; eot is the end-of-text id (bos and eos), if known.
 
-    The RoPE settings are written twice: as rope_parameters (transformers 5),
-    and as rope_theta and rope_scaling (earlier versions)."""
+    RoPE is written as rope_parameters (transformers 5) and as rope_theta and rope_scaling."""
     scaling = dict(cfg.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -124,21 +86,16 @@ def hf_config(cfg, eot=None):
 # ---------------------------------------------------------------- the tokenizer, as an HF fast one
 
 def byte_alphabet():
-    """The printable character that spells each byte in a byte-level BPE vocabulary.
-
-    This is GPT-2's convention, which the Hugging Face tokenizers library follows.
-    The printable Latin-1 bytes stand for themselves; the others for chr(256), chr(257), ...
-    in byte order."""
+    """The character that spells each byte in a byte-level BPE vocabulary (GPT-2's convention):
+    printable Latin-1 bytes themselves, the others chr(256), chr(257), ... in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def bpe_parts(ranks, token):
-    """The parts byte-pair merging leaves of `token` when it may only build tokens ranked below it.
-
-    As in tiktoken, each merge joins the adjacent pair whose union ranks lowest.
-    A token that is a merge of two others leaves two parts."""
+    """The parts tiktoken's merging (the adjacent pair whose union ranks lowest first) leaves of
+    `token` when it may only build tokens ranked below it: two for a merge of two others."""
     parts, limit = [token[i:i + 1] for i in range(len(token))], ranks[token]
     while len(parts) > 1:
         rank, i = min((ranks.get(a + b, limit), i)
@@ -152,11 +109,9 @@ def bpe_parts(ranks, token):
 def tokenizer_files(enc, seq_len):
     """{file name: JSON} of a tiktoken Encoding as a Hugging Face fast tokenizer.
 
-    It is a byte-level BPE whose ids are the ranks, split first by the same regex. Its merges are
-    the tokens' last merges, in rank order. With ignore_merges, a piece that is a whole token is
-    that token, as in tiktoken. The special tokens (end of text) are added tokens.
-    tiktoken has no public accessor for an encoding's ranks, pattern and special tokens,
-    so its attributes are read."""
+    A byte-level BPE whose ids are the ranks, split first by the same regex, its merges the
+    tokens' last merges in rank order; ignore_merges keeps a whole-token piece whole, as tiktoken.
+    tiktoken has no public accessor for the ranks, pattern and special tokens: its attributes."""
     ranks, alphabet = enc._mergeable_ranks, byte_alphabet()
     spell = lambda token: "".join(alphabet[b] for b in token)
     merges = []
@@ -194,10 +149,8 @@ def tokenizer_files(enc, seq_len):
 # ---------------------------------------------------------------- the folder
 
 def check_target(out, replace, keep=()):
-    """SaveError unless OUT_DIR is new, an empty folder, or (replace) a folder to replace whole.
-
-    A folder to replace must not hold any of the paths `keep`:
-    the run being exported, the current folder."""
+    """SaveError unless OUT_DIR is new, an empty folder, or (replace) a folder to replace whole,
+    which must not hold any of the paths `keep` (the run being exported, the current folder)."""
     if out.exists() and not out.is_dir():
         raise SaveError(f"{out} is a file, not a folder to export into")
     for path in keep:
@@ -210,112 +163,29 @@ def check_target(out, replace, keep=()):
                         "export into a new or empty folder, or pass --replace to replace it whole")
 
 
-def check_tensors(cfg, state_dict, source="the state dict"):
-    """The tensors, in the model's own order; SaveError naming `source` if they are not cfg's.
-
-    They must be exactly the tensors of the model of cfg, with its shapes. The order is the model's,
-    whatever order a save's layout listed them in, so every layout exports the same bytes."""
-    with torch.device("meta"):
-        # tied: no lm_head.weight
-        shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}
-    for name, shape in shapes.items():
-        if name not in state_dict or state_dict[name].shape != shape:
-            found = (f"shape {list(state_dict[name].shape)}" if name in state_dict
-                     else "no such tensor")
-            raise SaveError(f"{source}: its config's model needs {name} of shape {list(shape)}, "
-                            f"it has {found}")
-    extra = sorted(set(state_dict) - set(shapes))
-    if extra:
-        raise SaveError(f"{source} has {extra[0]}, which its config's model has no place for")
-    return {name: state_dict[name] for name in shapes}
-
-
 def export_hf(cfg, state_dict, out_dir, enc=None, replace=False, source="the state dict"):
-    """Writes a folder LlamaForCausalLM.from_pretrained loads into OUT_DIR, as one step.
-
-    It holds config.json and model.safetensors (fp32). With `enc`, the run's tiktoken Encoding,
-    it holds the tokenizer and generation config too. state_dict values may be lazy
-    (load.model_tensors): then one full tensor is in memory at a time. source is where
-    state_dict came from, named in an error. The module's docstring says the rest."""
-    out = Path(out_dir)
-    check_target(out, replace)
-    tensors = {}
+    """Writes a folder LlamaForCausalLM.from_pretrained loads into OUT_DIR, as one step; with
+    `enc` (the run's tiktoken Encoding) the tokenizer too. Lazy tensors are read one at a time."""
+    out, tensors = Path(out_dir), {}
     for name, t in check_tensors(cfg, state_dict, source).items():
         rows = name in ("embed_tokens.weight", "lm_head.weight")  # the true vocabulary, no padding
         tensors[name if name == "lm_head.weight" else "model." + name] = (
             FirstRows(t, cfg.vocab_size) if rows else t)
-    try:
-        created = make_folders(out)  # out too: the lock is on the folder itself
-    except OSError as e:
-        raise SaveError(f"cannot create {e.filename or out}: {e.strerror or e}") from None
-    lock = None
-    try:
-        lock = lock_folder(out)
-        if lock is None:
-            raise SaveError(f"{out} is being written by another process (an export into it): "
-                            "wait for it to end, or export into another folder "
-                            "(nothing was changed)")
-        check_target(out, replace)  # again, now that no other export can change it
-        write_folder(cfg, tensors, out, enc, replace)
-    except BaseException:
-        remove_created(created)  # only folders this export made, and only while empty
-        raise
-    finally:
-        unlock_folder(lock)
-
-
-def write_folder(cfg, tensors, out, enc, replace):
-    """Writes the files into a hidden folder beside out, which takes its place when complete.
-
-    An empty out is replaced by one rename. One to be replaced whole is moved aside first,
-    and removed once the new one is in."""
-    stage, old = (out.parent / f".{out.name}.export-{os.getpid()}",
-                  out.parent / f".{out.name}.replaced-{os.getpid()}")
-    try:
-        stage.mkdir()
+    with staged(out, lambda: check_target(out, replace), "an export into it",
+                "export into another folder") as stage:
         write_safetensors(stage / "model.safetensors", tensors, dtype=torch.float32)
         files = {"config.json": hf_config(cfg, None if enc is None else enc.eot_token)}
         files.update(tokenizer_files(enc, cfg.seq_len) if enc is not None else {})
         for name, content in files.items():
             with atomic_write(stage / name, "w") as f:
                 f.write(json.dumps(content, indent=2))
-        fsync_dir(stage)
-        if any(out.iterdir()):  # replaced whole: moved aside, removed once the new folder is in
-            os.rename(out, old)
-        os.rename(stage, out)  # onto an empty folder: one step
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def newest_save(run_dir):
-    """The save model_tensors reads: run_dir itself if it is one, else its newest complete save."""
-    run_dir = Path(run_dir)
-    return run_dir if (run_dir / "complete").exists() else complete_saves(run_dir)[-1]
 
 
 def export(run_dir, out, replace):
-    """python -m data.export RUN_DIR OUT_DIR [--replace], its checks first.
-
-    SaveError names what is wrong."""
+    """python -m data.export RUN_DIR OUT_DIR [--replace]; SaveError names what is wrong."""
     check_target(Path(out), replace, keep=(run_dir, Path.cwd()))  # before anything is read
-    # any layout, read (and checked) tensor by tensor
-    run_config, state = model_tensors(run_dir, verify=False)
-    where = newest_save(run_dir) / "meta.json"
-    try:
-        cfg = config_from_dict(run_config["model"])
-        enc = get_tokenizer(run_config["tokenizer"], run_config.get("tokenizer_file"))
-    except (KeyError, ValueError) as e:
-        what = f"has no key {e}" if isinstance(e, KeyError) else str(e)
-        raise SaveError(f"{where}: {what}".replace("\n", " ")) from None
-    except DataError as e:
-        raise SaveError(f"{where}: the run's tokenizer: {e}") from None
-    check_layers(cfg, state, where)  # before a model of cfg is built, even on the meta device
-    export_hf(cfg, state, out, enc, replace, source=where)
+    cfg, enc, tensors, save = read_model(run_dir, verify=False)  # checked as it is read
+    export_hf(cfg, tensors, out, enc, replace, source=save / "meta.json")
 
 
 def main(argv=None):
@@ -330,21 +200,11 @@ def main(argv=None):
         print(f"error: {'RUN_DIR' if run_dir == '' else 'OUT_DIR'} is an empty path; {USAGE}",
               file=sys.stderr)
         return 2
-    try:
-        with interruptible():  # SIGTERM, SIGHUP: raised here, so the staging folder is removed
-            export(run_dir, out, replace)
-    except SaveError as e:  # bad input: the run folder, the output folder
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full or unwritable disk, as training's exit 3; nothing is half-written
-        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
-        return 3
-    except (KeyboardInterrupt, Interrupted) as e:
-        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
-        print(f"error: interrupted by {sig.name}: nothing was written to {out}", file=sys.stderr)
-        return 128 + sig
-    print(f"wrote {out}: config.json, model.safetensors, the tokenizer and generation_config.json")
-    return 0
+    _, code = run_command(lambda: export(run_dir, out, replace), out)
+    if not code:
+        print(f"wrote {out}: config.json, model.safetensors, the tokenizer and "
+              "generation_config.json")
+    return code
 
 
 if __name__ == "__main__":

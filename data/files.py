@@ -1,26 +1,30 @@
 """Files and folders that are never half-written, read through a link, or blocked on.
 
-The token shards, the saves and the run folder all write through these.
+The token shards, the saves, the run folder and the exports all write through these.
 
     atomic_write, write_json   readers see the old file or the whole new one, never a part
-    read_bytes, read_text      a regular file's bytes; a FIFO or a device is refused, not waited on
+    read_bytes, read_json      a regular file's bytes; a FIFO or a device is refused, not waited on
     open_append                a folder's log, never appended through a link out of the folder
     check_own_file             a file a folder's owner writes: a regular file there, or missing
     lock_folder                one writer per folder: an flock on the folder, gone with its process
     make_folders, remove_created   a folder and its parents; on a failure, only those made here
-    interruptible              SIGTERM and SIGHUP raise Interrupted; a half-written folder goes
+    staged                     a folder built beside its place, swapped in whole when complete
+    run_command                a command's one line and exit status; Ctrl-C leaves nothing half-done
 """
 import errno
 import fcntl
 import json
 import os
+import re
+import shutil
 import signal
 import stat
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from data import SaveError
+from data import DataError, SaveError, TrainingFailure
 
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
@@ -35,10 +39,8 @@ def kind_of(mode):
 
 
 def _open_regular(path, flags):
-    """An fd of the regular file at path, created if flags say so.
-
-    What is there is checked before the open and after it. With O_NONBLOCK,
-    a FIFO put there meanwhile is refused too, never waited on."""
+    """An fd of the regular file at path, checked before the open and after it (O_NONBLOCK:
+    a FIFO put there meanwhile is refused too, never waited on)."""
     try:
         _check_regular(os.stat(path).st_mode, path)
     except FileNotFoundError:
@@ -73,11 +75,19 @@ def open_regular(path):
     return os.fdopen(_open_regular(path, os.O_RDONLY), "rb")
 
 
-def check_own_file(path, folder):
-    """What is wrong with a file the owner of `folder` writes, for one line; None if nothing.
+def read_json(path, error, prefix=""):
+    """The JSON in the regular file at path; else error("{prefix}cannot read {path}: why")."""
+    try:
+        return json.loads(read_text(path))
+    except OSError as e:  # missing, a FIFO, unreadable
+        raise error(f"{prefix}cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise error(f"{prefix}cannot read {path}: {type(e).__name__}: {e}") from None
 
-    None means path is missing, or a regular file whose real path lies in folder. Otherwise it says
-    what is there: "a link to /x, outside FOLDER", or "a FIFO, not a regular file"."""
+
+def check_own_file(path, folder):
+    """None if path is missing or a regular file whose real path lies in folder; else what is
+    there, for one line: "a link to /x, outside FOLDER", "a FIFO, not a regular file"."""
     path = Path(path)
     try:
         st = os.lstat(path)
@@ -97,10 +107,8 @@ def check_own_file(path, folder):
 
 
 def open_append(path, folder=None):
-    """path opened to append text, created if missing; it must be a regular file.
-
-    Within `folder` (a run folder) it is never opened through a link that leads out of it.
-    Otherwise OSError (NotAFile, strerror saying why); the caller names the flag."""
+    """path opened to append text, created if missing: a regular file, and within `folder` never
+    through a link out of it. Else OSError (NotAFile, strerror saying why)."""
     path = Path(path)
     if folder is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder)):
         problem = check_own_file(path, folder)
@@ -117,10 +125,9 @@ def _exclusive(path, flags):
 
 @contextmanager
 def atomic_write(path, mode="wb"):
-    """Yields a file for a temporary sibling of `path`, renamed over `path` once the block succeeds.
+    """Yields a file for a temporary sibling of `path`, renamed over it once its bytes are on disk.
 
-    The rename comes after the bytes are on disk. On any error the temporary file is removed
-    and `path` is untouched. The rename replaces a link at path, never writes through it."""
+    On any error `path` is untouched. A link at path is replaced, never written through."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: writers never collide
     tmp.unlink(missing_ok=True)  # this process's own leftover (a pid reused after a kill)
@@ -149,12 +156,9 @@ def fsync_dir(path):
 
 
 def lock_folder(path):
-    """An fd of the folder at path holding an exclusive flock; None if another process holds it.
-
-    The folder and its parents are created if missing. The lock is on the folder itself,
-    not on a file in it that could be deleted. The kernel drops it when the process dies,
-    so nothing stale is left. A folder renamed away between the open and the lock is let go
-    (a writer swapped in a new one); the one now at path is locked instead."""
+    """An fd of the folder at path (made if missing) holding an exclusive flock; None if another
+    process holds it. The kernel drops it when the process dies; nothing in the folder is
+    involved. A folder swapped away between the open and the lock is let go for the new one."""
     path = Path(path)
     for _ in range(100):
         path.mkdir(parents=True, exist_ok=True)
@@ -174,7 +178,7 @@ def lock_folder(path):
 def make_folders(folder):
     """Creates folder and its missing parents; returns those made here, the outermost first.
 
-    If one cannot be made, those it made are removed and the OSError is raised."""
+    On an OSError those it made are removed first."""
     folder, created = Path(folder), []
     for p in [p for p in (folder, *folder.parents) if not p.exists()][::-1]:
         try:
@@ -203,9 +207,7 @@ def unlock_folder(fd):
 
 
 class Interrupted(Exception):
-    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt.
-
-    A command writing a folder then removes its unfinished work on the way out."""
+    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt."""
 
 
 @contextmanager
@@ -240,3 +242,158 @@ def check_writable(path, flag, folder):
             pass
     except OSError as e:
         raise SaveError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
+
+
+def run_command(work, out, quiet=False):
+    """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input
+    (DataError, SaveError, ValueError, a name too long), 3 for TrainingFailure or a failed write,
+    128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. With quiet, a DataError is
+    returned in the result's place, not printed: a fallback follows."""
+    try:
+        with interruptible():
+            return work(), 0
+    except (DataError, SaveError, ValueError) as e:
+        code, message = 2, e
+        if quiet and isinstance(e, DataError):
+            return e, code
+    except TrainingFailure as e:
+        code, message = 3, e
+    except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
+        code = 2 if e.errno == errno.ENAMETOOLONG else 3
+        message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
+    except (KeyboardInterrupt, Interrupted) as e:
+        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+        code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
+    print(f"error: {message}", file=sys.stderr)
+    return None, code
+
+
+# ---------------------------------------------------------------- a folder built beside its place
+
+HIDDEN_EXTRA = len("..4194304.tmp")  # what hidden folders add to out's name (pid: 7 digits at most)
+TEMPORARY = re.compile(r"\.(.+?)(?:\.\d+)?\.tmp")  # .NAME.tmp, .NAME.PID.tmp: a file being written
+
+
+def owned_by(prefix, extra=()):
+    """owns(name): whether a file belongs to the data set of PREFIX: its shards
+    PREFIX_{train,val}_NNNNNN.bin, meta.json, the `extra` names, or their temporary files."""
+    shard = re.compile(rf"{re.escape(prefix)}_(train|val)_\d{{6}}\.bin")
+
+    def owns(name):
+        temporary = TEMPORARY.fullmatch(name)
+        name = temporary.group(1) if temporary else name
+        return name == "meta.json" or name in extra or bool(shard.fullmatch(name))
+    return owns
+
+
+def check_replaceable(out, kind, owns):
+    """DataError unless out is missing, empty, or holds only files of a previous `kind` data set."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"{out} is a file, not a folder")
+    foreign = sorted(p.name for p in out.iterdir() if p.is_dir() or not owns(p.name))
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise DataError(f"{out} holds {foreign[0]}{more}, which is not part of a {kind} data set: "
+                        "choose another --out, or empty that one (nothing was changed)")
+
+
+def is_preparation_folder(folder, out):
+    """Whether folder is out, or a hidden folder staged() builds beside it (paths resolved)."""
+    folder, out = Path(os.path.realpath(folder)), Path(os.path.realpath(out))
+    return folder == out or (folder.parent == out.parent and
+                             re.fullmatch(rf"\.{re.escape(out.name)}\.\d+\.(tmp|old)",
+                                          folder.name) is not None)
+
+
+def running(pid):
+    """Whether a process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def remove_stale(place):
+    """Removes the `.NAME.PID.tmp` folders beside place of processes killed outright."""
+    for folder in place.parent.glob(f".{place.name}.*.tmp") if place.parent.is_dir() else ():
+        pid = re.fullmatch(rf"\.{re.escape(place.name)}\.(\d+)\.tmp", folder.name)
+        if pid and int(pid.group(1)) not in (0, os.getpid()) and not running(int(pid.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def swap(tmp, place):
+    """Puts the complete folder tmp at place; a folder there goes aside, then is removed."""
+    try:
+        os.rename(tmp, place)  # place missing, or an empty folder: one atomic step
+    except OSError:
+        if not place.is_dir():
+            raise
+        old = place.parent / f".{place.name}.{os.getpid()}.old"
+        os.rename(place, old)
+        try:
+            os.rename(tmp, place)
+        except BaseException:
+            os.rename(old, place)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(place.parent)
+
+
+@contextmanager
+def staged(out, check, who="a preparation of it", instead="choose another --out"):
+    """Yields an empty folder `.NAME.PID.tmp` beside out, which takes out's place when the block
+    succeeds and is removed when it fails: out is then as it was.
+
+    check() refuses an out not to be replaced: before out is locked, under the lock, and before
+    the swap. A second writer meanwhile gets DataError naming `who` holds out, and what to do
+    `instead`. A folder left by a process killed outright goes once no process of its PID runs
+    on this machine (so two machines must not write one out at once). A link to a folder is
+    built beside the folder it leads to."""
+    check()
+    place = Path(os.path.realpath(out))
+    try:
+        created = make_folders(place)  # out too: the lock is taken on the folder itself
+    except OSError as e:
+        raise DataError(f"cannot create {e.filename or place}: {e.strerror or e}") from None
+    try:
+        lock = lock_folder(place)
+    except OSError as e:
+        remove_created(created)
+        raise DataError(f"cannot lock {place}: {e.strerror or e}") from None
+    if lock is None:
+        remove_created(created)
+        raise DataError(f"{out} is being written by another process ({who}): "
+                        f"wait for it to end, or {instead} (nothing was changed)")
+    tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
+    try:
+        check()  # again, now that no other writer can change it
+        remove_stale(place)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by an earlier call
+        tmp.mkdir()
+        yield tmp
+        fsync_dir(tmp)
+        check()  # again: something may have been put there meanwhile
+        swap(tmp, place)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_created(created)
+        raise
+    finally:
+        unlock_folder(lock)
+
+
+def carry(out, tmp, names):
+    """Hard-links (or copies) into tmp those files `names` of the previous set in out that exist."""
+    for name in names:
+        source = Path(out) / name
+        if source.is_file():
+            try:
+                os.link(source, tmp / name)
+            except OSError:
+                shutil.copy2(source, tmp / name)

@@ -1,43 +1,19 @@
-"""Starting a run from a Hugging Face Llama folder: `train.py --init-from DIR`.
-
-The reader beside export.py's writer. DIR holds config.json and model.safetensors, or
-model.safetensors.index.json and the files it names, as save_pretrained and
-`python -m data.export` write them. Not both, since which one is the checkpoint would be a guess.
+"""Starting a run from a Hugging Face Llama folder (`train.py --init-from DIR`), as export.py
+and save_pretrained write one: config.json and model.safetensors, or an index and its files.
 
 Before anything is built, config.json is held against the run's model. Every shape field must
-equal its flag. Anything this model cannot be is refused with one line naming the field, exit 2:
-another model_type, biases, an activation other than SiLU, a RoPE scaling other than Llama 3's,
-a head_dim other than hidden_size / num_attention_heads. So is a field of the wrong JSON type,
-a number out of range (a negative or NaN rope_theta, rms_norm_eps or rope scaling factor),
-and a JSON file that is not an object. The fields with no flags are taken from it: rope_theta,
-rms_norm_eps, Llama 3's rope scaling, the vocabulary size and tie_word_embeddings.
-Every tensor the model needs must be there, with its shape.
+equal its flag; what this model cannot be (another model_type, biases, an activation other than
+SiLU, a RoPE scaling other than Llama 3's, a field of the wrong type or out of range) is one line
+naming the field, exit 2. rope_theta, rms_norm_eps, Llama 3's rope scaling, vocab_size and
+tie_word_embeddings, which have no flags, are taken from it. Every tensor the model needs must
+be there with its shape, and nothing else. The folder is then read as a save of its tensors
+(saves.load, the path of --resume): each rank reads its own pieces, starting at step 0.
 
-Then each rank reads only its own pieces, one at a time, through load.load, the path of --resume.
-A piece in one stretch of the file (no tp split, or a split by rows) is read as that byte range.
-A tp block of columns is cut from its full tensor, which is then dropped. The run starts at step 0
-with a fresh optimizer. safetensors is read with plain file reads: an 8-byte header length,
-a JSON header of {name: dtype, shape, [start, end) byte offsets}, then the raw little-endian bytes.
-The tensors follow one another with no byte shared, skipped or left over, as the format demands.
-
-What the two sides agree on, and what is converted:
-- names: the model's own, under "model." (lm_head.weight aside), as export.py writes them.
-- RoPE: both rotate the pairs (i, i + head_dim/2) (model.apply_rope), so q_proj and k_proj load
-  as they are. A checkpoint in Meta's interleaved layout must first go through transformers'
-  converter. Llama 3's frequency scaling (rope_type "llama3", in every Llama 3.1, 3.2 and 3.3)
-  is model.rope_frequencies'. It is read from rope_parameters (transformers 5) or rope_scaling
-  (before); where both are given they must agree.
-- vocabulary: the embedding and the head have vocab_size rounded up to a multiple of 64 rows.
-  The run's vocab_size becomes config.json's. It must lie between the run's (the data's, or
-  --vocab-size) and that rounded size. The file's embedding and head must have exactly that many
-  rows. The rows after them are zero, and their logits take no part in the loss
-  (model.CrossEntropy). So the loss is transformers' on the same batch.
-- tied embeddings (tie_word_embeddings): the model ties them too. ModelConfig.tie_embeddings makes
-  lm_head's weight embed_tokens'; an lm_head.weight in the file is ignored, as transformers does.
-  One tensor cannot be held as two, so a tied checkpoint is refused under --tp, --pp and
-  --dp-mode fsdp/hsdp (one line naming the flag, exit 2). It trains in one process, or with
-  --dp-mode ddp (and --cp).
-- dtypes: F32, F16, BF16 and F64 tensors become fp32 master weights.
+The two sides agree: the model's own names under "model."; RoPE rotating the pairs (i, i +
+head_dim/2), so q_proj and k_proj load as they are; config.json's vocab_size, between the run's
+and that rounded up to a multiple of 64, whose padded rows are zero and take no part in the loss;
+tied embeddings as one tensor, which --tp, --pp and --dp-mode fsdp/hsdp would hold apart (refused,
+naming the flag); F32, F16, BF16 or F64 tensors, which become fp32 master weights.
 """
 import json
 import math
@@ -47,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-import model
 from data import SaveError
-from data.files import open_regular, read_text
-from data.saves import FileError, cut, global_shape, load
+from data.files import open_regular, read_json
+from data.saves import Saved, load, model_shapes
 from model import ROPE_SCALING_KEYS, is_number, rope_scaling_problem
 from parallel.mesh import LayoutError
 
@@ -63,14 +38,9 @@ IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved: recomput
 ROPE_SOURCES = ("rope_parameters", "rope_scaling")  # transformers 5's field, and the one before it
 
 
-def read_json(path):
+def read_object(path):
     """The JSON object in `path`; SaveError if it is unreadable, not JSON, or not an object."""
-    try:
-        value = json.loads(read_text(path))
-    except OSError as e:
-        raise SaveError(f"--init-from: cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise SaveError(f"--init-from: {path} is not JSON ({e})") from None
+    value = read_json(path, SaveError, "--init-from: ")
     if not isinstance(value, dict):
         raise SaveError(f"--init-from: {path} is not a JSON object "
                         f"(it holds a {type(value).__name__})")
@@ -78,10 +48,8 @@ def read_json(path):
 
 
 def read_header(path):
-    """({tensor name: its header entry}, the byte where the data starts) of a safetensors file.
-
-    Every entry is checked against the file's size. The tensors' byte ranges must tile the data
-    exactly: none overlaps another, and no byte between them or after the last belongs to none."""
+    """({tensor name: its header entry}, the byte where the data starts) of a safetensors file,
+    whose tensors' byte ranges must tile its data exactly."""
     try:
         with open_regular(path) as f:
             size, length = (os.fstat(f.fileno()).st_size,
@@ -132,10 +100,10 @@ def read_header(path):
 def check_config(folder, cfg, args):
     """(config.json, cfg with its vocab_size, rope_theta, rms_norm_eps, rope scaling and tying).
 
-    SaveError names the first field this run's model disagrees with. LayoutError names the flag
-    under which a tied model cannot run."""
+    SaveError names the first field the model disagrees with, LayoutError a flag a tied one
+    cannot run under."""
     path = folder / "config.json"
-    config = read_json(path)
+    config = read_object(path)
 
     def refuse(field, why):
         raise SaveError(f"--init-from: {path}: {field} {why}")
@@ -190,12 +158,9 @@ def check_config(folder, cfg, args):
 
 
 def rope_settings(config, refuse, positive):
-    """(rope_theta, ModelConfig.rope_scaling or None) of config.json.
-
-    Its rope_parameters, rope_scaling and rope_theta are merged key by key ("type" is the older
-    name of "rope_type"). Two of them that give one key different values are refused.
-    Without original_max_position_embeddings, Llama 3's scaling takes max_position_embeddings,
-    as transformers does."""
+    """(rope_theta, ModelConfig.rope_scaling or None) of config.json's rope_parameters,
+    rope_scaling and rope_theta, merged key by key; two that give one key different values are
+    refused. original_max_position_embeddings defaults to max_position_embeddings."""
     rope = {}  # key -> (the field it came from, its value)
     given = [(field, config[field]) for field in ROPE_SOURCES if config.get(field) is not None]
     given += [("", {"rope_theta": config["rope_theta"]})] if "rope_theta" in config else []
@@ -239,9 +204,7 @@ def same(a, b):
 
 
 def check_tied_layout(path, args):
-    """A tied model keeps one tensor as both embedding and head.
-
-    The layouts that hold the two apart refuse it: LayoutError naming the flag."""
+    """LayoutError naming the flag of a layout that holds the embedding and head apart."""
     for apart, flag, why in ((args.tp > 1, "--tp",
                               "tensor parallelism swaps them for two sharded modules"),
                              (args.pp > 1, "--pp", "pipeline stages hold them on different ranks"),
@@ -255,10 +218,8 @@ def check_tied_layout(path, args):
 
 
 def read_index(folder):
-    """{tensor name: file} of the folder's checkpoint.
-
-    That is model.safetensors.index.json's weight_map, or every tensor of model.safetensors.
-    A folder holding both, or neither, is refused."""
+    """{tensor name: file}: model.safetensors.index.json's weight_map, or every tensor of
+    model.safetensors; a folder holding both, or neither, is refused."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
     # exists, not is_file: a FIFO there is named, not taken for no file
     if index.exists() and single.exists():
@@ -271,7 +232,7 @@ def read_index(folder):
     if not index.exists():
         raise SaveError(f"--init-from: {folder} has neither model.safetensors "
                         "nor model.safetensors.index.json")
-    weight_map = read_json(index).get("weight_map")
+    weight_map = read_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise SaveError(f"--init-from: {index}: weight_map is {weight_map!r}; "
                         "it must be an object of tensor names and their files")
@@ -282,105 +243,63 @@ def read_index(folder):
     return weight_map
 
 
-class HFWeights:
-    """A Hugging Face folder, in the shape in which load.load reads a save.
-
-    It has path; meta (its files, and "param" as the only kind: no optimizer state);
-    tensors (the model's names); and read(piece, kind)."""
-
-    def __init__(self, folder, cfg, config):
-        self.path = folder
-        weight_map = read_index(folder)
-        files = sorted(set(weight_map.values()))
-        sources = {}  # file's tensor name -> (file, header entry, data start)
-        for name in files:
-            header, start = read_header(folder / name)
-            sources.update({t: (name, entry, start) for t, entry in header.items()})
-        for tensor, name in weight_map.items():  # an index and its files must agree
-            if sources.get(tensor, (name,))[0] != name:
-                raise SaveError(f"--init-from: {folder}: model.safetensors.index.json "
-                                f"puts {tensor} in {name}, which does not hold it")
-        self.meta = {"files": {name: (folder / name).stat().st_size for name in files},
-                     "optimizer": {"kinds": ["param"]}}
-        if not cfg.tie_embeddings and "lm_head.weight" not in sources:
-            raise SaveError(f"--init-from: {folder} has no lm_head.weight "
-                            "and config.json's tie_word_embeddings is false")
-        with torch.device("meta"):  # tied: no lm_head.weight, the embedding is the head
-            shapes = {name: list(p.shape) for name, p in model.GPT(cfg).named_parameters()}
-        self.tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
-        for name, shape in shapes.items():
-            source = name if name == "lm_head.weight" else "model." + name
-            if source not in sources:
-                raise SaveError(f"--init-from: {folder} has no tensor {source}")
-            file, entry, start = sources[source]
-            padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
-                entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
-            if entry["shape"] != shape and not padded_rows:
-                raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, "
-                                f"this model needs {shape}")
-            self.tensors[name] = {"shape": shape, "source": source, "file": file,
-                                  "dtype": SAFETENSORS_TYPES[entry["dtype"]],
-                                  "numel": math.prod(entry["shape"]),
-                                  "offset": start + entry["data_offsets"][0]}
-            used.add(source)
-        unused = sorted(t for t in set(sources) - used if not t.endswith(IGNORED))
-        if unused:
-            raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) "
-                            f"this model has no place for, such as {unused[0]}")
-
-    def elements(self, name, first, n):
-        """Elements [first, first + n) of the flat, row-padded tensor, in fp32.
-
-        Rows past the file's are 0."""
-        info, out = self.tensors[name], torch.zeros(n, dtype=torch.float32)
-        have = max(0, min(n, info["numel"] - first))
-        if have:
-            raw = torch.empty(have, dtype=info["dtype"])
-            try:
-                with open_regular(self.path / info["file"]) as f:
-                    f.seek(info["offset"] + first * raw.element_size())
-                    got = f.readinto(raw.view(torch.uint8).numpy())
-            except OSError as e:
-                raise FileError(f"cannot read {self.path / info['file']}: {e.strerror or e}",
-                                info["file"], 1) from None
-            if got != have * raw.element_size():
-                raise FileError(f"{self.path / info['file']} is truncated", info["file"], 1)
-            out[:have] = raw  # to fp32
-        return out
-
-    def read(self, piece, kind="param"):
-        """The piece's elements [offset, offset + end - start) of this rank's tp block (a Piece)."""
-        shape = self.tensors[piece.name]["shape"]
-        if shape != global_shape(piece):
-            raise SaveError(f"{self.path}: {piece.name} has shape {shape}, "
-                            f"this model has {global_shape(piece)}")
-        dim, rank, _ = piece.tp_shard or (0, 0, 1)
-        if dim != 0:  # a block of columns: strided in the file
-            full = self.elements(piece.name, 0, math.prod(shape)).view(shape)
-            return cut(full, piece)
-        block_start = rank * math.prod(piece.shape)  # a block of rows starts at its first row
-        return self.elements(piece.name, block_start + piece.offset, piece.end - piece.start)
+def hf_weights(folder, cfg):
+    """The folder's weights as a Saved of format 1 (no checksums, "param" the only kind): one
+    piece per tensor, in the file's dtype; rows past the file's (the padded vocabulary) are 0."""
+    weight_map = read_index(folder)
+    files = sorted(set(weight_map.values()))
+    sources = {}  # file's tensor name -> (file, header entry, data start)
+    for name in files:
+        header, start = read_header(folder / name)
+        sources.update({t: (name, entry, start) for t, entry in header.items()})
+    for tensor, name in weight_map.items():  # an index and its files must agree
+        if sources.get(tensor, (name,))[0] != name:
+            raise SaveError(f"--init-from: {folder}: model.safetensors.index.json "
+                            f"puts {tensor} in {name}, which does not hold it")
+    if not cfg.tie_embeddings and "lm_head.weight" not in sources:
+        raise SaveError(f"--init-from: {folder} has no lm_head.weight "
+                        "and config.json's tie_word_embeddings is false")
+    tensors, used = {}, {"lm_head.weight"} if cfg.tie_embeddings else set()
+    for name, shape in model_shapes(cfg).items():
+        shape = list(shape)
+        source = name if name == "lm_head.weight" else "model." + name
+        if source not in sources:
+            raise SaveError(f"--init-from: {folder} has no tensor {source}")
+        file, entry, start = sources[source]
+        padded_rows = name in ("embed_tokens.weight", "lm_head.weight") and \
+            entry["shape"] == [cfg.vocab_size, *shape[1:]]  # vocab_size rows, then the padding
+        if entry["shape"] != shape and not padded_rows:
+            raise SaveError(f"--init-from: {folder}: {source} has shape {entry['shape']}, "
+                            f"this model needs {shape}")
+        piece = {"file": file, "tp": None, "start": 0, "numel": math.prod(entry["shape"]),
+                 "offsets": {"param": start + entry["data_offsets"][0]}}
+        tensors[name] = {"shape": shape, "pieces": [piece],
+                         "dtype": str(SAFETENSORS_TYPES[entry["dtype"]]).split(".")[1]}
+        used.add(source)
+    unused = sorted(t for t in set(sources) - used if not t.endswith(IGNORED))
+    if unused:
+        raise SaveError(f"--init-from: {folder} has {len(unused)} tensor(s) "
+                        f"this model has no place for, such as {unused[0]}")
+    return Saved(folder, {"format": 1, "step": 0, "optimizer": {"kinds": ["param"]},
+                          "files": {name: (folder / name).stat().st_size for name in files},
+                          "tensors": tensors})
 
 
 def init_from(folder, cfg, args):
-    """--init-from: (cfg updated from config.json, the HFWeights to load); (cfg, None) without.
+    """--init-from: (cfg updated from config.json, the weights to load); (cfg, None) without.
 
-    config.json gives vocab_size, rope_theta, rms_norm_eps, rope scaling and tying.
-    args are the run's flags: --tp, --pp and --dp-mode decide whether a tied checkpoint can run.
-    Everything is checked here, on every rank alike, before anything is built or written."""
+    args are the run's flags. Everything is checked here, before anything is built or written."""
     if folder is None:
         return cfg, None
     folder = Path(folder)
     if not folder.is_dir():
         raise SaveError(f"--init-from: {folder} is not a folder")
-    config, cfg = check_config(folder, cfg, args)
-    return cfg, HFWeights(folder, cfg, config)
+    _, cfg = check_config(folder, cfg, args)
+    return cfg, hf_weights(folder, cfg)
 
 
 def start_from(weights, wrapper, opt, rank):
-    """Fills this rank's parameters from the checkpoint, in any layout; returns step 0.
-
-    The optimizer state stays fresh."""
+    """Fills this rank's parameters from the checkpoint, in any layout; returns step 0."""
     load(weights, wrapper, opt, flag="--init-from")
     if rank == 0:
         print(f"initialized from {weights.path} (step 0, fresh optimizer)", flush=True)

@@ -1,30 +1,14 @@
-"""What a save must be before it is trusted.
+"""What a save must be before it is trusted: meta.json's keys, types and bounds, plain file
+names, file sizes, checksums, and a save that agrees with itself.
 
-meta.json's keys, types and bounds, plain file names, file sizes, checksums,
-and a save that agrees with itself.
-
-Checksums (format 3). For each piece, the param and each Adam moment carry in meta.json the
-zlib.crc32 of their bytes. It starts from the CRC-32 of what the bytes are: the tensor's name,
-the kind, the piece's tp block, start and numel (piece_seed). So each piece checks on its own.
-Intact bytes of another piece are refused too (two pieces' offsets and CRCs swapped in
-meta.json). Format 2's CRCs cover the bytes alone. write.py computes each over its buffer as it
-writes it. With --async-save that is in the writer thread, from the CPU snapshot: the training
-thread pays nothing, and zlib releases the GIL while it runs. Cost: about 2.3 GB/s on one core
-(zlib 1.2.13, x86), a second pass over bytes in memory, no extra I/O: ~0.45 s per GB a rank writes.
-
-Loading checks every piece it reads. A resume reads each saved byte once on some rank.
-When resharding reads part of a saved piece, the whole piece is read and checked first,
-once per rank. Export checks the params as it streams them. Sampling checks the params before
-it builds the model. A stop after a failure names the newest complete save that verifies,
-each rank reading a share of its files (write.last_good_save).
-
-CRC-32 catches any burst of up to 32 flipped bits, and misses other damage with odds of 2^-32
-per piece. It guards against disk and copy corruption, not against someone forging a save.
-Format 1 saves (from before checksums) load with the structure and size checks only.
-
-A save agrees with itself: its folder's name (step_NNNNNNN) and its `complete` say the step
-meta.json says. Adam has taken no more steps than training. The loss scale is a finite positive
-fp32 number, 1 without fp16's scaler.
+Checksums (format 3): each piece's param and Adam moments carry the zlib.crc32 of their bytes,
+started from the CRC-32 of what the bytes are (piece_seed), so another piece's intact bytes are
+refused too. Format 2's cover the bytes alone; format 1 saves load with the other checks only.
+Every piece read is checked once per rank; export checks the params as it streams them,
+sampling before it builds the model. CRC-32 guards against disk and copy damage, not forgery.
+A save agrees with itself: its folder's name and its `complete` say the step meta.json says;
+Adam has taken no more steps than training; the loss scale is a finite positive fp32 number,
+1 without fp16's scaler.
 """
 import json
 import math
@@ -37,8 +21,8 @@ import torch
 from data import SaveError
 from data.files import open_regular, read_text
 
-FORMAT = 3  # what write.py writes
-FORMATS = (1, 2, 3)  # what load.py reads
+FORMAT = 3  # what saves.py writes
+FORMATS = (1, 2, 3)  # what saves.py reads
 SAVE = re.compile(r"step_(\d{7})$")  # a save's folder
 MAX_STEP = 2 ** 53  # steps are exact in a float64 (the LR schedule's)
 MAX_SCALE = float(torch.finfo(torch.float32).max)  # the loss scale is an fp32 tensor
@@ -52,17 +36,8 @@ TOP = {"format": int, "step": int, "config": dict, "layout": dict, "scaler": dic
 JSON_NAMES = {int: "an integer", dict: "an object", list: "a list", str: "a string"}
 
 
-def crc32(data, value=0):
-    """The CRC-32 of a CPU tensor's bytes (or of any buffer), continuing from `value`."""
-    if isinstance(data, torch.Tensor):
-        data = data.contiguous().view(torch.uint8).numpy()
-    return zlib.crc32(data, value)
-
-
 def piece_seed(name, kind, tp, start, numel):
-    """The CRC-32 a piece's checksum starts from (format 3): what its bytes are.
-
-    So another piece's bytes do not pass."""
+    """The CRC-32 a piece's checksum starts from (format 3): what its bytes are."""
     return zlib.crc32(json.dumps([name, kind, list(tp) if tp else None, start, numel]).encode())
 
 
@@ -101,9 +76,8 @@ def _bad(where, what):
 
 
 def check_meta(meta, where):
-    """Every key loading reads has the right type and is within bounds.
-
-    Else SaveError names the first that is not."""
+    """SaveError naming the first key loading reads that is missing, of a wrong type or out of
+    bounds."""
     _has(meta, TOP, where, "")
     for key, kind in TOP.items():
         _has(meta[key], (), where, key + ".", kind)
@@ -135,9 +109,7 @@ def check_meta(meta, where):
 
 
 def _check_agrees(meta, where):
-    """The save says one thing: the step of its folder, its `complete`, its meta.json.
-
-    The numbers are within their bounds too."""
+    """The save says one thing: the step of its folder, its `complete`, its meta.json."""
     step, adam, scaler = meta["step"], meta["optimizer"]["step"], meta["scaler"]
     if step >= MAX_STEP or adam > step or scaler["clean_steps"] > step:
         _bad(where, f"optimizer.step {adam} or scaler.clean_steps {scaler['clean_steps']} "
@@ -173,9 +145,7 @@ def _check_tensor(t, kinds, meta, where, prefix):
         _bad(where, f"{prefix}shape {t['shape']} or dtype {t['dtype']!r} is not a tensor's")
     keys = ("file", "tp", "start", "numel", "offsets") + (("crc32",) if meta["format"] >= 2 else ())
     fields = {"offsets": (None, "a byte offset"), "crc32": (1 << 32, "a CRC-32")}
-    total = 1
-    for n in t["shape"]:
-        total *= n
+    total = math.prod(t["shape"])
     for i, p in enumerate(t["pieces"]):
         at = f"{prefix}pieces[{i}]."
         _has(p, keys, where, at)
@@ -199,11 +169,20 @@ def _check_tensor(t, kinds, meta, where, prefix):
                 _bad(where, f"{at}{field} holds a value that is not {what}")
 
 
-def check_files(path, meta):
-    """Every file has the size meta.json records, and its pieces tile it.
+def _spans(meta, files=None, kinds=None):
+    """(file, offset, bytes, tensor name, kind, piece) of each saved buffer of `kinds` in `files`
+    (default: all)."""
+    for name, t in meta["tensors"].items():
+        for p in t["pieces"]:
+            if files is None or p["file"] in files:
+                for kind in kinds or meta["optimizer"]["kinds"]:
+                    n = p["numel"] * DTYPES[t["dtype"]].itemsize
+                    yield p["file"], p["offsets"][kind], n, name, kind, p
 
-    So every byte is under one checksum. Every tensor's pieces tile each of its tp blocks,
-    so every element has one source."""
+
+def check_files(path, meta):
+    """Every file has the size meta.json records, and its pieces tile it, so every byte is under
+    one checksum; every tensor's pieces tile each of its tp blocks: every element has one source."""
     where = path / "meta.json"
     for name, size in meta["files"].items():
         file = path / name
@@ -214,25 +193,21 @@ def check_files(path, meta):
             raise SaveError(f"{file} is truncated: {actual} of {size} bytes")
         if actual > size:
             raise SaveError(f"{file} is too long: {actual} bytes, meta.json records {size}")
-    spans = {name: [] for name in meta["files"]}
     for name, t in meta["tensors"].items():
-        itemsize = DTYPES[t["dtype"]].itemsize
         blocks = {}
         for p in t["pieces"]:
             blocks.setdefault(tuple(p["tp"] or ()), []).append((p["start"], p["numel"]))
-            for kind in meta["optimizer"]["kinds"]:
-                spans[p["file"]].append((p["offsets"][kind], p["numel"] * itemsize))
         worlds = {tp[2] if tp else 1 for tp in blocks}
         dims = {tp[0] for tp in blocks if tp}
-        numel = 1
-        for n in t["shape"]:
-            numel *= n
         if (len(worlds) != 1 or len(dims) > 1 or len(blocks) != worlds.pop()
                 or (dims and () in blocks)):
             _bad(where, f"the pieces of {name} do not split it into whole tp blocks")
         for tp, ranges in blocks.items():
-            if _gap(ranges, numel // (tp[2] if tp else 1)) is not None:
+            if _gap(ranges, math.prod(t["shape"]) // (tp[2] if tp else 1)) is not None:
                 _bad(where, f"the pieces of {name} do not cover its shape {t['shape']} once")
+    spans = {name: [] for name in meta["files"]}
+    for file, offset, n, *_ in _spans(meta):
+        spans[file].append((offset, n))
     for name, ranges in spans.items():
         at = _gap(ranges, meta["files"][name])
         if at is not None:
@@ -257,14 +232,9 @@ def verify(path, meta, files=None, kinds=None):
     if meta["format"] < 2:
         return
     spans = {}
-    for name, t in meta["tensors"].items():
-        itemsize = DTYPES[t["dtype"]].itemsize
-        for p in t["pieces"]:
-            if files is None or p["file"] in files:
-                for kind in kinds or meta["optimizer"]["kinds"]:
-                    spans.setdefault(p["file"], []).append(
-                        (p["offsets"][kind], p["numel"] * itemsize, p["crc32"][kind],
-                         seed_of(meta, name, kind, p)))
+    for file, offset, n, name, kind, p in _spans(meta, files, kinds):
+        seed = seed_of(meta, name, kind, p)
+        spans.setdefault(file, []).append((offset, n, p["crc32"][kind], seed))
     for name in sorted(spans):
         try:
             with open_regular(path / name) as f:

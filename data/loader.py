@@ -1,31 +1,17 @@
 """Token shards on disk, and a loader whose global batch depends only on (seed, split, step).
 
-Shard format (llm.c, so downloaded FineWeb shards are read as they are): a header of 256
+A shard is llm.c's, so downloaded FineWeb shards are read as they are: a header of 256
 little-endian int32 [magic, version=1, token count, 0...], then the tokens, uint16 for
 magic 20240520 or uint32 for magic 20240801.
 
-Batches: the global batch of step s is `global_batch` windows of seq_len+1 tokens at offsets
-drawn by np.random.default_rng([seed, s]) over all windows that lie inside one shard (so
-shards are weighted by length). DP rank r takes rows [r*B/dp, (r+1)*B/dp). The union of the
-ranks' rows is the one-process batch for any layout, and resuming at step s needs no replay.
+The global batch of step s is `global_batch` windows of seq_len+1 tokens at offsets drawn by
+np.random.default_rng([seed, s]) over all windows inside one shard. DP rank r takes rows
+[r*B/dp, (r+1)*B/dp): every layout sees the one-process batch, and a resume needs no replay.
 A background thread prepares step s+1 while step s trains.
 
-meta.json (prepare.py writes it last) holds at least `tokenizer` and `vocab_size`.
-prepare.py also records each shard's size, fingerprint and largest token id (`shards`),
-and the overall `max_token_id`. The loader refuses a shard holding an id at or above vocab_size.
-It checks what it reads, not the record: it takes each shard's maximum when it opens it.
-That is one vectorized pass over the memory-mapped tokens, about 10 ms per 100M tokens
-in the page cache. So a shard edited in place is refused too; the recorded maximum is named
-when the two differ.
-
-The shards must be the ones meta.json records (check_shards), where it records them.
-A shard on disk it does not record (a foreign one dropped in) is refused. So is one it records
-that is missing, and one whose size or fingerprint differs (swapped, of another tokenizer).
-A fingerprint is the CRC-32 of 16 blocks of 4 KiB spread over the file, header first, end last.
-That is 64 KiB read per shard, whatever its size. It catches a file swapped or rewritten,
-not one token edited in place; the maximum above catches an id past the vocabulary.
-data_identity, what a resume compares, is the hash of meta.json, which covers the shards it
-records. Where meta.json records none, each shard's name, size and fingerprint are folded in.
+meta.json (written last) holds `tokenizer` and `vocab_size`, and may record each shard's size,
+fingerprint (a CRC-32 of 16 blocks of 4 KiB spread over it) and largest id: the shards must be
+those it records. Each shard's largest id is taken as it opens, and must lie below vocab_size.
 """
 import hashlib
 import json
@@ -38,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data import DataError
 from data.files import atomic_write, open_regular, read_bytes
 
 HEADER_INTS = 256
@@ -47,9 +34,11 @@ MAGIC_DTYPE = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
 FINGERPRINT_BLOCKS, FINGERPRINT_BYTES = 16, 4096
 
 
-class DataError(Exception):
-    """A data file or folder is missing or malformed. The message is one line naming it."""
-    exit_status = 2
+def shard_header(dtype, count):
+    """The header of a shard of `count` tokens of `dtype`."""
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = next(m for m, d in MAGIC_DTYPE.items() if d == dtype), VERSION, count
+    return header.tobytes()
 
 
 def write_shard(path, tokens):
@@ -57,12 +46,10 @@ def write_shard(path, tokens):
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
         raise ValueError(f"{path}: token ids must lie in [0, 2**32)")
-    magic = 20240520 if tokens.size == 0 or tokens.max() < 2**16 else 20240801
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = magic, VERSION, tokens.size
-    with atomic_write(path) as f:  # readers see the old file or the whole new one, never a part
-        f.write(header.tobytes())
-        f.write(tokens.astype(MAGIC_DTYPE[magic]).tobytes())
+    dtype = MAGIC_DTYPE[20240520 if tokens.size == 0 or tokens.max() < 2**16 else 20240801]
+    with atomic_write(path) as f:
+        f.write(shard_header(dtype, tokens.size))
+        f.write(tokens.astype(dtype).tobytes())
 
 
 def read_shard(path):
@@ -89,10 +76,8 @@ def read_shard(path):
 
 
 def read_meta(folder):
-    """The folder's meta.json as a dict, validated.
-
-    `tokenizer` is a name, `vocab_size` a positive integer, and `max_token_id` (when recorded)
-    an integer below it. Anything else raises DataError naming the file."""
+    """The folder's meta.json: a tokenizer's name, a positive vocab_size, any max_token_id
+    below it; else DataError naming the file."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"data folder {folder} not found; run python -m data.prepare {folder.name}")
@@ -156,10 +141,8 @@ def shard_paths(folder, split="*"):
 
 
 def check_shards(folder, meta, paths, split="*"):
-    """DataError unless the shards `paths` (of `split`) are those meta.json records.
-
-    Each must have its recorded size and fingerprint. A meta.json without `shards`
-    records nothing to hold them to."""
+    """DataError unless the shards `paths` (of `split`) are those meta.json records, each of
+    its recorded size and fingerprint. A meta.json without `shards` records none."""
     shards, where = meta.get("shards"), Path(folder) / "meta.json"
     if not isinstance(shards, dict):
         return
@@ -184,11 +167,9 @@ def check_shards(folder, meta, paths, split="*"):
 
 
 def data_identity(folder):
-    """What a resume compares to know it reads the same data: 16 hex digits.
+    """What a resume compares: the hash of meta.json (16 hex digits), the shards held to it.
 
-    It is the hash of meta.json, once check_shards holds every shard to it (DataError if one
-    is not the one it records). Where meta.json records no shards, each shard's name, size and
-    fingerprint are hashed with it."""
+    Where it records none, each shard's name, size and fingerprint are hashed with it."""
     folder = Path(folder)
     meta, paths = read_meta(folder), shard_paths(folder)
     check_shards(folder, meta, paths)
@@ -200,10 +181,8 @@ def data_identity(folder):
 
 
 def check_vocab(path, top, vocab_size, where, recorded=None):
-    """DataError naming the shard if its largest id `top` is outside the vocabulary.
-
-    `recorded` is what meta.json says it was. It is named when it differs:
-    the shard changed after it was prepared."""
+    """DataError naming the shard if its largest id `top` is outside the vocabulary; also
+    naming what meta.json `recorded` where it differs (the shard changed since)."""
     if top >= vocab_size:
         changed = (f"; it records {recorded} for this shard"
                    if recorded is not None and recorded != top else "")
@@ -255,11 +234,9 @@ class TokenLoader:
         self._thread = None
         if prefetch:
             self._requests, self._results = queue.Queue(), queue.Queue(maxsize=1)
-            cuda_index = None
-            if self.device.type == "cuda":
-                cuda_index = self.device.index
-                if cuda_index is None:
-                    cuda_index = torch.cuda.current_device()
+            cuda_index = (None if self.device.type != "cuda"
+                          else torch.cuda.current_device() if self.device.index is None
+                          else self.device.index)
             self._thread = threading.Thread(target=self._worker, args=(cuda_index,), daemon=True)
             self._thread.start()
 

@@ -10,26 +10,17 @@ text         your own files, folders and .jsonl, with any tokenizer (text.py):
                  [--shard-tokens N]
 
 The folder (default data/NAME/) gets NAME_train_000000.bin ... and NAME_val_000000.bin
-in the llm.c shard format (loader.py). Then meta.json is written last; it marks the folder
-complete. It records the tokenizer, vocab_size, max_token_id, and each shard's size,
-fingerprint and largest token id. The set is built in a hidden folder beside the folder,
-and swapped in whole (staging.py). A failed or interrupted run leaves the previous set as it was.
-A folder holding anything but a set of the same kind is refused untouched. So is a second
-preparation of a folder while the first one runs. Downloads stream to a temporary file,
-renamed only when complete and valid; a re-prepare reuses the files already downloaded.
-
-Bad flags are refused before anything is created: an --out that cannot be written or whose
-name is too long, or --shards out of range. Each is one line on stderr, exit status 2.
-Bad input found later exits 2 as well. A tokenizing worker that dies, or a write that fails
-(a full disk), exits 3. Ctrl-C, SIGTERM or SIGHUP exit 128 + the signal's number.
-Run it as a module, from the repository.
+(loader.py), then meta.json, last. It is built beside the folder and swapped in whole
+(files.staged): a failure leaves the previous set as it was, and a folder holding anything but
+a set of the same kind is refused untouched. Downloads are renamed only when complete and
+valid; a re-prepare reuses them. Exit status 2 for bad flags (before anything is created) or
+bad input, 3 for a dead tokenizing worker or a failed write (a full disk), 128 + the signal's
+number for Ctrl-C, SIGTERM or SIGHUP. Run it as a module, from the repository.
 """
 import argparse
-import errno
 import http.client
 import json
 import os
-import signal
 import sys
 import sysconfig
 import time
@@ -40,11 +31,20 @@ import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
+from data import DataError
 from data.corpus import DEFAULT_GLOBS
-from data.files import Interrupted, atomic_write, interruptible, write_json
-from data.loader import DataError, check_vocab, fingerprint, max_token_id, read_shard, write_shard
-from data.staging import HIDDEN_EXTRA, carry, owned_by, staged
-from data.text import WorkerLost, prepare_text
+from data.files import (
+    HIDDEN_EXTRA,
+    atomic_write,
+    carry,
+    check_replaceable,
+    owned_by,
+    run_command,
+    staged,
+    write_json,
+)
+from data.loader import check_vocab, fingerprint, max_token_id, read_shard, write_shard
+from data.text import prepare_text
 from data.tokenizer import get_tokenizer
 
 SOURCES = ("pystdlib", "shakespeare", "fineweb10b")
@@ -75,9 +75,8 @@ def download(url, dest, check=None):
 
 
 def prepared_folder(data, rank=0, world=1):
-    """The folder a run reads: `data` (--data), which must be prepared, or the pystdlib corpus.
-
-    pystdlib works offline. Rank 0 prepares it on first use while the others wait."""
+    """The folder a run reads: `data` (--data), which must be prepared, or the pystdlib corpus,
+    which rank 0 prepares on first use (offline) while the others wait."""
     if data == "":
         raise DataError("--data: an empty path; "
                         "name a prepared data folder, or leave --data out for pystdlib")
@@ -115,10 +114,8 @@ def python_files(src_dir):
 
 
 def write_meta(out_dir, enc_name, vocab_size, eot):
-    """Writes meta.json, atomically and last, after one pass over each shard.
-
-    The pass counts the tokens the loader will see, and records each shard's size, fingerprint
-    and largest id. It refuses ids outside the vocabulary."""
+    """Writes meta.json, last: each shard's size, fingerprint and largest id (within the
+    vocabulary, or DataError), and the tokens of each split."""
     counts, shards = {}, {}
     for split in ("train", "val"):
         counts[split] = 0
@@ -178,9 +175,8 @@ def prepare_fineweb(out_dir, shards, base_url=None):
 
 
 def writable_folder(path):
-    """path, if this process can write into it or create it; else DataError naming it.
-
-    Its name must leave room for the hidden folder it is built in beside it (staging.py)."""
+    """path, if this process can write or create it, its name leaving room for the hidden
+    folder beside it (files.staged); else DataError naming it."""
     if str(path) == "":
         raise DataError("an empty path: name a folder")
     path = Path(path)
@@ -211,49 +207,39 @@ def out_folder(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def int_in(low, high):
-    """An argparse type: an integer in low..high."""
+def number_in(kind, fits, what):
+    """An argparse type: kind(text) where fits(value), else "TEXT: must be WHAT"."""
     def check(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
             value = None
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer in {low}..{high}")
+        if value is None or not fits(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
         return value
     return check
 
 
+def int_in(low, high):
+    return number_in(int, lambda value: low <= value <= high, f"an integer in {low}..{high}")
+
+
 shard_count = int_in(1, FINEWEB_TRAIN_SHARDS)  # --shards
-
-
-def fraction(text):
-    """--val-fraction: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number in [0, 1)")
-    return value
+fraction = number_in(float, lambda value: 0 <= value < 1, "a number in [0, 1)")  # --val-fraction
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2.
-
-    It replaces argparse's usage block."""
+    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2 (no usage)."""
 
     def error(self, message):
         self.exit(2, f"error: {message.removeprefix('argument ')}\n")
 
 
 def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer=None):
-    """Build data set `name` into out_dir (default data/NAME) and return that folder.
+    """Builds data set `name` into out_dir (default data/NAME); returns that folder.
 
-    base_url replaces the download host and path up to the file name; tests use a local server.
-    src_dir replaces the standard library folder for pystdlib. tokenizer replaces GPT-2 for
-    shakespeare. Failures raise DataError with a one-line message.
-    """
+    base_url replaces the download host and path up to the file name (tests: a local server),
+    src_dir pystdlib's standard library, tokenizer shakespeare's GPT-2. Failures: DataError."""
     if name not in SOURCES:
         raise ValueError(f"unknown data set {name!r}; choose from {', '.join(SOURCES)}")
     if name == "fineweb10b" and not 1 <= shards <= FINEWEB_TRAIN_SHARDS:
@@ -263,7 +249,7 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
         tokenizer = tokenizer or get_tokenizer("gpt2")
     out_dir = writable_folder(out_dir or default_folder(name))
     owns = owned_by(PREFIX[name], ("input.txt",) if name == "shakespeare" else ())
-    with staged(out_dir, name, owns) as tmp:
+    with staged(out_dir, lambda: check_replaceable(out_dir, name, owns)) as tmp:
         if name == "pystdlib":
             prepare_pystdlib(tmp, src_dir)
         elif name == "shakespeare":
@@ -275,33 +261,6 @@ def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer
             carry(out_dir, tmp, [n for n in previous if owns(n)])
             prepare_fineweb(tmp, shards, base_url)
     return out_dir
-
-
-def run(work, out, quiet=False):
-    """(work()'s result, 0), or (None, an exit status) after one line on stderr.
-
-    The status is 2 for bad input: DataError, ValueError, a name too long for the file system.
-    It is 3 for a worker process that died or a write that failed (a full disk). Ctrl-C, SIGTERM
-    or SIGHUP give 128 + the signal's number. On any of them the unfinished folder is gone and out
-    is as it was. With quiet, a DataError is not printed but returned in the result's place: a
-    fallback follows."""
-    try:
-        with interruptible():
-            return work(), 0
-    except (DataError, ValueError) as e:
-        code, message = 2, e
-        if quiet and isinstance(e, DataError):
-            return e, code
-    except WorkerLost as e:
-        code, message = 3, e
-    except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
-        code = 2 if e.errno == errno.ENAMETOOLONG else 3
-        message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
-    except (KeyboardInterrupt, Interrupted) as e:
-        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
-        code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
-    print(f"error: {message}", file=sys.stderr)
-    return None, code
 
 
 def text_main(argv):
@@ -329,9 +288,10 @@ def text_main(argv):
     args = parser.parse_args(argv)
     out = args.out or default_folder(Path(args.paths[0]).resolve().name or "text")
     t0 = time.time()
-    meta, code = run(lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction,
-                                          args.workers, tuple(args.glob or DEFAULT_GLOBS),
-                                          args.text_key, args.seed, args.shard_tokens), out)
+    work = lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
+                                tuple(args.glob or DEFAULT_GLOBS), args.text_key, args.seed,
+                                args.shard_tokens)
+    meta, code = run_command(work, out)
     if code:
         return code
     print(f"{out}: {meta['train_docs']:,} train + {meta['val_docs']:,} val documents, "
@@ -359,13 +319,13 @@ def main(argv=None):
                         help="stdout: only the prepared folder (for make)")
     args = parser.parse_args(argv)
     t0, name = time.time(), args.name
-    out_dir, code = run(lambda: prepare(name, args.out, args.shards),
-                        args.out or default_folder(name), quiet=args.fallback is not None)
+    out_dir, code = run_command(lambda: prepare(name, args.out, args.shards),
+                                args.out or default_folder(name), quiet=args.fallback is not None)
     if isinstance(out_dir, DataError):  # the network, or a download that did not check out
         name = args.fallback
         print(f"note: {args.name} could not be prepared ({out_dir}); "
               f"using the {name} corpus instead", file=sys.stderr)
-        out_dir, code = run(lambda: prepare(name, None, args.shards), default_folder(name))
+        out_dir, code = run_command(lambda: prepare(name, None, args.shards), default_folder(name))
     if code:
         return code
     meta = json.loads((out_dir / "meta.json").read_text())

@@ -6,40 +6,13 @@
     folder.save(step, wrapper, opt, scaler)                # every --save-every steps, and the last
     folder.finish()                                        # last async save written; attempt "done"
 
-One writer at a time. Rank 0 holds an exclusive lock on the folder from the checks to the end:
-data.files.lock_folder, an flock on the folder itself, not on a file in it that could be deleted.
-The kernel drops it when the process dies, so a killed run leaves no stale lock. A second run
-into the same folder while the first still trains, fresh or --resume, stops with exit 2.
-It names the holder's pid and host, which OUT/.lock records once the run starts.
-
-The folder is the run's own. Its files (.lock, attempts.json, metrics.jsonl) are regular files
-or missing: never a link that leads out of it, a FIFO or a folder. It does not lie inside a save
-folder, which its run would delete when it prunes. Before anything is written, a fresh run
-refuses a folder holding another run's saves or attempts (holds_a_run). --resume takes the
-newest complete save whose config matches: model, data, optimization. --steps may grow; the
-schedule is recomputed. A run stopped before its first save (killed, Ctrl-C, a full disk) leaves
-only its own attempts; the same run, fresh or under --resume, starts again from step 0.
-A failure after the start (non-finite loss, a failed save, Ctrl-C) is recorded in
-OUT/attempts.json, and named with the newest save that verifies (exit 3).
-
-Restarts.
-Failures a long run must survive or stop on, with torchrun --max-restarts N and --resume auto.
-
-- A killed or crashed rank: torchrun restarts every process, and --resume auto continues from
-  the newest complete save. The run ends with the losses of an uninterrupted one.
-- A non-finite loss stops the run before its optimizer step and before any save: exit status 3.
-  Without fp16's loss scaler, so does a non-finite gradient norm. The last good save stays newest.
-- A failure that repeats. Rank 0 keeps RUN/attempts.json, one record per attempt: the step it
-  resumed from, the last step it completed, and how it ended. It is written when something
-  changes (the start, each save, the end or a failure), and at most once a minute in between.
-  So a killed run's record is at most a minute behind. When the last two attempts failed at
-  the same step, the next one refuses to start (exit 3), rather than loop until the restarts
-  run out. An attempts.json that is not a list of such records (hand-edited, another program's)
-  is refused (exit 2). Starting over would overwrite the history and forget a repeated failure.
-- A save that fails (a full disk): every rank stops with exit 3 (write.SaveFailed).
-  The previous save is intact.
-- The last good save a stop names is the newest complete save that verifies
-  (write.last_good_save).
+One writer at a time: rank 0 holds an flock on the folder (files.lock_folder) to the end, and
+OUT/.lock names its pid and host. The folder is the run's own: its files are regular files or
+missing, never a link out of it, and it lies in no save folder. A fresh run refuses a folder
+holding another run's saves or attempts; --resume takes the newest complete save whose model,
+data and optimization config match (--steps may grow). RUN/attempts.json keeps one record per
+attempt, at most a minute behind. When the last two attempts failed at the same step, the next
+refuses to start (exit 3) rather than loop until torchrun's restarts run out.
 """
 import gc
 import hashlib
@@ -55,7 +28,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from data import SaveError, TrainingFailure
-from data.files import check_own_file, lock_folder, read_text, unlock_folder, write_json
+from data.files import (
+    check_own_file,
+    lock_folder,
+    make_folders,
+    read_json,
+    read_text,
+    remove_created,
+    unlock_folder,
+    write_json,
+)
 from data.hf import start_from
 from data.loader import data_identity
 from data.saves import (
@@ -64,11 +46,10 @@ from data.saves import (
     SaveFailed,
     Saver,
     agree_on_run_id,
-    check_config,
     complete_saves,
     last_good_save,
+    load,
     remove_incomplete,
-    resume,
 )
 from parallel.comm import all_reduce_max
 
@@ -83,10 +64,8 @@ class NonFiniteLoss(TrainingFailure):
 
 
 class Attempts:
-    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status", "run"}].
-
-    status is running, done, or "failed: ...". run is the identity of the run's config
-    (run.run_identity): by it a run knows its own folder again."""
+    """RUN/attempts.json: [{"attempt", "resumed_from", "reached", "status", "run"}]; status is
+    running, done or "failed: ...", run the run_identity by which a run knows its folder."""
 
     def __init__(self, run_dir, rank, resuming, run=None):
         self.path, self.rank, self.run = Path(run_dir) / "attempts.json", rank, run
@@ -95,15 +74,11 @@ class Attempts:
             self.records = self._read()
 
     def _read(self):
-        """The records, or SaveError if the file is not a list of them.
-
-        Atomic writes cannot tear it; an edit can. It is refused, not started over,
-        so neither the history nor a repeated failure is lost."""
+        """The records, or SaveError if the file is not a list of them (an edit, not a tear)."""
         try:
-            records = json.loads(read_text(self.path))
-        except (OSError, ValueError) as e:
-            raise SaveError(f"cannot read {self.path}: {type(e).__name__}: {e}; "
-                            "fix or delete it") from None
+            records = read_json(self.path, SaveError)
+        except SaveError as e:
+            raise SaveError(f"{e}; fix or delete it") from None
         good = isinstance(records, list) and all(
             isinstance(r, dict) and all(isinstance(r.get(k), kind)
                                         and not isinstance(r.get(k), bool)
@@ -152,10 +127,8 @@ class Attempts:
         return ""
 
     def write(self):
-        """Rank 0 writes the records, atomically; returns whether they are on disk.
-
-        A disk that cannot take them (full) is noted, not raised: the run's own failure path
-        reports it."""
+        """Rank 0 writes the records, atomically; returns whether they are on disk (a full disk
+        is noted in unwritten, not raised: the run's own failure path reports it)."""
         if self.rank != 0:
             return True
         try:
@@ -169,11 +142,8 @@ class Attempts:
 
 
 def stop_run(error, saver, attempts, run_dir):
-    """The TrainingFailure to raise on a non-finite loss or a failed save; names the last good save.
-
-    A failed save is SaveFailed, from saver.save or saver.wait. An async save in flight finishes
-    first, then the failure is recorded. The last good save is the newest complete one that
-    verifies. Every rank calls this: each reads a share of its files, and they agree."""
+    """The TrainingFailure to raise on a non-finite loss or a failed save (SaveFailed), naming
+    the last good save. An async save in flight finishes first. Every rank calls this."""
     note = ""
     try:
         saver.wait()
@@ -213,14 +183,13 @@ class RunFolder:
     def _lock(self):
         """Rank 0 checks the folder (check_out) and locks it; an all-reduce makes every rank agree.
 
-        SaveError if the folder cannot be this run's, or another process holds it.
-        A folder it had to create is removed again if the run stops before it starts."""
+        SaveError if the folder cannot be this run's, or another process holds it."""
         problem, handle = "", None
         if self.rank == 0:
             try:
                 problem = check_out(self.path)
                 if not problem:
-                    self.created = [] if self.path.exists() else [self.path]
+                    self.created = make_folders(self.path)  # removed if the run never starts
                     handle = lock_folder(self.path)
                     if handle is None:
                         problem = (f"--out: {self.path} is in use by a run still writing to it "
@@ -236,16 +205,14 @@ class RunFolder:
         return handle
 
     def _find_save(self, mode):
-        """The validated save to resume from, or None.
-
-        None is a fresh run, checked not to take another run's folder."""
+        """The validated save to resume from, or None (a fresh run, never another run's folder)."""
         found = complete_saves(self.path)
         if mode is None:
-            check_fresh_run_folder(self.path, self.config)  # never another run's folder
+            check_fresh_run_folder(self.path, self.config)
             return None
         if not found:
             if mode == "auto" or (self.path / "attempts.json").exists():
-                if another_runs_attempts(self.path, self.config):  # no save: these must be ours
+                if foreign_attempts(self.path, self.config, strict=False):
                     raise SaveError(f"--resume: {self.path} holds another run's attempts.json "
                                     "and no save to resume; choose another --out")
                 return None  # nothing saved yet: the run starts again from step 0
@@ -253,12 +220,13 @@ class RunFolder:
                             "(use --resume auto to start fresh)")
         try:
             saved = Saved(found[-1]).validate()
-            planned = {**self.config, "train": {**self.config["train"], "steps": None}}
             mine = saved.meta["config"]
-            check_config({**mine, "train": {**mine.get("train", {}), "steps": None}}, planned,
-                         f"{found[-1]} ")
+            found_difference = first_difference(_plain(mine), _plain(self.config))
         except SaveError as e:
             raise SaveError(f"--resume: {e}") from None
+        if found_difference:
+            key, x, y = found_difference
+            raise SaveError(f"--resume: {found[-1]} has {key}={x!r}, this run has {key}={y!r}")
         steps = self.config["train"]["steps"]
         if saved.step > steps:
             raise SaveError(f"--steps: the newest save, {found[-1]}, is at step {saved.step}, "
@@ -270,9 +238,8 @@ class RunFolder:
 
     # ---------------------------------------------------------------- the run
     def start(self, wrapper, opt, scaler, weights=None):
-        """Loads the save (any layout), or the Hugging Face weights on a fresh start.
-
-        It records the attempt, and returns the step to continue from."""
+        """Loads the save (any layout), or the Hugging Face weights on a fresh start; records the
+        attempt; returns the step to continue from."""
         if self.saved is None and weights is not None:
             self.step = start_from(weights, wrapper, opt, self.rank)
         else:
@@ -301,9 +268,7 @@ class RunFolder:
         self.attempts.progress(step)
 
     def save(self, step, wrapper, opt, scaler):
-        """Saves, sync or async; returns the seconds training stalled.
-
-        A failed save stops the run: TrainingFailure."""
+        """Saves, sync or async; returns the seconds training stalled (TrainingFailure if not)."""
         header = {"config": self.config, "layout": self.layout, "scaler": scaler.state_dict()}
         try:
             stall = self.saver.save(step, wrapper, opt, header)
@@ -317,25 +282,23 @@ class RunFolder:
         return stop_run(NonFiniteLoss(step, loss, grad_norm), self.saver, self.attempts, self.path)
 
     def interrupted(self):
-        """Ctrl-C: records the attempt as interrupted; returns a line saying where the run stopped.
+        """Ctrl-C: records the attempt; returns a line saying where the run stopped.
 
-        No collective runs: every rank was interrupted wherever it was. An async save in flight
-        is left to the next resume, which removes its temp folder."""
-        if self.saver is not None:
-            self.attempts.end(f"interrupted after step {self.step}")
-        good = last_good_save(self.path)
-        self.close()
-        return f"interrupted after step {self.step}; the newest save is {good or 'none'}"
+        No collective runs; an async save in flight is left to the next resume to remove."""
+        return self._stop(f"interrupted after step {self.step}",
+                          f"interrupted after step {self.step}; the newest save is")
 
     def hung(self, what):
-        """A collective timed out (`what` names it): records the attempt as failed.
+        """A collective timed out (`what` names it): records the failure; returns the line."""
+        return self._stop(f"failed: {what}", f"{what}; stopped, the newest save is")
 
-        No collective runs, since a peer does not answer. Returns the line to stop with."""
+    def _stop(self, status, line):
+        """Records status (no collective: a peer may not answer); the line with the newest save."""
         if self.saver is not None:
-            self.attempts.end(f"failed: {what}")
+            self.attempts.end(status)
         good = last_good_save(self.path)
         self.close()
-        return f"{what}; stopped, the newest save is {good or 'none'}"
+        return f"{line} {good or 'none'}"
 
     def finish(self):
         """Waits for the last async save, records the attempt as done, releases the folder."""
@@ -347,22 +310,16 @@ class RunFolder:
         self.close()
 
     def close(self):
-        """Releases the lock; removes what the checks created if the run never started."""
+        """Releases the lock; removes the folders the checks made if the run never started."""
         unlock_folder(self.lock)
         self.lock = None
-        for p in reversed(getattr(self, "created", [])):
-            if p.is_file():
-                p.unlink(missing_ok=True)
-            elif p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
+        remove_created(getattr(self, "created", []))
         self.created = []
 
 
 def check_out(path):
-    """What makes `path` unfit to be a run folder, in one line; "" if nothing.
-
-    It may lie inside a save folder (or a folder named like one). Or a file a run writes there
-    may be a link that leads out of it, a folder or a FIFO."""
+    """What makes `path` unfit to be a run folder, in one line: inside a save folder, or a file
+    a run writes there that is a link out of it, a folder or a FIFO; "" if nothing."""
     real = Path(os.path.realpath(path))
     for inside in (real, *real.parents):
         if SAVE.match(inside.name) or inside.name.startswith((".tmp_step_", ".del_step_")):
@@ -388,55 +345,72 @@ def holder(path):
         return "another process"
 
 
-def run_identity(config):
-    """The run a folder's attempts belong to: a hash of its config, --steps aside.
+def _plain(config):
+    """The config as --resume compares it: --steps aside, since a longer run is the same run."""
+    return {**config, "train": {**config.get("train", {}), "steps": None}}
 
-    The config is model, data and optimization, as --resume compares them.
-    A longer run is the same run."""
-    plain = {**config, "train": {**config.get("train", {}), "steps": None}}
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+def run_identity(config):
+    """The run a folder's attempts belong to: a hash of its config (model, data, optimization)."""
+    text = json.dumps(_plain(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def foreign_attempts(path, config, strict):
+    """Whether attempts.json holds records of another run than config's. strict (a fresh run):
+    an unreadable file or a record without an identity counts as another run's; else not."""
+    try:
+        records = json.loads(read_text(Path(path) / "attempts.json"))
+    except (OSError, ValueError):
+        return strict  # else Attempts reads it next, and says what is wrong with it
+    mine = run_identity(config)
+    if strict:
+        return not (isinstance(records, list) and records and
+                    all(isinstance(r, dict) and r.get("run") == mine for r in records))
+    return isinstance(records, list) and any(isinstance(r, dict) and r.get("run", mine) != mine
+                                             for r in records)
 
 
 def holds_a_run(path, config=None):
-    """Whether `path` holds another run's work, which a fresh run would prune, mix or overwrite.
-
-    That is a save (any step_* folder), or attempts (attempts.json) not all this run's.
-    This run is the identity of `config`; with config None, any attempts count.
-    A run stopped before its first save holds only its own attempts, so the same run started
-    again takes its folder back. Leftovers of killed saves (.tmp_*, .del_*) hold nothing loadable
-    and do not count. It only reads."""
+    """Whether `path` holds work a fresh run of config would prune, mix or overwrite: a save, or
+    attempts not all this run's (any, with config None). Leftovers of killed saves do not count."""
     path = Path(path)
     if any(path.glob("step_*")):
         return True
     if not (path / "attempts.json").exists():
         return False
-    if config is None:
-        return True
-    try:
-        records = json.loads(read_text(path / "attempts.json"))
-    except (OSError, ValueError):
-        return True
-    mine = run_identity(config)
-    return not (isinstance(records, list) and records and
-                all(isinstance(r, dict) and r.get("run") == mine for r in records))
+    return config is None or foreign_attempts(path, config, strict=True)
 
 
-def another_runs_attempts(path, config):
-    """Whether attempts.json holds a record that names another run (records from before runs had
-    identities name none, and may be this run's)."""
-    try:
-        records = json.loads(read_text(Path(path) / "attempts.json"))
-    except (OSError, ValueError):
-        return False  # Attempts reads it next, and says what is wrong with it
-    mine = run_identity(config)
-    return isinstance(records, list) and any(isinstance(r, dict) and r.get("run", mine) != mine
-                                             for r in records)
+def first_difference(a, b, prefix=""):
+    """(key, a's value, b's value) of the first key where two configs differ, or None."""
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            found = first_difference(x, y, f"{prefix}{key}.")
+            if found:
+                return found
+        elif x != y:
+            return f"{prefix}{key}", x, y
+    return None
+
+
+def resume(saved, wrapper, opt, scaler, layout, rank):
+    """Loads a save made in any layout into this one; returns the step to continue from (0
+    without a save)."""
+    if saved is None:
+        return 0
+    same_layout = saved.meta["layout"] == layout  # else resharding: a rank's RNG has no counterpart
+    load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
+    scaler.load_state_dict(saved.meta["scaler"])
+    if rank == 0:
+        print(f"resumed from {saved.path} "
+              f"(step {saved.step}{'' if same_layout else ', resharded'})", flush=True)
+    return saved.step
 
 
 def check_fresh_run_folder(run_dir, config=None):
-    """For a run started without --resume: SaveError if run_dir holds another run's work.
-
-    holds_a_run decides. It only reads."""
+    """For a run started without --resume: SaveError if run_dir holds another run's work."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return

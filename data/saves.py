@@ -1,7 +1,5 @@
 """Saves of a run: what train.py writes to disk and reads back, in any layout.
 
-Activation checkpointing recomputes activations in backward and writes nothing: parallel/ckpt.py.
-
     RUN/step_0000100/        one complete save (the step, 7 digits)
         meta.json            rank 0: format (3), step, config, layout, loss scaler, Adam's step
                              count, every rank's RNG states, and the size of every file. For every
@@ -14,43 +12,18 @@ Activation checkpointing recomputes activations in backward and writes nothing: 
     RUN/attempts.json        one record per attempt of the run (run.py)
     RUN/metrics.jsonl, RUN/.lock   train.py's metrics; who holds the folder (run.py)
 
-Writing.
-Sharded saves: every rank writes only what it owns.
-
 A piece is the run of elements [start, start + numel) of the flattened tp block
-`tp` = [dim, rank, world] of a global tensor, or of the whole tensor when tp is null.
-It is a DDP param or an FSDP shard segment. Adam's state maps like its param.
-Every element has one writer: DDP replicas over dp x cp, HSDP replicas and tp-replicated norms
-are written once. So a save is 12 bytes per parameter in all, whatever the layout.
-Each buffer's CRC-32 is taken as it is written (integrity.py).
+`tp` = [dim, rank, world] of a global tensor (or of the whole tensor when tp is null): a DDP
+param or an FSDP shard segment, and Adam's state with it. Every element has one writer, so a
+save is 12 bytes per parameter in any layout. The ranks write into RUN/.tmp_step_STEP_ID/; rank 0
+merges their indexes into meta.json, writes `complete` and renames the folder to step_STEP.
+--async-save writes a CPU copy from a thread. A save that fails on any rank (a full disk) stops
+every rank alike with SaveFailed (exit 3), naming the newest save that verifies.
 
-Atomic. The ranks write into RUN/.tmp_step_STEP_ID/. Rank 0 merges their indexes into meta.json,
-writes `complete`, then renames the folder to step_STEP. Resume ignores anything else and
-removes it. The newest --keep saves stay.
---async-save copies the pieces to CPU memory (the stall); then a thread writes them while
-training goes on. Rank 0's thread waits for every rank's index file, then finalizes.
-No collective runs off the main thread.
-
-A save that fails stops every rank alike: a full disk, an OSError on any rank in its own write
-or in rank 0's finalize. The ranks agree by an all-reduce of a failure code, after the writes
-and after rank 0's finalize. For an async save that is on the training thread, at the next
-save() or wait(). Rank 0 removes the temp folder. Every rank raises SaveFailed (exit 3), naming
-the newest save that verifies; the failed save never touched it.
-
-Loading.
-Loading a save (write.py) into any layout: resuming is resharding.
-
-Take each piece this rank now holds (a Piece: a tp block of a global tensor, or a flat range
-of one), for the param and each Adam moment. If the save split that tensor over tp the same way,
-read exactly the overlapping byte ranges of the saved pieces. So a same-layout resume, or a
-dp/fsdp/hsdp reshard, reads each byte once. Otherwise assemble the full global tensor from its
-saved pieces, cut the new piece out, and drop it. No rank holds more than one full tensor beyond
-its own shard. Export and sampling read full tensors one at a time.
-
-Nothing is trusted unchecked (integrity.py): meta.json's keys and file names when a save is
-opened, the file sizes in validate(), and the CRC-32 of every piece as it is read. A resume
-agrees over all ranks on whether every rank's reads passed. So all of them stop alike,
-with the same one line naming the file.
+Loading takes each piece a rank now holds: from the overlapping byte ranges when the save split
+that tensor over tp the same way (a same-layout resume or a dp/fsdp reshard reads each byte
+once), else cut from the full tensor. Each piece read is checked against its CRC-32, and the
+ranks agree on whether every read passed.
 """
 import contextlib
 import json
@@ -59,25 +32,18 @@ import random
 import shutil
 import threading
 import time
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data import SaveError, TrainingFailure
-from data.files import fsync_dir, open_regular, read_text, write_json
-from data.integrity import (
-    DTYPES,
-    FORMAT,
-    SAVE,
-    check_files,
-    check_meta,
-    corrupt,
-    crc32,
-    piece_seed,
-    seed_of,
-)
-from data.integrity import verify as verify_files
+from data import DataError, SaveError, TrainingFailure, integrity
+from data.files import fsync_dir, open_regular, read_json, write_json
+from data.integrity import DTYPES, FORMAT, SAVE, check_meta, corrupt, piece_seed, seed_of
+from data.tokenizer import get_tokenizer
+from model import GPT, config_from_dict
 from parallel.comm import all_reduce_max
 
 ADAM = ("exp_avg", "exp_avg_sq")
@@ -94,9 +60,7 @@ def complete_saves(run_dir):
 
 
 def remove_incomplete(run_dir):
-    """Removes saves killed mid-write (.tmp_*), half-deleted (.del_*), or without `complete`.
-
-    Rank 0 calls it."""
+    """Rank 0 removes saves killed mid-write (.tmp_*), half-deleted (.del_*), not `complete`."""
     for p in Path(run_dir).glob("*step_*"):
         if p.is_symlink():
             continue  # a link: what it leads to is not this run's to delete
@@ -106,9 +70,7 @@ def remove_incomplete(run_dir):
 
 
 def _retire(path):
-    """Deletes a save folder. It is renamed first, so it is never seen half-deleted under its name.
-
-    A link is left alone: what it leads to is not this run's to delete."""
+    """Deletes a save folder, renamed first: never seen half-deleted under its name."""
     if path.is_symlink():
         return
     trash = path.with_name(f".del_{path.name}_{os.getpid()}")
@@ -128,17 +90,14 @@ def prune(run_dir, keep):
 def last_good_save(run_dir, group=None, device="cpu"):
     """The newest complete save whose meta.json, sizes and checksums verify, or None.
 
-    A failed run names it to go back to. With `group`, every rank of it calls this and reads
-    a share of each save's files: usually the cost of one rank's part of one save.
-    One all-reduce per save tried agrees on the answer."""
+    With `group` every rank of it calls this, reads a share of each save's files, and one
+    all-reduce per save tried agrees on the answer."""
     rank, size = (group.rank, group.size) if group is not None else (0, 1)
     for path in reversed(complete_saves(run_dir)):
         bad = 0.0
         try:
-            meta = json.loads(read_text(path / "meta.json"))
-            check_meta(meta, path / "meta.json")
-            check_files(path, meta)
-            verify_files(path, meta, files=sorted(meta["files"])[rank::size])
+            saved = Saved(path).validate()
+            saved.verify(files=sorted(saved.meta["files"])[rank::size])
         except (OSError, ValueError, SaveError):
             bad = 1.0
         if (bad if group is None else all_reduce_max(group, bad, device)) == 0:
@@ -193,9 +152,7 @@ def written_pieces(wrapper, opt, copy):
 
 
 def write_rank(folder, rank, pieces, rank_info):
-    """Writes this rank's bytes, if any, then its index: atomically and last, the sign it is done.
-
-    Each buffer's CRC-32 starts from what the buffer is (piece_seed)."""
+    """Writes this rank's bytes, if any, then its index: atomically, last, the sign it is done."""
     folder.mkdir(parents=True, exist_ok=True)
     name, index, pos = f"rank{rank:05d}.bin", [], 0
     with open(folder / name, "wb") if pieces else contextlib.nullcontext() as f:
@@ -205,7 +162,7 @@ def write_rank(folder, rank, pieces, rank_info):
                 data = t.contiguous().view(torch.uint8).numpy()
                 f.write(data.data)
                 seed = piece_seed(piece.name, kind, piece.tp_shard, piece.offset, numel)
-                offsets[kind], crcs[kind], pos = pos, crc32(data, seed), pos + data.nbytes
+                offsets[kind], crcs[kind], pos = pos, zlib.crc32(data, seed), pos + data.nbytes
             index.append({"name": piece.name, "shape": global_shape(piece),
                           "dtype": str(t.dtype).split(".")[1],
                           "tp": piece.tp_shard, "start": piece.offset, "numel": numel,
@@ -218,10 +175,9 @@ def write_rank(folder, rank, pieces, rank_info):
 
 
 def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
-    """Rank 0, once every rank's index is there: merge them into meta.json, mark, publish, prune.
-
-    Returns the published folder. OSError if it cannot: a full disk, or an index missing after
-    wait_s. Once `abort` is set (another rank's part failed) it publishes nothing: None."""
+    """Rank 0, once every rank's index is there: merges them into meta.json, marks, publishes
+    and prunes; returns the save. OSError if it cannot; None once `abort` is set (another rank
+    failed)."""
     indexes = [folder / f"rank{r:05d}.json" for r in range(world)]
     deadline = time.time() + wait_s
     while not all(p.exists() for p in indexes):
@@ -293,9 +249,8 @@ ERRNO_SLOT = 1 << 16  # failure code errno * ERRNO_SLOT + rank + 1: exact in a f
 class Saver:
     """save() writes this rank's pieces and returns the seconds training stalled for it.
 
-    It is synchronous (a barrier, then rank 0 finalizes), or with async_save a background thread
-    writes a CPU snapshot. A failed save raises SaveFailed on every rank: in save() itself (sync),
-    or at the next save() or wait() (async)."""
+    Sync: a barrier, then rank 0 finalizes. Async: a thread writes a CPU snapshot. A failed save
+    raises SaveFailed on every rank, in save() (sync) or at the next save() or wait() (async)."""
 
     def __init__(self, run_dir, mesh, device, keep=2, async_save=False, run_id=0):
         self.run_dir, self.mesh, self.device, self.keep = Path(run_dir), mesh, device, keep
@@ -327,9 +282,7 @@ class Saver:
         return time.perf_counter() - t0
 
     def _write(self, job, pieces, rank_info):
-        """Writes this rank's part.
-
-        On rank 0 an async save's thread then waits for every index, and finalizes."""
+        """Writes this rank's part; on rank 0 an async save's thread then finalizes."""
         try:
             write_rank(job.folder, self.mesh.global_rank, pieces, rank_info)
         except Exception as e:  # noqa: BLE001 - reported on every rank's training thread (_settle)
@@ -348,10 +301,8 @@ class Saver:
             self._settle(job)
 
     def _settle(self, job):
-        """On every rank's training thread: agree whether each rank's write worked (a barrier too).
-
-        Then rank 0 finalizes (sync), or its thread is waited for (async). The ranks agree on that
-        too, and clean up on a failure."""
+        """On every rank's training thread: agree whether each rank's write, then rank 0's
+        finalize, worked (barriers too); on a failure, clean up and raise SaveFailed."""
         rank = self.mesh.global_rank
         job.written.wait()
         own = job.error
@@ -401,9 +352,7 @@ class Saver:
 
 
 def agree_on_run_id(mesh, device):
-    """A random id all ranks share; it names this attempt's temp folders.
-
-    The all-reduce is also a barrier."""
+    """A random id all ranks share, naming this attempt's temp folders (a barrier too)."""
     return int(all_reduce_max(mesh.world_group, int.from_bytes(os.urandom(3), "little"), device))
 
 
@@ -424,25 +373,19 @@ class FileError(SaveError):
 class Saved:
     """One complete save on disk. tensor(name, kind) assembles a full global tensor from pieces."""
 
-    def __init__(self, path):
+    def __init__(self, path, meta=None):
         self.path = Path(path)
-        where = self.path / "meta.json"
-        try:
-            self.meta = json.loads(read_text(where))
-        except OSError as e:  # missing, a FIFO, unreadable
-            raise SaveError(f"cannot read {where}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise SaveError(f"cannot read {where}: {type(e).__name__}: {e}") from None
-        check_meta(self.meta, where)
+        if meta is None:  # else a folder read as a save (hf.py), whose meta its reader checked
+            meta = read_json(self.path / "meta.json", SaveError)
+            check_meta(meta, self.path / "meta.json")
+        self.meta = meta
         self.step, self.tensors = self.meta["step"], self.meta["tensors"]
         # verified: the pieces whose CRC-32 passed on this rank
         self.checked, self.verified = self.meta["format"] >= 2, set()
 
     def _fill(self, out, name, p, kind, first=0):
-        """Reads elements [first, first + out.numel()) of saved piece p of `name` into 1-D out.
-
-        A whole piece is checked against its CRC-32. A part of one is cut from the whole piece,
-        which is read and checked once."""
+        """Reads elements [first, first + out.numel()) of saved piece p into 1-D out; a part of a
+        piece is cut from the whole, read and checked against its CRC-32 once."""
         whole = first == 0 and out.numel() == p["numel"]
         key = (p["file"], p["offsets"][kind])
         if self.checked and not whole and key not in self.verified:
@@ -460,27 +403,26 @@ class Saved:
         if n != out.numel() * out.element_size():
             raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
         if self.checked and whole and key not in self.verified:
-            if crc32(out, seed_of(self.meta, name, kind, p)) != p["crc32"][kind]:
+            crc = zlib.crc32(out.view(torch.uint8).numpy(), seed_of(self.meta, name, kind, p))
+            if crc != p["crc32"][kind]:
                 raise FileError(corrupt(self.path, p["file"]), p["file"], 0)
             self.verified.add(key)
 
     def validate(self):
         """Each file has its recorded size and its pieces tile it; each tensor's pieces cover it."""
-        check_files(self.path, self.meta)
+        integrity.check_files(self.path, self.meta)
         return self
 
-    def verify(self, kinds=None):
-        """Reads every piece of `kinds` (default: all) and checks its CRC-32.
-
-        This comes before trusting a save wholesale."""
-        verify_files(self.path, self.meta, kinds=kinds)
+    def verify(self, kinds=None, files=None):
+        """Reads every piece of `kinds` in `files` (default: all) and checks its CRC-32."""
+        integrity.verify(self.path, self.meta, files, kinds)
         return self
 
     def tensor(self, name, kind="param"):
         """The full tensor, read piece by piece: each tp block is filled through one flat buffer."""
         info = self.tensors[name]
         dtype = DTYPES[info["dtype"]]
-        full = torch.empty(info["shape"], dtype=dtype)
+        full = torch.zeros(info["shape"], dtype=dtype)  # rows no piece covers: hf.py's padding
         blocks = {}
         for p in info["pieces"]:
             blocks.setdefault(tuple(p["tp"] or ()), []).append(p)
@@ -495,20 +437,17 @@ class Saved:
         return full
 
     def read(self, piece, kind):
-        """The piece's elements.
-
-        Saved with the same tp split, they are read straight from the files: a resume in the same
-        layout, or a dp/fsdp reshard, reads each byte once. Else they are cut from the assembled
-        full tensor."""
+        """The piece's elements: read from the files if saved with the same tp split, else cut
+        from the full tensor."""
         info = self.tensors[piece.name]
         if info["shape"] != global_shape(piece):
             raise SaveError(f"{self.path}: {piece.name} has shape {info['shape']}, "
-                                  f"this model has {global_shape(piece)}")
+                            f"this model has {global_shape(piece)}")
         split = piece.tp_shard and (piece.tp_shard[0], piece.tp_shard[2])  # (dim, world), or None
         if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
             return cut(self.tensor(piece.name, kind), piece)
         start, n = piece.offset, piece.end - piece.start
-        out = torch.empty(n, dtype=DTYPES[info["dtype"]])
+        out = torch.zeros(n, dtype=DTYPES[info["dtype"]])
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])
             if hi > lo and (p["tp"] is None or p["tp"][1] == piece.tp_shard[1]):
@@ -527,13 +466,11 @@ def cut(full, piece):
 
 @torch.no_grad()
 def load(saved, wrapper, opt, rng_of_rank=None, flag="--resume"):
-    """Fills this rank's params and Adam state from a save made in any layout.
+    """Every rank fills its params and Adam state from a save made in any layout (rng_of_rank:
+    whose RNG states to restore, or None), holding one full tensor at a time at most.
 
-    It holds at most one full tensor at a time. rng_of_rank is whose RNG states to restore
-    (same layout), or None. Every rank calls it. Then one all-reduce over wrapper.mesh agrees on
-    whether every rank's reads passed. So a corrupt file found by one rank stops all of them with
-    the same SaveError naming the file, on rank 0 too. `saved` may be anything with a Saved's path,
-    meta["files"], meta["optimizer"]["kinds"], tensors and read(), as hf.py's reader has."""
+    One all-reduce agrees on whether every rank's reads passed, so a corrupt file found by one
+    stops all with the same SaveError naming it."""
     pieces, mesh = wrapper.owned_pieces(), getattr(wrapper, "mesh", None)
     rank, names = mesh.global_rank if mesh else 0, sorted(saved.meta["files"])
     code, error = 0, None
@@ -585,39 +522,6 @@ def _load(saved, pieces, opt, rng_of_rank):
                             f"({type(e).__name__}: {e})") from None
 
 
-def resume(saved, wrapper, opt, scaler, layout, rank):
-    """Loads a save made in any layout into this one; returns the step to continue from.
-
-    Without a save that step is 0."""
-    if saved is None:
-        return 0
-    same_layout = saved.meta["layout"] == layout  # else resharding: a rank's RNG has no counterpart
-    load(saved, wrapper, opt, rng_of_rank=rank if same_layout else None)
-    scaler.load_state_dict(saved.meta["scaler"])
-    if rank == 0:
-        print(f"resumed from {saved.path} "
-              f"(step {saved.step}{'' if same_layout else ', resharded'})", flush=True)
-    return saved.step
-
-
-def check_config(saved, current, where=""):
-    """Refuses to resume under another model, data or optimization config; names the change."""
-    def first_difference(a, b, prefix=""):
-        for key in sorted(set(a) | set(b)):
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, dict) and isinstance(y, dict):
-                found = first_difference(x, y, f"{prefix}{key}.")
-                if found:
-                    return found
-            elif x != y:
-                return f"{prefix}{key}", x, y
-        return None
-    found = first_difference(saved, current)
-    if found:
-        key, x, y = found
-        raise SaveError(f"{where}has {key}={x!r}, this run has {key}={y!r}")
-
-
 # ---------------------------------------------------------------- export and sampling
 
 class LazyTensor:
@@ -633,10 +537,8 @@ class LazyTensor:
 
 
 def check_layers(cfg, tensors, where):
-    """SaveError unless the config's n_layer is the number of layers the save holds tensors of.
-
-    It runs before a model of the config is built: building one of 10^6 layers,
-    even on the meta device, would run for hours."""
+    """SaveError unless cfg's n_layer is the number of layers the save holds tensors of: checked
+    before a model of cfg is built, which for 10^6 layers takes hours even on the meta device."""
     held = {name.split(".")[1] for name in tensors
             if name.startswith("layers.") and name.count(".") >= 2}
     if cfg.n_layer != len(held):
@@ -644,17 +546,51 @@ def check_layers(cfg, tensors, where):
                         f"the save holds tensors of {len(held)} layer{'s' * (len(held) != 1)}")
 
 
-def model_tensors(run_dir, verify=True):
-    """(run config, {global name: LazyTensor}) of run_dir's newest complete save, or of that save.
+def model_shapes(cfg):
+    """{name: shape} of the parameters of a model of cfg, in its order (tied: no lm_head)."""
+    with torch.device("meta"), warnings.catch_warnings():  # shapes only; a zero-size one would warn
+        warnings.simplefilter("ignore")
+        return {name: p.shape for name, p in GPT(cfg).named_parameters()}
 
-    With verify the params' CRC-32 is checked now, so sampling finds a bad file before anything
-    runs. Else each LazyTensor checks its pieces as it reads them: export makes one pass."""
-    run_dir = Path(run_dir)
-    path = (run_dir if (run_dir / "complete").exists()
-            else (complete_saves(run_dir) or [None])[-1])
+
+def check_tensors(cfg, tensors, where):
+    """The tensors in the model's order (so every layout exports the same bytes); SaveError
+    naming `where` unless they are cfg's model's."""
+    shapes = model_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in tensors or tensors[name].shape != shape:
+            found = f"shape {list(tensors[name].shape)}" if name in tensors else "no such tensor"
+            raise SaveError(f"{where}: its config's model needs {name} of shape {list(shape)}, "
+                            f"the save has {found}")
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        raise SaveError(f"{where}: the save has {extra[0]}, "
+                        "which its config's model has no place for")
+    return {name: tensors[name] for name in shapes}
+
+
+def read_model(run, verify=True):
+    """(ModelConfig, tokenizer, {name: LazyTensor} in the model's order, save folder) of the
+    newest complete save in `run`, or of `run` if it is one: what export and sampling read.
+
+    SaveError names its meta.json unless it is a whole model of its config. With verify the
+    params' CRC-32 is checked now, so sampling finds a bad file before anything runs. Else each
+    LazyTensor checks its pieces as it is read: export makes one pass."""
+    run = Path(run)
+    path = run if (run / "complete").exists() else (complete_saves(run) or [None])[-1]
     if path is None:
-        raise SaveError(f"no complete save in {run_dir}")
-    saved = Saved(path).validate()
+        raise SaveError(f"no complete save in {run}")
+    saved, where = Saved(path).validate(), path / "meta.json"
     if verify:
         saved.verify(kinds=["param"])
-    return saved.meta["config"], {name: LazyTensor(saved, name) for name in saved.tensors}
+    config = saved.meta["config"]
+    try:
+        cfg = config_from_dict(config["model"])
+        enc = get_tokenizer(config["tokenizer"], config.get("tokenizer_file"))
+    except (TypeError, ValueError) as e:
+        raise SaveError(f"{where}: {e}".replace("\n", " ")) from None
+    except DataError as e:
+        raise SaveError(f"{where}: the run's tokenizer: {e}") from None
+    tensors = {name: LazyTensor(saved, name) for name in saved.tensors}
+    check_layers(cfg, tensors, where)
+    return cfg, enc, check_tensors(cfg, tensors, where), path

@@ -1,34 +1,19 @@
 """Token shards from your own text: `python -m data.prepare text PATH... --tokenizer NAME`.
 
-Documents. The files are those corpus.py finds: regular files named, and files in folders
-whose name matches a glob (default *.txt and *.jsonl). Each is read once, never the output
-folder; what is skipped is counted by kind and reported at the end. A text file is one document.
-A .jsonl file holds one per line: the string field `text_key` of a JSON object (blank lines
-are skipped). Each document's tokens are followed by the end-of-text token; empty documents
-are left out. Invalid UTF-8 becomes U+FFFD, as bytes.decode(errors="replace") does, and is counted.
+Documents are the files corpus.py finds: a text file is one, a .jsonl file one per line (the
+string field `text_key`). Each ends with the end-of-text token; empty ones are left out. Invalid
+UTF-8 becomes U+FFFD, as errors="replace" does, and is counted. A document goes to val when a
+hash of (seed, its file's name, its byte offset) falls below val_fraction.
 
-Split. A document goes to val when a hash of (seed, its file's name, its byte offset) falls
-below val_fraction. The split is the same for any number of workers, with no counting pass.
-
-Parallel and streaming. The files are cut by byte ranges into units of about `unit_bytes`.
-A .jsonl range holds the lines that start in it. A text range starts and ends at a cut: a line
-start with a non-space ASCII character and its newline before it, an ASCII letter or digit
-after. Every tiktoken pre-tokenizer (and that of .tiktoken files) ends a piece there anyway,
-so the tokens equal those of the whole document. A file with no such line start is one unit.
-Worker processes read and tokenize units, a few per worker in flight at most. The main process
-writes their tokens in unit order into shards of `shard_tokens` tokens. So the shards are
-byte-identical for any number of workers, and the corpus is never in memory. Shards are uint32
-when the vocabulary exceeds 65535, else uint16.
-
-Output. The shards and meta.json are written into a hidden folder beside out_dir, which takes
-its place only when complete (staging.py). A failure or an interruption leaves a previous data
-set as it was. An out_dir holding anything but a text data set is refused untouched.
-
-meta.json, written last, holds: the tokenizer (its name, or a file's "sha256:..." and path),
-vocab_size, eot, each split's document and token counts, max_token_id, each shard's size,
-fingerprint (loader.py) and largest id, and where the text came from.
+The files are cut into units of about `unit_bytes`: a .jsonl range holds the lines that start in
+it, a text range starts and ends at a cut (CUT), where every tiktoken pre-tokenizer ends a piece
+anyway. Worker processes tokenize units, a few each in flight; the main process writes their
+tokens in unit order into shards of `shard_tokens` (uint32 past 65535 ids, else uint16). So the
+split and the shards are byte-identical for any number of workers, and the corpus is never in
+memory. The set is built beside out_dir and swapped in when complete (files.staged).
 """
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -43,14 +28,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data import DataError, TrainingFailure
 from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
-from data.files import write_json
-from data.loader import HEADER_INTS, MAGIC_DTYPE, VERSION, DataError, fingerprint
-from data.staging import owned_by, staged
+from data.files import check_replaceable, owned_by, staged, write_json
+from data.loader import HEADER_BYTES, fingerprint, shard_header
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 
 UNIT_BYTES = 1 << 20
-CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")  # a cut lies after the newline
+# a cut: after a non-space ASCII character and its newline, before an ASCII letter or digit
+CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")
 SURROGATE = re.compile("[\ud800-\udfff]")
 PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
 
@@ -71,19 +57,9 @@ def plan_units(files, unit_bytes=UNIT_BYTES):
 
 
 def decode(data):
-    """(text, invalid sequences replaced); each becomes one U+FFFD, as errors="replace" does."""
-    try:
-        return data.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        pass
-    parts, replaced, pos, view = [], 0, 0, memoryview(data)
-    while True:
-        try:
-            parts.append(str(view[pos:], "utf-8"))
-            return "".join(parts), replaced
-        except UnicodeDecodeError as e:  # e.start, e.end: the bad bytes, relative to pos
-            parts += [str(view[pos:pos + e.start], "utf-8"), "\ufffd"]
-            replaced, pos = replaced + 1, pos + e.end
+    """(text, invalid sequences replaced), as errors="replace" decodes: one U+FFFD each."""
+    text = data.decode("utf-8", "replace")
+    return text, text.count("\ufffd") - data.count(b"\xef\xbf\xbd")  # EF BF BD: a valid U+FFFD
 
 
 def next_cut(f, pos, size):
@@ -145,9 +121,7 @@ class Tokenizing:
         return arrays[0], arrays[1], counts
 
     def text_range(self, f, start, end, size):
-        """The file's one document, from the cut at start to the cut at end.
-
-        Yields (offset 0, its text, whether the document ends there, invalid sequences replaced)."""
+        """(0, text, whether the document ends, replaced) between the cuts at start and at end."""
         first, last = next_cut(f, start, size), next_cut(f, end, size)
         if last > first:
             f.seek(first)
@@ -185,10 +159,9 @@ _job = None  # in a worker process: its Tokenizing, made once by the pool's init
 
 
 def _start_worker(*job_args):
-    """A worker ignores Ctrl-C: the main process stops handing out work, waits for those in flight.
+    """A worker ignores Ctrl-C (the main process stops handing out work and waits for it).
 
-    A terminal sends SIGINT to every process of its group. SIGTERM and SIGHUP end a worker
-    as by default, not through the main process's handlers from prepare.py that fork copies."""
+    SIGTERM and SIGHUP end it as by default, not through the handlers a fork copies."""
     global _job
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -198,12 +171,9 @@ def _start_worker(*job_args):
 
 
 def _submit(pool, unit):
-    """pool.submit(_run_unit, unit) with SIGINT blocked in this thread.
+    """pool.submit(_run_unit, unit) with SIGINT blocked: workers forked here inherit the mask.
 
-    A forking pool forks its workers inside the first submit, and each inherits the mask.
-    So a Ctrl-C while a worker starts up, before _start_worker ignores it, waits. It does not
-    raise KeyboardInterrupt there, a traceback on the console. This process gets it as soon
-    as the mask is restored."""
+    So a Ctrl-C while one starts up waits for this process, not a traceback in the worker."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return pool.submit(_run_unit, unit)
@@ -215,8 +185,8 @@ def _run_unit(unit):
     return _job(unit)
 
 
-class WorkerLost(Exception):
-    """A tokenizing worker was killed by a signal (the out-of-memory killer, say); not bad input."""
+class WorkerLost(TrainingFailure):
+    """A tokenizing worker was killed by a signal (the out-of-memory killer, say): exit 3."""
 
 
 def usable_cores():
@@ -225,9 +195,7 @@ def usable_cores():
 
 
 def tokenized_units(units, job_args, workers):
-    """The results of the units, in order, from `workers` processes (in this process when 1).
-
-    WorkerLost if one of them dies."""
+    """The units' results, in order, from `workers` processes (this one when 1); WorkerLost."""
     if workers == 1:
         yield from map(Tokenizing(*job_args), units)
         return
@@ -275,7 +243,7 @@ class Shards:
     def open(self):
         self.tmp = self.out_dir / f".{PREFIX}_{self.split}_{len(self.done):06d}.bin.tmp"
         self.file, self.count, self.top = open(self.tmp, "wb"), 0, -1
-        self.file.write(bytes(4 * HEADER_INTS))  # the header, filled in when the shard is complete
+        self.file.write(bytes(HEADER_BYTES))  # the header, filled in when the shard is complete
 
     def finish(self):
         """Completes the last shard (an empty one if the split has no tokens)."""
@@ -285,11 +253,8 @@ class Shards:
             self.close()
 
     def close(self):
-        magic = next(m for m, d in MAGIC_DTYPE.items() if d == self.dtype)
-        header = np.zeros(HEADER_INTS, dtype="<i4")
-        header[:3] = magic, VERSION, self.count
         self.file.seek(0)
-        self.file.write(header.tobytes())
+        self.file.write(shard_header(self.dtype, self.count))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -307,9 +272,8 @@ class Shards:
 
 
 def worker_count(asked, units):
-    """The worker processes to start: `asked`, or as many as useful when None.
+    """`asked` workers (None: as many as useful), never more than the units or the cores.
 
-    Never more than the units of work or the cores, since more only share them.
     A note says so when that is fewer than asked."""
     cores = usable_cores()
     useful = min(units, cores)
@@ -325,9 +289,8 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
                  unit_bytes=UNIT_BYTES):
     """Tokenizes the documents under `paths` into out_dir; returns meta.json's content.
 
-    `workers` processes tokenize (None: one per core), never more than the units or the cores.
-    Bad input raises DataError with a one-line message (ValueError for an unknown tokenizer).
-    A worker that dies raises WorkerLost. On any failure or interruption out_dir is as it was."""
+    `workers` processes tokenize (None: one per core). Bad input raises DataError (ValueError
+    for an unknown tokenizer), a dead worker WorkerLost; either way out_dir is as it was."""
     try:
         enc = get_tokenizer(tokenizer)
     except TokenizerUnavailable as e:
@@ -338,14 +301,14 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
     dtype = np.uint32 if enc.n_vocab > 65535 else np.uint16
     job_args = (files, enc.name, tokenizer_file, text_key, seed, val_fraction)
     counts = Counter()
-    with staged(out_dir, "text", owned_by(PREFIX)) as tmp:
+    with staged(out_dir, lambda: check_replaceable(out_dir, "text", owned_by(PREFIX))) as tmp:
         shards = {split: Shards(tmp, split, shard_tokens, dtype) for split in ("train", "val")}
         try:
             results = tokenized_units(plan_units(files, unit_bytes), job_args, workers)
             first = next(results)  # the workers start before the progress bar's thread
             with tqdm(total=sum(f[3] for f in files), unit="B", unit_scale=True, unit_divisor=1000,
                       desc=f"tokenizing ({workers} worker{'s' * (workers > 1)})") as bar:
-                for train, val, unit_counts in _chain(first, results):
+                for train, val, unit_counts in itertools.chain([first], results):
                     shards["train"].add(train)
                     shards["val"].add(val)
                     counts.update(unit_counts)
@@ -384,7 +347,3 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
         print(f"note: {describe_skipped(skipped)}", file=sys.stderr)
     return meta
 
-
-def _chain(first, rest):
-    yield first
-    yield from rest

@@ -1,15 +1,11 @@
 """Tokenizers, all as tiktoken Encodings so prepare.py, text.py and sample.py treat them alike.
 
-bytes  one token per UTF-8 byte (0..255), plus <|endoftext|> = 256. Built in code; works offline.
-NAME   any tiktoken encoding: gpt2, cl100k_base, o200k_base, ... tiktoken downloads its files
-       on first use, into TIKTOKEN_CACHE_DIR. An offline machine needs that cache seeded elsewhere:
-       run tiktoken.get_encoding(NAME) on a machine with network access, and copy the folder.
-FILE   a local .tiktoken BPE file, tiktoken's own format: one `base64-of-the-token rank` line
-       per token. Llama 3's tokenizer.model is one. It brings its tokens, the pre-tokenizer of
-       cl100k_base and Llama 3 (FILE_PIECES), and <|endoftext|> after the largest rank.
-       Ids are 32-bit, so ranks stop at 2**32 - 2. The file is named by the SHA-256 of its bytes,
-       "sha256:<hex>". meta.json keeps that name and the file's path; sample.py refuses the file
-       when its bytes changed.
+bytes  one token per UTF-8 byte (0..255), plus <|endoftext|> = 256; works offline.
+NAME   any tiktoken encoding (gpt2, cl100k_base, o200k_base, ...). tiktoken downloads its files
+       on first use into TIKTOKEN_CACHE_DIR; an offline machine needs that cache copied to it.
+FILE   a local .tiktoken BPE file (`base64-of-the-token rank` lines), as Llama 3's
+       tokenizer.model, with cl100k_base's pre-tokenizer and <|endoftext|> after the largest
+       rank. It is named "sha256:<hex of its bytes>": sample.py refuses it once its bytes change.
 """
 import base64
 import binascii
@@ -18,14 +14,12 @@ from pathlib import Path
 
 import tiktoken
 
+from data import DataError
 from data.files import read_bytes
-from data.loader import DataError
 
 EOT = "<|endoftext|>"
-# How a file tokenizer cuts text into pieces before the merges, as cl100k_base and Llama 3 do.
-# A merge never crosses a piece's edge. The pieces: contractions; letters with one leading
-# non-letter; up to 3 digits; symbols with one leading space and their trailing newlines;
-# newlines with the whitespace before them; other whitespace.
+# A file tokenizer's pieces before the merges, as cl100k_base's and Llama 3's: contractions; letters
+# with one leading non-letter; up to 3 digits; symbols; newlines; other whitespace
 FILE_PIECES = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 MAX_RANK = 2**32 - 2  # ids are 32-bit (tiktoken's, uint32 shards); <|endoftext|> takes the next
@@ -47,9 +41,7 @@ def bytes_tokenizer():
 
 
 def file_tokenizer(path, expected=None):
-    """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>".
-
-    `expected` is the name it must have."""
+    """The Encoding of a local .tiktoken file, named "sha256:<hex of its bytes>" (or `expected`)."""
     path = Path(path)
     try:
         data = read_bytes(path)
@@ -83,9 +75,9 @@ def file_tokenizer(path, expected=None):
 
 
 def get_tokenizer(name, file=None):
-    """The Encoding called `name`: "bytes", a tiktoken encoding, or the path of a .tiktoken file.
+    """The Encoding called `name`: "bytes", a tiktoken encoding, or a .tiktoken file's path.
 
-    A file tokenizer's "sha256:..." name comes with its `file`; the bytes must not have changed."""
+    A file tokenizer's "sha256:..." name comes with its `file`, whose bytes must not change."""
     if name == "bytes":
         return bytes_tokenizer()
     if name.startswith("sha256:"):

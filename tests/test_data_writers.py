@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 # a preparation that pauses (a file says when) with its set built, before it swaps the set in
 PREPARE_PAUSED = """import sys, time
 import data.prepare as prepare
-import data.staging as staging
-swap, marker = staging.swap, sys.argv.pop(1)
+import data.files as files
+swap, marker = files.swap, sys.argv.pop(1)
 def paused_swap(*args):
     open(marker, "w").close()
     time.sleep(6)
     swap(*args)
-staging.swap = paused_swap
+files.swap = paused_swap
 sys.exit(prepare.main(sys.argv[1:]))
 """
 
