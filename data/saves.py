@@ -27,6 +27,7 @@ ranks agree on whether every read passed.
 """
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -444,9 +445,12 @@ class Saved:
             raise SaveError(f"{self.path}: {piece.name} has shape {info['shape']}, "
                             f"this model has {global_shape(piece)}")
         split = piece.tp_shard and (piece.tp_shard[0], piece.tp_shard[2])  # (dim, world), or None
-        if any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
-            return cut(self.tensor(piece.name, kind), piece)
         start, n = piece.offset, piece.end - piece.start
+        if split and split[0] == 0 and all(p["tp"] is None for p in info["pieces"]):
+            # a block of rows of a tensor saved whole: one stretch of its flat elements
+            start += piece.tp_shard[1] * math.prod(info["shape"]) // split[1]
+        elif any((p["tp"] and (p["tp"][0], p["tp"][2])) != split for p in info["pieces"]):
+            return cut(self.tensor(piece.name, kind), piece)
         out = torch.zeros(n, dtype=DTYPES[info["dtype"]])
         for p in info["pieces"]:
             lo, hi = max(start, p["start"]), min(start + n, p["start"] + p["numel"])

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import transformers
 
 import config
+import data.saves
 import train
 from bench.ranks import run_ranks
 from data import export
@@ -80,6 +81,32 @@ def loaded_logits(rank, world, folder, layout_flags):
         hidden = torch.empty(2, 64, cfg.d_model)
         dist.recv(hidden, rank - 1)
         return chunks[0](hidden).numpy()
+
+
+def bytes_read_under_tp2(rank, world, folder):
+    """(bytes this rank read from the folder's tensors, the tensors' bytes): --init-from under tp 2."""
+    run = config.resolve(FLAGS + ["--init-from", str(folder), "--tp", "2"])
+    cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
+    chunks, wrapper, _ = train.build(cfg, train.start_distributed(run), run)
+    fill, read = data.saves.Saved._fill, []
+
+    def counted(self, out, *args, **kwargs):
+        read.append(out.numel() * out.element_size())
+        return fill(self, out, *args, **kwargs)
+    data.saves.Saved._fill = counted
+    try:
+        start_from(weights, wrapper, None, rank)
+    finally:
+        data.saves.Saved._fill = fill
+    return sum(read), sum(p["numel"] for t in weights.tensors.values() for p in t["pieces"]) * 4
+
+
+def test_under_tp_a_rank_reads_its_rows_not_whole_tensors(checkpoints):
+    """A tensor tp splits by rows (q, k, v, gate, up, the embedding and the head) is one stretch of the file per
+    rank: read as that byte range. Only the tensors split by columns are read whole, then cut."""
+    folder = checkpoints["untied"][0]
+    for read, total in run_ranks(bytes_read_under_tp2, 2, args=(folder,), timeout=300):
+        assert read < 0.7 * total, (read, total)
 
 
 def assert_logits_equal(ours, model, vocab, where=""):
