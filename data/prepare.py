@@ -31,7 +31,12 @@ import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import DataError
+try:
+    from data import DataError
+except ImportError:  # run as a file, python data/prepare.py: the repository is not on the path
+    print("error: run it as a module, from the repository root: python -m data.prepare ...",
+          file=sys.stderr)
+    sys.exit(2)
 from data.corpus import DEFAULT_GLOBS
 from data.files import (
     HIDDEN_EXTRA,

@@ -128,6 +128,13 @@ def test_python_files_of_the_real_stdlib_leave_out_tests():
                                         for part in p.parts)]
 
 
+def test_prepare_run_as_a_file_says_in_one_line_how_to_run_it():
+    """`python data/prepare.py`, the old way: one line naming `python -m data.prepare`, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "data/prepare.py", "pystdlib"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "python -m data.prepare" in out.stderr, out.stderr
+
+
 def test_prepare_runs_as_a_module_and_the_arrow_points_from_data_to_parallel():
     """`python -m data.prepare`, with no edit of sys.path; the arrow between the packages points one way: data/
     (saves, the run folder) reads parallel/'s pieces and collectives; parallel/ and model.py import nothing of data/."""
