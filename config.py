@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 import model
+from data import OneLineParser, UsageError  # noqa: F401  (every command's)
 from data.files import check_writable
 from data.hf import init_from
 from data.loader import read_meta
@@ -30,16 +31,6 @@ from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8: bf16 autocast, and the block matmuls in fp8 (fp8.py)
 DP_MODES = ("ddp", "fsdp", "hsdp")
-
-
-class UsageError(ValueError):
-    """A bad command line: printed as one line, exit status 2."""
-    exit_status = 2
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message.removeprefix("argument "))
 
 
 def typed(name, parse, ok):

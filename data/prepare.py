@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 try:
-    from data import DataError
+    from data import DataError, OneLineParser
 except ImportError:  # run as a file, python data/prepare.py: the repository is not on the path
     print("error: run it as a module, from the repository root: python -m data.prepare ...",
           file=sys.stderr)
@@ -233,13 +233,6 @@ shard_count = int_in(1, FINEWEB_TRAIN_SHARDS)  # --shards
 fraction = number_in(float, lambda value: 0 <= value < 1, "a number in [0, 1)")  # --val-fraction
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line on stderr, `error: --flag: why`, and exit status 2 (no usage)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
-
-
 def prepare(name, out_dir=None, shards=1, base_url=None, src_dir=None, tokenizer=None):
     """Builds data set `name` into out_dir (default data/NAME); returns that folder.
 
@@ -290,7 +283,9 @@ def text_main(argv):
     a("--text-key", default="text", help="the field of each .jsonl object that holds the text")
     a("--seed", type=int, default=1337, help="seeds the val split")
     a("--shard-tokens", type=int_in(1, 2**31 - 1), default=100_000_000, help="tokens per shard")
-    args = parser.parse_args(argv)
+    args, code = run_command(lambda: parser.parse_args(argv), "")
+    if code:
+        return code
     out = args.out or default_folder(Path(args.paths[0]).resolve().name or "text")
     t0 = time.time()
     work = lambda: prepare_text(args.paths, out, args.tokenizer, args.val_fraction, args.workers,
@@ -322,7 +317,9 @@ def main(argv=None):
                         "(make train on a GPU node: fineweb10b, else pystdlib)")
     parser.add_argument("--print-folder", action="store_true",
                         help="stdout: only the prepared folder (for make)")
-    args = parser.parse_args(argv)
+    args, code = run_command(lambda: parser.parse_args(argv), "")
+    if code:
+        return code
     t0, name = time.time(), args.name
     out_dir, code = run_command(lambda: prepare(name, args.out, args.shards),
                                 args.out or default_folder(name), quiet=args.fallback is not None)
