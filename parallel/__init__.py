@@ -69,10 +69,8 @@ def global_name(name):
 
 
 def keep_saved(chunk, pack, unpack):
-    """Adds a saved-tensor rule (5. above) to the chunk's forward.
-
-    saved_tensors_hooks contexts do not nest, so every rule shares the first one's. The rules
-    run eagerly, or a compiled part would compile them too."""
+    """Adds a saved-tensor rule (5. above) to the chunk's forward, in the one hooks context.
+    Such contexts do not nest. The rules run eagerly, outside any compiled part."""
     if "saved_rules" not in vars(chunk):
         chunk.saved_rules, forward = [], chunk.forward
 

@@ -4,18 +4,16 @@ Split:    nothing across ranks. A checkpointed segment of blocks keeps only its 
           residual stream at the boundary. Backward re-runs its forward.
 Policies: full      every block alone: L boundaries stored, L blocks recomputed.
           every:K   blocks whose global index is a multiple of K, alone; the others keep all.
-          segment:C C consecutive blocks per segment: ceil(L/C) boundaries, plus one segment's
-                    activations while it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L).
-          selective nothing checkpointed. Only matmuls read the norms' and SwiGLU's outputs, and
-                    they do not keep them. Backward remakes them from what the norm (input, 1/rms)
-                    and SwiGLU (gate, up) keep anyway. Per token and layer that saves
-                    2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual bytes, e: compute
-                    dtype's), for three elementwise passes. Under --compile, compiled.py does it
-                    inside the compiled blocks.
+          segment:C C blocks a segment: ceil(L/C) boundaries, plus one segment's activations while
+                    it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L).
+          selective nothing checkpointed. The norms' and SwiGLU's outputs, read only by matmuls,
+                    are remade from the norm's input and 1/rms and SwiGLU's gate and up. Per token
+                    and layer that saves 2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual
+                    bytes, e: compute dtype's) for three elementwise passes. See also compiled.py.
 Costs:    one more forward of each recomputed block, counted in HFU, not in MFU. Under tp it
           repeats the block's collectives. This file sends nothing; nothing overlaps.
-RNG:      checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators: dropout draws
-          the same masks again. Memory: bench/results/ckpt_memory.md.
+RNG:      checkpoint restores the CPU and CUDA generators, so dropout draws the same masks again.
+Memory, measured: bench/results/ckpt_memory.md.
 """
 import math
 
@@ -59,9 +57,8 @@ def segments(keys, policy):
 def recomputed_layers(cfg, policy):
     """Layers whose forward runs twice per step: the HFU term of model.flops_per_token.
 
-    Checkpoint stops recomputing once backward's last tensor is back. So each segment's final
-    down_proj matmul, and what follows it, is not repeated. Exact without pp. Under pp, sqrt and
-    segment:C count segments per stage, a few more."""
+    Recomputing stops at backward's last tensor, so each segment's final down_proj matmul is
+    not repeated. Under pp, sqrt and segment:C count segments per stage, a few more."""
     kind, k = parse(policy)
     n = cfg.n_layer
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0,
@@ -112,7 +109,6 @@ class CheckpointedLayers:
             if not checkpointed or not torch.is_grad_enabled():
                 x = run_blocks(blocks, x, cos, sin)
                 continue
-            # Only x (B, T, d) and cos/sin are kept; everything inside is recomputed in backward.
             x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False,
                            preserve_rng_state=True)
         return x

@@ -56,8 +56,7 @@ class CommStats:
 
 
 class Pending:
-    """An async collective in flight; waiting twice is harmless. wait() records the wait, then
-    runs `after`, a division that turns gloo's sum into a mean."""
+    """An async collective in flight. wait() waits once, then runs `after` (gloo: sum to mean)."""
 
     def __init__(self, work, stats=None, index=None, after=None):
         self.work, self.stats, self.index, self.after = work, stats, index, after
@@ -80,9 +79,7 @@ def nbytes(t):
 
 class Group:
     """One process group of the mesh. `ranks` are global ranks; `rank` is this rank's index in it.
-
-    Collectives run outside torch.compile, so dynamo never traces the counters. Their growing
-    log would become a guard that fails, and recompiles the block, on every call."""
+    Collectives run outside torch.compile: a traced log would recompile the block every call."""
 
     def __init__(self, name, ranks, pg, global_rank, stats):
         self.name, self.ranks, self.pg, self.stats = name, list(ranks), pg, stats

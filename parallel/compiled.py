@@ -4,8 +4,7 @@ Compiled: every block's forward, the embedding, the final norm and the loss (for
 Eager: what joins the parts, as RoPE's cache, the head's matmul and the pipeline's hand-offs. Every
 collective stays eager too: a compiled part breaks its graph around one (parallel/comm.py). This
 runs before the data-parallel wrapper, so FSDP's gathers and frees stay eager. No compiled part
-reads the device back to the host: a step keeps its one host read. Under --ckpt selective the
-compiler's partitioner decides what a compiled block saves: selective_in_graph, below, steers it.
+reads the device back to the host: a step keeps its one host read.
 """
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -68,7 +67,8 @@ eager_swiglu = torch.compiler.disable(model.SwiGLU.apply)  # MLP.activation, its
 def how_compiled(module):
     """How a block's attention or MLP compiles. "apart": tp's or cp's collectives, or deferred
     weight gradients, break its graph. "fp8": fp8's matmul hook, traced whole when no group
-    reduces its amaxes. "whole": model.py's linears and attention, one graph with the norm."""
+    reduces its amaxes; left to the partitioner. "whole": model.py's linears and attention, one
+    graph with the norm."""
     linears = [m for m in module.modules() if isinstance(m, model.Linear)]
     if (any(type(linear) is not model.Linear or linear.weight_grads is not None
             for linear in linears)
@@ -81,10 +81,8 @@ def selective_in_graph(chunk):
     """--ckpt selective for blocks about to be compiled, after every layer is applied.
 
     In a graph the partitioner, not autograd, decides what is saved: ckpt.py's rule sees nothing.
-    It keeps what a matmul's backward reads, and a graph keeps its inputs as they came. So a norm
-    compiled with its readers (autocast's cast included), and SwiGLU, become checkpointed regions.
-    Where collectives break that graph, the norm or SwiGLU and their readers run eagerly, under
-    the rule. fp8's matmuls are left to the partitioner."""
+    So a norm compiled with its readers, and SwiGLU, become checkpointed regions. Where
+    collectives break that graph, they and their readers run eagerly, under the rule."""
     eager = {}  # one eager class per class in this chunk: its blocks keep sharing compiled graphs
 
     def run_apart(*modules):

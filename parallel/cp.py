@@ -163,8 +163,7 @@ def _chunk_blocks(rank, cp, c):
 
 
 class _ChunkAttentionFn(torch.autograd.Function):
-    """q (B, H, s, hd) of this rank's chunks against kv (2, B, Hkv, T, hd) -> (B, H, s, hd).
-    Block kernels merged by log-sum-exp (ring_attention.py). Backward needs the final (out, lse)."""
+    """q (B, H, s, hd) against kv (2, B, Hkv, T, hd) -> (B, H, s, hd): ring_attention's blocks."""
 
     @staticmethod
     def forward(ctx, q, kv, blocks):

@@ -45,8 +45,7 @@ class Bucket:
             p.grad = view
 
     def adopt(self, p, view):
-        """Makes p.grad the bucket's view again. A fresh gradient, after zero_grad(set_to_none),
-        holds the whole sum: it is copied in."""
+        """Makes p.grad the bucket's view again, copying in a fresh gradient (after set_to_none)."""
         if p.grad is not view:
             if p.grad is None:
                 view.zero_()

@@ -5,24 +5,18 @@ Formats, as in torchao and Transformer Engine. Hopper multiplies fp8 at twice th
     e5m2   dY, the gradient of a block linear's output: 2 bits, max 57344, for more range.
     fp32   the sums of Y = x·Wᵀ, dx = dY·W and dW = dYᵀ·x. Y is bf16, dx x's dtype, dW W's.
     bf16   the rest (embedding, attention, norms, residual stream, lm_head, loss): autocast.
-    fp32   master weights, their gradients and AdamW's moments, as in every mode.
 A block linear's x: the norm output (q, k, v, gate, up), attention (o), silu(gate)·up (down).
-
 Scale rule (dynamic, tensorwise): q = fmt(bf16(t)·s), and the matmul undoes s. s is the largest
-power of two with amax·s <= the format's max. amax = max |bf16(t)| over the whole tensor. x's and
-W's come from forward, dY's from backward. Nothing is kept across steps. A power of two makes the
-multiply exact, so the scale only decides what underflows.
-Layouts: amax is the whole tensor's, as one process would take it. It is MAX-all-reduced over the
-groups that split its tensor (counted as `all_reduce_max`). With tp alone, per layer and
-micro-batch: 3 reductions in forward (the weights, o's and down's inputs). Backward makes 5, of the
-column linears' dY. dp and pp ranks run whole micro-batches, FSDP gathers whole weights: none.
+power of two with amax·s <= the format's max. amax = max |bf16(t)| over the whole tensor, as one
+process would take it: x's and W's in forward, dY's in backward. Nothing is kept across steps.
+A power of two makes the multiply exact, so the scale only decides what underflows.
+Layouts: amax is MAX-all-reduced over the groups that split its tensor (`all_reduce_max`). With tp
+alone, per layer and micro-batch: 3 reductions in forward, 5 in backward, a few bytes each. dp and
+pp ranks run whole micro-batches, FSDP gathers whole weights: none.
 Memory: backward keeps x and W as they came, and their scales. bf16 autocast keeps a bf16 copy of
-x per linear. Transients of 1 byte/element: the casts, the column-major copies for backward, and
-under --fp8-all-gather a unit arriving.
-Time: per linear and step, 3 amax passes (x, W, dY), 5 casts and 3 transposed copies. Compile
-fuses them all. Backward casts x and W again, with no second amax. Under tp or cp, add the tiny
-blocking reductions. --sp's rings stay off: each sp collective is one call, and backward keeps the
-gathered input.
+x per linear. Transients of 1 byte/element: the casts, the column-major copies, a unit arriving.
+Time: per linear and step, 3 amax passes, 5 casts and 3 transposed copies, fused by compile. Under
+tp or cp, add the blocking reductions. --sp's rings stay off: each sp collective is one call.
 """
 import math
 from functools import partial
@@ -85,9 +79,8 @@ def cast(t, scale, fmt):
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
     """(a / scale_a) · (b / scale_b) for fp8 a (m, k) row-major and b (k, n) column-major.
 
-    torch._scaled_mm on a GPU: fp32 sums, rounded once to out_dtype. On CPU it is a slow
-    reference loop. There the operands are upcast to fp32 (exact) and multiplied in fp32: the
-    same arithmetic (tests/test_fp8.py)."""
+    torch._scaled_mm on a GPU: fp32 sums, rounded once. On CPU, where that is a slow loop, the
+    same arithmetic in fp32 (tests/test_fp8.py)."""
     inverse = (1 / scale_a).float(), (1 / scale_b).float()  # exact: powers of two
     if a.is_cuda:
         return torch._scaled_mm(a, b, scale_a=inverse[0], scale_b=inverse[1], out_dtype=out_dtype,
@@ -107,8 +100,7 @@ def row_major(t):
 
 
 class ScaledLinear(torch.autograd.Function):
-    """y = x·Wᵀ with x, W in e4m3 and dY in e5m2. W's scale is given. x's and dY's amaxes are
-    MAX-reduced over the groups that split them (x_groups, dy_groups)."""
+    """y = x·Wᵀ, x and W in e4m3, dY in e5m2. x's and dY's amaxes are reduced over their groups."""
 
     @staticmethod
     def forward(ctx, x, weight, w_scale, x_groups, dy_groups, x_scale=None):
@@ -171,9 +163,8 @@ def reduce_max(values, groups):
 def apply(chunk, tp_group=None, cp_group=None):
     """Routes a chunk's block matmuls, tp's linears too, through fp8 by their matmul hook.
 
-    The embedding, attention and lm_head stay. Each amax is reduced over the groups that split its
-    tensor, told by the weight's tp_shard. A column linear splits dY over tp, a row linear x.
-    cp splits every x and dY by tokens, no weight."""
+    Each amax is reduced over the groups that split its tensor. Over tp a column linear splits dY,
+    a row linear x (the weight's tp_shard tells which). cp splits every x and dY."""
     tp = [tp_group] if tp_group is not None and tp_group.size > 1 else []
     cp = [cp_group] if cp_group is not None and cp_group.size > 1 else []
     matmul = block_linear
@@ -213,8 +204,7 @@ def gather_in_fp8(wrapper, tp_group):
 
 
 class FP8Gather:
-    """One unit's fp8 all-gather: the shard's matrices as e4m3 bytes, vectors and padding zero.
-    The norm gains it holds travel beside them in bf16, padded to v."""
+    """One unit's fp8 all-gather: the shard's matrices as e4m3 bytes, its norm gains in bf16."""
 
     def __init__(self, unit, groups):
         self.groups, n, start = groups, unit.shard_numel, unit.start

@@ -150,8 +150,7 @@ class FSDP:
             keep_saved(chunk, self.pack, self.unpack)
 
     def make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
-        """One unit materialized from the meta device. This rank makes only its shard of each
-        initial value (init_param(name, meta, flat range, out)), never a full parameter."""
+        """One unit from the meta device: this rank makes only its shard of each initial value."""
         slots = [(m, attr, names[id(p)], p) for top in tops for m in top.modules()
                  for attr, p in m._parameters.items() if p is not None]
         unit = Unit(name, slots, self.group, device, compute_dtype)
@@ -284,8 +283,7 @@ class FSDP:
             self.sum_partial_grads()
 
     def sum_partial_grads(self):
-        """Sums the sp norms' gain gradients over tp: each saw only its rank's tokens. One
-        all-reduce per unit that holds some."""
+        """Sums sp's norm gain gradients over tp, one call a unit: each saw only its tokens."""
         for unit in self.units:
             pieces = [unit.params[i].grad.view(-1)[a:b] for i, a, b, slot in unit.segments()
                       if has_tp_partial_grad(slot[3]) and unit.params[i].grad is not None]

@@ -25,8 +25,7 @@ MARGIN = 0.10
 
 
 def check_fits(cfg, run):
-    """Refuses a run whose step would not fit the device's memory less the margin, naming the
-    largest part and the flag that moves it."""
+    """Refuses a step over the device's memory less MARGIN, naming its largest part's flag."""
     if cfg.vocab_size >= 2 ** 31:
         raise LayoutError("--vocab-size", f"{cfg.vocab_size} is past 2^31")
     parts, (limit, where) = step_bytes(cfg, run), device_memory(run)
@@ -206,8 +205,7 @@ def fullest(moments):
 # ---------------------------------------------------------------- the device, and measured memory
 
 def device_memory(run):
-    """(bytes one rank may use, what they are): the GPU's memory. On CPU: the memory available
-    now, shared by the ranks on this machine."""
+    """(bytes one rank may use, what): the GPU's memory, or the free RAM / ranks on this machine."""
     if run.backend == "nccl":
         name = torch.cuda.get_device_name(run.device)
         return torch.cuda.get_device_properties(run.device).total_memory, name
@@ -239,8 +237,7 @@ class CPUMemory:
 
 
 def storage_bytes(tensors):
-    """Bytes of the distinct storages behind the tensors: views of one buffer count once. None and
-    meta tensors are skipped."""
+    """Bytes of the distinct storages behind the tensors: views of one buffer count once."""
     storages = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and not t.is_meta:

@@ -88,8 +88,7 @@ class Mesh:
         return pg
 
     def set_timeout(self, seconds):
-        """How long this rank's collectives may wait from now on, in each of its groups.
-        --startup-timeout for set-up and the first steps, --timeout after."""
+        """How long this rank's collectives may wait from now on (--startup-timeout, --timeout)."""
         for pg in self.pgs + ([dist.group.WORLD] if self.world > 1 and dist.is_initialized()
                               else []):
             SET_TIMEOUT(timedelta(seconds=seconds), pg)
@@ -105,8 +104,7 @@ class Mesh:
         return dict(dp=dp, pp=pp, cp=cp, tp=tp)
 
     def groups_along(self, varying):
-        """The ranks that share every coordinate but those in `varying`: ascending lists, in order
-        of their first rank. O(world)."""
+        """Ascending lists of the ranks that share every coordinate but `varying`, by first rank."""
         fixed = [a for a in AXES if a not in varying]
         groups = {}
         for rank in range(self.world):
@@ -161,8 +159,7 @@ def init_process_group(backend, device, rank, world, timeout_s, trace_dir):
 
 
 def flight_recorder(out):
-    """NCCL's flight recorder: each rank's last collectives, dumped into the run folder on a
-    timeout. torch reads these variables when the process group starts."""
+    """NCCL's flight recorder: each rank's last collectives, dumped into `out` on a timeout."""
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out) / "nccl_trace_rank_")}
 
@@ -186,8 +183,7 @@ PEER_LEFT = re.compile(r"connection (closed|reset) by peer", re.I)  # a peer tha
 
 
 def timed_out(error):
-    """Whether an error is a collective that waited past its timeout, or lost a peer that did
-    (gloo's or NCCL's words)."""
+    """Whether an error is a collective timeout, or a peer lost to one (gloo's or NCCL's words)."""
     return isinstance(error, RuntimeError) and bool(TIMED_OUT.search(str(error)) or
                                                     PEER_LEFT.search(str(error)))
 

@@ -63,8 +63,8 @@ def gpipe(P, M, V=1):
 
 
 def one_f_one_b(P, M, V=1):
-    """PipeDream-flush (1F1B): at most P micro-batches in flight. Stage r runs P-r-1 warmup
-    forwards, then alternates one forward and one backward, then drains the rest."""
+    """PipeDream-flush (1F1B): warmup, one forward and one backward in turn, cooldown. At most P
+    micro-batches are in flight."""
     if V > 1:
         return interleaved(P, M, V)
     orders = []
@@ -121,11 +121,8 @@ def zero_bubble_h1(P, M, V=1):
 def zero_bubble_v(P, M, V=2):
     """ZB-V: two chunks per rank in a V (stages r and 2P-1-r), B and W split.
 
-    Warmup: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then P-r rounds of
-    F, B, W on chunk 1. Its backwards start on rank 0 as soon as the V is full.
-    Steady: F B W on chunk 0, then on chunk 1.
-    Cooldown: r pairs of B (chunk 0, chunk 1), P-r of (B, W) on chunk 0, then the W's left.
-    At most 2P chunk activation sets live: 1F1B's P stages' worth. With F = B = W per chunk the
+    The warmup fills the V, and backwards start on rank 0 as soon as it is full. At most 2P
+    chunk activation sets live: 1F1B's P stages' worth. With F = B = W per chunk the
     bubble is P-1 chunk passes, half of ZB-H1's: 6M/(6M+P-1) for M >= 2P-2."""
     return [_v_rank(P, M, r) for r in range(P)]
 
@@ -168,11 +165,10 @@ def theoretical_utilization(P, M, V=1, schedule="1f1b"):
 def with_communication(orders, P, V, vshape=False):
     """Adds the p2p actions the compute orders imply.
 
-    Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts
-    it right after that compute. The receiver posts it before its first compute starting at or
-    after the tick, so the transfer overlaps the receiver's work. Every rank posts in (tick,
-    message) order: one global order that respects every dependency. So in-order streams cannot
-    deadlock (tests/pp_deadlock.py)."""
+    A message is posted at the tick an ideal run (`simulate`) makes it: by the sender after that
+    compute, by the receiver before its next, so it travels under the receiver's work. Every rank
+    posts in (tick, message) order, one global order that respects every dependency. So in-order
+    streams cannot deadlock (tests/pp_deadlock.py)."""
     last = P * V - 1
     timeline = simulate(orders, P, V, vshape)
     gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # [r][k]: p2p before compute k
@@ -208,15 +204,13 @@ def with_communication(orders, P, V, vshape=False):
 
 
 def build(schedule, P, M, V=1):
-    """Every rank's full action list for one optimizer step. Raises DeadlockError if the compute
-    orders cannot run."""
+    """Every rank's full action list for one optimizer step; DeadlockError if it cannot run."""
     V = chunks_per_rank(schedule, V)
     return with_communication(SCHEDULES[schedule](P, M, V), P, V, schedule in VSHAPED)
 
 
 def forward_only(P, M, V=1, vshape=False):
-    """Evaluation's forwards: micro-batch by micro-batch, or down the V and back (all of chunk 0,
-    then chunk 1)."""
+    """Evaluation's forwards: micro-batch by micro-batch, or down the V and back."""
     order = [Action("F", c, i) for c in range(V) for i in range(M)] if vshape else [
         Action("F", c, i) for i in range(M) for c in range(V)]
     return with_communication([order] * P, P, V, vshape)

@@ -4,16 +4,14 @@ Split:    rank r holds the queries and K,V of its sequence chunks (zigzag: r and
 Sends:    K,V hop around the ring (comm.Ring: to r+1, from r-1). Per layer and rank, with K_r,V_r
           the local blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|). Backward: the same, plus CP
           hops of the fp32 dK,dV accumulator. It travels with its block, back to the block's owner.
-Overlap:  each hop starts before the attention of the block in hand. The dK,dV hop overlaps the
-          next step's work.
-Kernels:  K,V keep their own Hkv heads, each shared by its H/Hkv query heads (math: _by_kv_head).
-          An earlier key chunk is a full block, the same chunk causal, a later one skipped. Under
-          zigzag each step costs every rank half a block.
+Overlap:  each hop travels under the attention of the block in hand, dK,dV's under the next step.
+Kernels:  K,V keep their own Hkv heads, each shared by its H/Hkv query heads. An earlier key chunk
+          is a full block, the same chunk causal, a later one skipped. Under zigzag each step
+          costs every rank half a block.
 Merge:    online softmax of the blocks' (out_i, lse_i). lse = logaddexp(lse, lse_i);
           out = out·exp(lse_old - lse) + out_i·exp(lse_i - lse). Backward needs only the final
           out and lse. cp.py's allgather reuses both.
-Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence, never
-          K,V per query head. Below: the ring, then the merge of blocks, then the block kernels.
+Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence.
 """
 import torch
 

@@ -6,9 +6,8 @@ Split:    q, k, v, gate, up by output features (whole heads); o, down by input f
 Sends:    f enters a sublayer (identity forward, all-reduce backward); g leaves it (all-reduce
           forward). Per layer and micro-batch: 4 all-reduces of (b, T, d), 4·2(t-1)/t·b·T·d·e bytes.
           --sp turns each into an all-gather and a reduce-scatter along the sequence: same bytes.
-Overlap:  none here: every collective blocks. By default tp_overlap.py fuses f with the column
-          matmuls and runs f's reduction under the weight-gradient matmuls (not under fp8 or
-          zb1/zbv). There --sp-ring cuts --sp's collectives into ring hops.
+Overlap:  none here: every collective blocks. By default tp_overlap.py hides f's reduction under
+          the weight-gradient matmuls, and --sp-ring cuts --sp's collectives into ring hops.
 Memory:   weights, gradients, Adam state, attention and MLP activations / t. --sp: the residual
           stream and the norms / t too. Logits are (tokens, V/t): no (tokens, V) tensor exists.
 """
@@ -231,8 +230,7 @@ def parallelize_mlp(mlp, cfg, group, sequence_parallel):
 
 
 def parallelize(chunk, mesh, sequence_parallel=False):
-    """Swaps a meta GPT chunk's modules for ones sharded over mesh.tp_group, names unchanged.
-    A pipeline stage may lack embed_tokens, or norm and lm_head."""
+    """Swaps a meta GPT chunk's modules for ones sharded over mesh.tp_group, names unchanged."""
     cfg, sp, group = chunk.cfg, sequence_parallel, mesh.tp_group
     validate(cfg, group.size, mesh.cp, sp)
     if chunk.embed_tokens is not None:

@@ -8,14 +8,9 @@ fuse:     f and the column matmuls that read one input (q, k, v; gate, up; lm_he
           under the weight-gradient matmuls (--no-overlap: it blocks). Under --sp only this rank's
           block of the input is saved, and backward gathers it again. That is 2L+1 more
           all-gathers of (b, T, d) a step, 1/4 more bytes.
-rings:    --sp's all-gathers and reduce-scatters become t-1 hops of a comm.Ring. Each is launched
-          before its step's matmuls and waited for after them. Column forward: each gathered chunk
-          times every weight while the next travels. Row forward: the partial output for one
-          destination block while the last accumulator travels. Column backward: the input
-          gradient is reduce-scattered and the input regathered in the same hops, the weight
-          gradients under the last hop. Row backward: each chunk of the output gradient times the
-          weight and the saved input as it travels. The hops send the collective's bytes, counted
-          once as it. Memory: one chunk arrives while one is in use, beyond the collective's.
+rings:    --sp's all-gathers and reduce-scatters become t-1 hops of a comm.Ring. Each hop travels
+          under one step's matmuls, as each function below says. The hops send the collective's
+          bytes, counted once as that collective. Memory: one chunk arrives while one is in use.
 """
 from collections import namedtuple
 
@@ -47,9 +42,7 @@ def input_grad(grads, weights, dtype, rows=slice(None)):
 
 class ColumnParallel(Function):
     """f fused with the column matmuls that read x: y_j = x · W_jᵀ, each (B, T, out_j/t).
-
-    x: the replicated (B, T, d), or under --sp this rank's block (B, T/t, d), gathered in forward
-    and again in backward. The input gradient's reduction runs under the weight-gradient matmuls."""
+    x: the replicated (B, T, d), or under --sp this rank's block (B, T/t, d)."""
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, overlap, *weights):
@@ -102,8 +95,7 @@ def fuse(norm, readers, overlap):
 
 
 def fuse_columns(chunk, overlap=True):
-    """Fuses each norm of a tp-parallelized chunk with the column linears that read it, in place.
-    overlap=False (--no-overlap): the input gradient's all-reduce blocks."""
+    """Fuses each norm of a tp-parallelized chunk with the column linears that read it, in place."""
     for block in chunk.layers.values():
         attn, mlp = block.self_attn, block.mlp
         fuse(block.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], overlap)
@@ -122,8 +114,7 @@ def block(i, t, n):
 
 
 def gather_then_multiply(ring, x, weights):
-    """Column forward: x (B, T/t, d), this rank's block -> [x_full · W_jᵀ (B, T, out_j)] per weight.
-    The sequence is gathered hop by hop; the chunk in hand is sent on before it is multiplied."""
+    """Column forward: x, this rank's block (B, T/t, d) -> [x_full · W_jᵀ (B, T, out_j)]."""
     t, n = ring.size, x.shape[1]
     index, chunk, ys = ring.start("all_gather", t * x.nbytes), x.contiguous(), [None] * len(weights)
     for s in range(t):
