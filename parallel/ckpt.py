@@ -9,7 +9,8 @@ Policies: full      every block alone: L boundaries stored, L blocks recomputed.
           selective nothing checkpointed. The norms' and SwiGLU's outputs, read only by matmuls,
                     are remade from the norm's input and 1/rms and SwiGLU's gate and up. Per token
                     and layer that saves 2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual
-                    bytes, e: compute dtype's) for three elementwise passes. See also compiled.py.
+                    bytes, e: compute dtype's) for three elementwise passes. Under --compile,
+                    compiled.py does it inside the compiled blocks.
 Costs:    one more forward of each recomputed block, counted in HFU, not in MFU. Under tp it
           repeats the block's collectives. This file sends nothing; nothing overlaps.
 RNG:      checkpoint restores the CPU and CUDA generators, so dropout draws the same masks again.
@@ -57,8 +58,8 @@ def segments(keys, policy):
 def recomputed_layers(cfg, policy):
     """Layers whose forward runs twice per step: the HFU term of model.flops_per_token.
 
-    Recomputing stops at backward's last tensor, so each segment's final down_proj matmul is
-    not repeated. Under pp, sqrt and segment:C count segments per stage, a few more."""
+    Recomputing stops at backward's last tensor, so each segment's final down_proj matmul, and
+    what follows, is not repeated. Under pp, sqrt and segment:C count a few more segments."""
     kind, k = parse(policy)
     n = cfg.n_layer
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0,

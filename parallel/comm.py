@@ -7,7 +7,6 @@ in ring terms. A group has g ranks; the payload is N bytes.
 - all-gather (N = the gathered output), reduce-scatter (N = the full input): (g-1)/g · N.
 - all-to-all (N = the local input): (g-1)/g · N.
 - send: N.
-A group of one rank communicates nothing and counts nothing.
 `wait_s`, the exposed part: seconds this rank's thread spent in blocking calls, async launches and
 Pending.wait. gloo's reduce-scatter does much of its work in the launch. p2p waits are not timed.
 """
@@ -208,9 +207,8 @@ class Requests:
 
 
 class Ring:
-    """A group as a ring (cp's ring attention, tp's rings). Each hop, an async batched p2p, sends
-    to rank r+1 and receives from r-1. cp counts each hop as sends. tp (hops_counted=False)
-    counts the collective a run of hops makes (start, finish) and logs each hop with 0 bytes."""
+    """A group as a ring (cp's ring attention, tp's rings). cp counts each hop as sends. tp
+    (hops_counted=False) counts the collective its hops make (start, finish), each hop 0 bytes."""
 
     def __init__(self, group, hops_counted=True):
         self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
@@ -256,9 +254,7 @@ def all_reduce_max(group, value, device="cpu"):
 
 def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
     """The L2 norm of the full gradient, or (norm, also_sum summed over the world).
-
-    Each entry is (grad, r): a tensor this rank holds and r, the ranks holding the same copy.
-    One _foreach_norm per r, then one all-reduce carries the squared sum and also_sum (0-dim)."""
+    Each entry is (grad, r): a tensor this rank holds and r, the ranks holding the same copy."""
     by_replicas = defaultdict(list)
     for g, replicas in grads_and_replicas:
         by_replicas[replicas].append(g)
@@ -277,7 +273,7 @@ def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
 def replica_mean(local_loss, mesh):
     """The global mean loss on the device: the tp-rank-0 ranks' local means, averaged over dp x cp.
     Gathered and summed in rank order, not all-reduced, so it does not depend on how many losses
-    reduce at once. Only the last pipeline stage's losses are not zeros. Not counted."""
+    reduce at once. Only the last pipeline stage's losses are not zeros. Not counted as traffic."""
     if mesh.world == 1:
         return local_loss
     flat = local_loss.reshape(-1).contiguous()

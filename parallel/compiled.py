@@ -13,8 +13,7 @@ import model
 
 
 def apply(chunk, selective=False):
-    """Compiles the chunk's parts in place. Under --ckpt selective the final norm stays eager:
-    ckpt.py's rule takes its output only from eager autograd."""
+    """Compiles the chunk's parts in place. Under --ckpt selective the final norm stays eager."""
     if selective:
         selective_in_graph(chunk)
     for block in chunk.layers.values():

@@ -108,7 +108,6 @@ def heads_to_seq(y, group):
 
 def ulysses_attention(q, k, v, group):
     cp, kv_heads = group.size, k.shape[1]
-    # Too few kv heads to split over cp: repeated to lcm(Hkv, CP) heads; GQA grouping holds
     if kv_heads % cp:
         repeat = cp // math.gcd(kv_heads, cp)
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -140,10 +139,8 @@ class _GatherKV(torch.autograd.Function):
 
 
 def _in_position_order(kv, cp):
-    """(CP·2, B, Hkv, s, hd) in rank order -> (2, B, Hkv, T, hd) in position order, in one copy.
-
-    Chunk p < CP is rank p's first, a later one rank 2CP-1-p's second. So: first chunks in rank
-    order, then second ones reversed. Slices and a flip do it, with no index built on the host."""
+    """(CP·2, B, Hkv, s, hd) in rank order -> (2, B, Hkv, T, hd) in position order, in one copy:
+    first chunks in rank order, then second ones reversed. No index is built on the host."""
     _, B, kv_heads, s, hd = kv.shape
     # (2, B, Hkv, CP, 2, c, hd)
     chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)
@@ -153,7 +150,7 @@ def _in_position_order(kv, cp):
 
 
 def _chunk_blocks(rank, cp, c):
-    """Per local query chunk p, [(q rows, k rows, causal)]: causal on key chunk p, full before."""
+    """[(q rows, k rows, causal)] per local query chunk p: causal on chunk p, full on earlier."""
     blocks = []
     for i, p in enumerate(local_chunks(rank, cp)):
         rows = slice(i * c, (i + 1) * c)

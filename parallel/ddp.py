@@ -5,9 +5,8 @@ Sends:    one all-reduce of the fp32 gradients per step: 2(g-1)/g · 4·N bytes 
 Overlap:  gradients live in flat fp32 buckets (--bucket-mb) in backward's order. Each .grad is a
           view into its bucket, so autograd adds straight into what is sent. A hook starts a
           bucket's async all-reduce once its last gradient is ready (AVG on NCCL; sum, then divide,
-          on gloo). --no-overlap launches every bucket after backward; --bucket-mb 0: one a tensor.
-Memory:   nothing saved: params, grads and Adam state are replicated (16 B/param). Buckets are the
-          gradients. With sync_grads False micro-batches add into them; the last backward sends.
+          on gloo). --no-overlap launches them after backward. --bucket-mb 0: one per tensor.
+Memory:   nothing saved. Params, grads, Adam state: replicated (16 B/param). Buckets are the grads.
 Average, not sum: each rank's loss is a mean over its tokens. The mean of the rank gradients is
 the gradient of the global batch's mean, so the learning rate does not depend on the world size.
 """

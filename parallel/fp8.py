@@ -10,13 +10,14 @@ Scale rule (dynamic, tensorwise): q = fmt(bf16(t)·s), and the matmul undoes s. 
 power of two with amax·s <= the format's max. amax = max |bf16(t)| over the whole tensor, as one
 process would take it: x's and W's in forward, dY's in backward. Nothing is kept across steps.
 A power of two makes the multiply exact, so the scale only decides what underflows.
-Layouts: amax is MAX-all-reduced over the groups that split its tensor (`all_reduce_max`). With tp
-alone, per layer and micro-batch: 3 reductions in forward, 5 in backward, a few bytes each. dp and
-pp ranks run whole micro-batches, FSDP gathers whole weights: none.
+Layouts: amax is MAX-all-reduced over the groups that split its tensor (`all_reduce_max`); the
+matmul runs on the local shard. With tp alone, per layer and micro-batch: 3 reductions in forward,
+5 in backward, a few bytes each. dp, pp and FSDP split no tensor a matmul reads: no reduction.
 Memory: backward keeps x and W as they came, and their scales. bf16 autocast keeps a bf16 copy of
-x per linear. Transients of 1 byte/element: the casts, the column-major copies, a unit arriving.
-Time: per linear and step, 3 amax passes, 5 casts and 3 transposed copies, fused by compile. Under
-tp or cp, add the blocking reductions. --sp's rings stay off: each sp collective is one call.
+x per linear. Transients of 1 byte/element: the casts, column-major copies, an fp8-gathered unit.
+Time: per linear and step, 3 amax passes, 5 casts and 3 transposed copies, fused by torch.compile.
+Under tp or cp, add the blocking reductions. --sp's rings stay off: each sp collective is one
+call, and backward keeps the gathered input.
 """
 import math
 from functools import partial
@@ -80,7 +81,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
     """(a / scale_a) · (b / scale_b) for fp8 a (m, k) row-major and b (k, n) column-major.
 
     torch._scaled_mm on a GPU: fp32 sums, rounded once. On CPU, where that is a slow loop, the
-    same arithmetic in fp32 (tests/test_fp8.py)."""
+    operands are upcast to fp32, exactly: the same arithmetic (tests/test_fp8.py)."""
     inverse = (1 / scale_a).float(), (1 / scale_b).float()  # exact: powers of two
     if a.is_cuda:
         return torch._scaled_mm(a, b, scale_a=inverse[0], scale_b=inverse[1], out_dtype=out_dtype,
@@ -196,7 +197,7 @@ def gather_in_fp8(wrapper, tp_group):
     The e4m3 bytes are half of bf16's: (g-1)/g · padded unit · 1 byte. Norm gains travel in bf16
     beside them: (g-1) · 2v bytes. v is the most norm elements a shard holds (<= 2d). An fp8 value
     dequantized to bf16 casts back to itself. So the matmuls' operands are a bf16 gather's, bit
-    for bit. The embedding and norm + head units stay in bf16."""
+    for bit."""
     for unit in wrapper.units:
         if unit.name.startswith("layers."):
             unit.gather = FP8Gather(unit, [g for g in (unit.group, tp_group) if g.size > 1])

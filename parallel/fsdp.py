@@ -108,8 +108,7 @@ class Unit:
 
 
 class GatherUnit(torch.autograd.Function):
-    """Forward: the unit's full parameters, views of its gathered buffer. Backward: their gradients
-    go to FSDP, which reduce-scatters them into the shards."""
+    """Forward: the unit's parameters, views of its gathered buffer. Backward: after_backward."""
 
     @staticmethod
     def forward(ctx, fsdp, unit, *shards):
@@ -231,8 +230,7 @@ class FSDP:
             self.finish_reduction(unit)
 
     def flat_gradient(self, unit, grads):
-        """This backward's gradients as one flat (padded,) buffer in the reduce dtype. One buffer
-        serves every unit, one at a time: the reduce-scatter that read it is done."""
+        """This backward's gradients as one flat (padded,) reduce-dtype buffer, reused by units."""
         if self.flat is None:  # freed by finish_grad_sync
             largest = max(u.padded for u in self.units)
             self.flat = unit.local.new_empty(largest, dtype=self.reduce_dtype)
@@ -323,8 +321,7 @@ class FSDP:
 
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32,
          overlap=True, cls=FSDP, group=None):
-    """module: nn.ModuleList of GPT chunks on the meta device, materialized unit by unit. Shards
-    over dp x cp; under pp units stay gathered. cls: FSDP, HSDP, or fsdp_accumulate's either."""
+    """module: meta GPT chunks, materialized unit by unit. cls: FSDP, HSDP, or fsdp_accumulate's."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype,
                reduce_dtype, overlap=overlap, keep_gathered=mesh.pp > 1)
 

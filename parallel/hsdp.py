@@ -6,9 +6,8 @@ Sends:    in the shard group, FSDP's (K-1)/K · M·((2N-E)·c + N·r) per step (
           step, each unit's fp32 gradient shard, summed over micro-batches, is all-reduced over
           the replicas: 2(R-1)/R · 4N/K bytes per rank, whatever M. Only this all-reduce crosses
           servers. It is 1/K of DDP's.
-Overlap:  a unit's replica all-reduce starts when its step gradient shard is complete. That is at
-          the end of the next unit's backward, when the last reduce-scatter lands. It is waited
-          for at the next launch, so it runs under backward.
+Overlap:  a unit's replica all-reduce starts when its last reduce-scatter lands, in the next
+          unit's backward. It is waited for at the next launch, so it runs under backward.
 Memory:   16·N/K bytes of model state per rank. K, not dp, sets the saving.
 """
 import torch

@@ -54,23 +54,19 @@ def stage_bytes(cfg, run, pp_rank):
                     --accumulate unsharded also keeps every unit's flat gradient all step.
     weights in use  FSDP: the largest unit gathered, with its flat gradient (none apart under
                     --accumulate unsharded). Under pp the stage's units stay gathered all step.
-                    DDP under autocast: the matmul weights' compute-dtype copies, one a set.
-    activations     per layer and token, in the compute dtype, what autograd saves: the norms'
-                    inputs and outputs, q, k, v (after RoPE), attention's output, the MLP's gate,
-                    up and product. Also fp32 1/rms. As many sets as the schedule keeps.
-                    zb1, zbv: a deferred norm also keeps its fp32 x-hat. From B to W a set holds
-                    each matmul's input and output gradient, each norm's x-hat and output
-                    gradient, whatever --ckpt (B remade the set).
-    logits          on the last stage: each set's logits, their gradient, one fp32 loss chunk.
-                    Each set's final norm: its input and output (zb1, zbv: x-hat, output and
-                    output gradient, from B to W).
+                    DDP under autocast: the matmul weights' compute-dtype copies, one per set.
+    activations     per layer and token, what autograd saves in the compute dtype (norms' inputs
+                    and outputs; q, k, v after RoPE; attention's output; gate, up and product),
+                    and fp32 1/rms. As many sets as the schedule keeps. zb1, zbv: a deferred
+                    norm's fp32 x-hat too. From B to W: each matmul's input and output gradient,
+                    each norm's x-hat and output gradient, whatever --ckpt (B remade the set).
+    logits          on the last stage: each set's logits and final norm's input and output (zb1,
+                    zbv, B to W: x-hat, output, its gradient), one logits gradient, one loss chunk.
     token ids       the step's inputs and targets.
-    The peak is the fuller of two moments: the loss's backward (the logits) or a layer's backward.
-    A layer's, SwiGLU's: the gradients of the product, gate and up, silu(gate) remade, and the
-    residual's gradient. Checkpointed, also its remade activations. FSDP: the layer's weight
-    gradient in the compute dtype and, without pp, the next unit prefetched. sp: three whole
-    (tokens, d) tensors, the input and the output's gradient gathered, the input's gradient.
-    """
+    A layer's backward (peak_moment) holds SwiGLU's gradients of the product, gate and up,
+    silu(gate) remade, and the residual's gradient. Checkpointed: its remade activations. FSDP:
+    the weight gradient in the compute dtype and, without pp, the next unit. sp: three whole
+    (tokens, d) tensors, the input and the output's gradient gathered, the input's gradient."""
     e = 4 if run.dtype == "fp32" else 2
     r = 4 if run.reduce_dtype == "fp32" else 2
     d, f, t = cfg.d_model, cfg.ffn_dim, run.tp
@@ -121,9 +117,8 @@ def stage_bytes(cfg, run, pp_rank):
 
 
 def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm):
-    """{weights in use beyond the step's, activations, logits} at the fuller moment. That is the
-    loss's backward (every set's logits and final norm, their gradient, one fp32 chunk). Or it is
-    a layer's backward, while the other sets' logits and final norms stay."""
+    """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
+    backward, or a layer's while the other sets' logits and final norms stay."""
     loss = logits * (sets + 1) + chunk
     if loss + norm >= layer_backward + layer_weights + (logits + norm) * (sets - 1):
         return {"weights in use": 0, "activations": kept + norm * sets, "logits": loss}
@@ -149,9 +144,8 @@ def stage_layout(cfg, run, pp_rank):
 
 def sets_in_flight(run, pp_rank, chunks, kept=1.0, held=0.0):
     """((forward layer-sets, layer-sets between B and W) at the fullest moment, the most
-    micro-batches alive on the head's chunk), counted from the schedule's own action list.
-    A forward keeps the chunk's activations (`kept` bytes a layer) until its backward. Under zb1
-    and zbv: until its B, then `held` bytes a layer until its W."""
+    micro-batches alive on the head's chunk). A forward keeps `kept` bytes a layer until its
+    backward. Under zb1 and zbv: until its B, then `held` bytes a layer until its W."""
     if run.pp == 1:
         return (chunks[0], 0), 1
     return schedule_peak(run.pp_schedule, run.pp, run.accum_steps, run.pp_virtual, pp_rank, chunks,
@@ -215,7 +209,7 @@ def device_memory(run):
 
 class CPUMemory:
     """mem_gb on CPU: the tensors the run keeps (weights, gradients, Adam's state) plus the peak
-    a step allocates, counted in the first step. count=False (compiled): mem_gb is None."""
+    a step allocates, counted in the first, as all are alike. Compiled (count=False): None."""
 
     def __init__(self, trainer, count=True):
         self.trainer, self.peak, self.counting = trainer, None, LiveBytes() if count else None
@@ -270,8 +264,7 @@ class StorageMode(TorchDispatchMode):
 
 
 class LiveBytes(StorageMode):
-    """Bytes of the storages ops create while active, until freed or resized. `peak`: the most at
-    once. A finalizer on each storage marks its free."""
+    """Bytes of the storages ops create while active, until freed or resized; `peak`, the most."""
 
     def __init__(self):
         super().__init__()

@@ -66,9 +66,8 @@ class Mesh:
         self.sizes = dict(dp=self.dp, pp=pp, cp=cp, tp=tp)
         self.coord = self.coords(rank)
         timeout, self.pgs = timedelta(seconds=timeout_s), []
-        # Every rank creates every group, in the same order (torch.distributed's rule); outside
-        # one it gets a placeholder at once. They become attributes: dp_group, pp_group, cp_group,
-        # tp_group, dp_cp_group, world_group, shard_group, replicate_group.
+        # Every rank creates every group, in the same order (torch.distributed's rule). Outside
+        # one it gets a placeholder. Each becomes an attribute: dp_group, ..., replicate_group.
         for name, members in self.partitions():
             mine = None
             for g in members:
@@ -119,8 +118,7 @@ class Mesh:
             ("world", list(AXES)))]
         K, shard, replicate = self.dp_shard, [], []
         for g in dict(out)["dp_cp"]:
-            # g is ordered by (dp_i, cp_i); dp_i = rep_i·K + shard_i, so a shard group is K·CP
-            # consecutive members and a replicate group takes every (K·CP)-th member.
+            # g is ordered by (dp_i, cp_i): K·CP consecutive members share a shard group
             span = K * self.cp
             shard += [g[i:i + span] for i in range(0, len(g), span)]
             replicate += [g[i::span] for i in range(span)]
@@ -165,9 +163,8 @@ def flight_recorder(out):
 
 
 def restart_store(rank, world):
-    """init_process_group's store arguments: a key prefix per attempt ({} outside restarts).
-    Under torchrun --max-restarts the rendezvous store outlives a failed attempt. New workers
-    would read a killed peer's address there, and wait on a dead port."""
+    """init_process_group's store arguments: a key prefix per torchrun restart, else {}. The store
+    outlives a failed attempt, and its keys name dead peers that new workers would wait on."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
         return {}

@@ -1,14 +1,15 @@
 """The backward split of the zero-bubble schedules (zb1, zbv): B now, W later.
 
 B is the input gradient, which the stage before waits for. W is the weight gradients, which only
-the optimizer waits for. So the schedule (pp_schedule.py) puts W where the stage would idle.
-Split:    every weight of a chunk but the embedding's, whose gradient stays in stage 0's B. Each
-          layer with a weight (model.Linear, model.RMSNorm, tp's layers) has a weight_grads hook.
-          Its matmul or gain then runs as a Function with no autograd edge to the weight.
+the optimizer waits for.
+Split:    every weight but the embedding's, which has no input to differentiate: its gradient
+          stays in stage 0's B. Each layer with a weight (model.Linear, model.RMSNorm, tp's
+          layers) has a weight_grads hook. Its matmul or gain then runs as a Function with no
+          autograd edge to the weight.
 Sends:    nothing new: the same collectives, calls and bytes. The tp ring layer is not used.
           Under tp, B waits at once for the input gradient's reduction. The weight-gradient
           matmuls it hid under run in W now. W all-gathers a sequence-parallel input again.
-Overlap:  W fills the fill-and-drain bubble. Within a stage nothing runs concurrently.
+Overlap:  the schedule (pp_schedule.py) puts W in the fill-and-drain bubble, where a stage idles.
 Memory:   from B to W a micro-batch keeps each matmul's input and output gradient, about its
           activation set. The schedules count the set alive until W. A checkpointed block is
           recomputed once, in B. W reads the recomputed inputs its closures hold.
@@ -21,13 +22,11 @@ from model import compute_dtype
 
 
 class WeightGrads:
-    """One chunk's deferred weight gradients, by micro-batch: the weight_grads hooks' store.
+    """One chunk's deferred weight gradients by micro-batch (`mb`, set before each B).
 
-    In B autograd runs from the stage output to its input only. Each deferred Function returns
-    its input gradient and queues a closure holding the matmul's input and output gradient. W
-    runs one (chunk, micro-batch)'s closures and hands the results to autograd at the weights.
-    So DDP's hooks and FSDP's reduce-scatter fire once per chunk, after its last W. The executor
-    sets `mb` before each B."""
+    In B each deferred Function queues a closure over its input and output gradient. W hands the
+    closures' results to autograd at the weights. So DDP's hooks and FSDP's reduce-scatter fire
+    once per chunk, after its last W."""
 
     def __init__(self):
         self.mb, self.pending = None, {}

@@ -80,10 +80,9 @@ def one_f_one_b(P, M, V=1):
 def interleaved(P, M, V):
     """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1.
 
-    Backwards run the chunks in reverse. Warmup: (P-r-1)·2 + (V-1)·P units, then 1F1B. So rank r
-    keeps up to P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a stage, so the
-    bubble is (P-1)/(V·M). The second P-r-1 warmup forwards are slack. Without them simulate()
-    gives the same bubble, but utilization measured 10-15% lower (bench/labs/pp_bubble.py)."""
+    Rank r keeps up to P + (P-2r-1)/V stages' activation sets. The bubble is (P-1)/(V·M), as a
+    chunk is 1/V of a stage. The warmup's second P-r-1 forwards are slack: without them the
+    bubble simulates the same, but measured 10-15% lower utilization (bench/labs/pp_bubble.py)."""
     if V == 1:
         return one_f_one_b(P, M)
     fwd, bwd = [], []
@@ -104,9 +103,9 @@ def interleaved(P, M, V):
 def zero_bubble_h1(P, M, V=1):
     """ZB-H1: 1F1B's order, each backward split into B and W (pp_bw_split.py).
 
-    Stage r runs each W r micro-batches after its B. It enters the cooldown with r W's in hand,
-    run where 1F1B waits for the next B. At most P activation sets live on every stage. With
-    F = B = W the bubble is P-1 passes, not 3(P-1): utilization 3M/(3M+P-1) for M >= P."""
+    Stage r enters the cooldown with r W's in hand, run where 1F1B waits for the next B. At most
+    P activation sets live on every stage. With F = B = W the bubble is P-1 passes, not 3(P-1):
+    utilization 3M/(3M+P-1) for M >= P."""
     orders = []
     for r in range(P):
         warm = min(P - r - 1, M)
@@ -166,9 +165,9 @@ def with_communication(orders, P, V, vshape=False):
     """Adds the p2p actions the compute orders imply.
 
     A message is posted at the tick an ideal run (`simulate`) makes it: by the sender after that
-    compute, by the receiver before its next, so it travels under the receiver's work. Every rank
-    posts in (tick, message) order, one global order that respects every dependency. So in-order
-    streams cannot deadlock (tests/pp_deadlock.py)."""
+    compute, by the receiver before its first compute from then on. So it travels under work.
+    Every rank posts in (tick, message) order, one global order that respects every dependency.
+    So in-order streams cannot deadlock (tests/pp_deadlock.py)."""
     last = P * V - 1
     timeline = simulate(orders, P, V, vshape)
     gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # [r][k]: p2p before compute k

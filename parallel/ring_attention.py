@@ -107,7 +107,7 @@ def plan_blocks(q_chunks, k_chunks):
 
     Own block: one causal call, as local chunk order is position order. Another rank's: query
     chunk i sees key chunk j iff k_chunks[j] < q_chunks[i], a prefix of the keys. Consecutive
-    query chunks with the same non-empty prefix form one full call. Masked pairs are skipped."""
+    query chunks with the same non-empty prefix form one full call."""
     if q_chunks == k_chunks:
         return [(0, len(q_chunks), len(k_chunks), True)]
     prefix = [sum(k < q for k in k_chunks) for q in q_chunks]
@@ -187,8 +187,7 @@ def _flash_cuda_bwd(dout, q, k, v, out, lse, causal, scale, aux):
         scale=scale)[:3]
 
 
-# CPU only: the fused kernel and the loop that calls it run eagerly, as compiling around it is
-# slow. On CUDA the flash kernels and merges compile.
+# CPU only: the fused kernel and its loop run eagerly; compiling around it is slow.
 @torch.compiler.disable
 def _flash_cpu_fwd(q, k, v, causal, scale):
     out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -233,8 +232,7 @@ def _scores(q_rows, k, causal, scale, rows):
 
 
 def _math_fwd(q, k, v, causal, scale):
-    """Plain attention for dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA). Query
-    rows go in chunks (MATH_SCORES); K,V keep their own kv heads."""
+    """Plain attention for dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA)."""
     B, H, tq, hd = q.shape
     out, lse = torch.empty_like(q), torch.empty(B, H, tq, dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):

@@ -147,9 +147,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class VocabParallelCrossEntropy(Function):
     """Mean cross-entropy from this rank's vocabulary shard of the logits, (N, V/t) at vocab_start.
-
-    combine() turns each shard's log-sum-exp and target logit (zero elsewhere) into the global
-    ones. Backward is local: softmax - onehot on the shard. Columns past vocab_size are padding."""
+    combine() makes each shard's log-sum-exp and target logit global. Backward is local. Columns
+    past vocab_size are padding."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, combine, vocab_size=None):

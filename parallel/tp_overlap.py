@@ -9,7 +9,7 @@ fuse:     f and the column matmuls that read one input (q, k, v; gate, up; lm_he
           block of the input is saved, and backward gathers it again. That is 2L+1 more
           all-gathers of (b, T, d) a step, 1/4 more bytes.
 rings:    --sp's all-gathers and reduce-scatters become t-1 hops of a comm.Ring. Each hop travels
-          under one step's matmuls, as each function below says. The hops send the collective's
+          under one step's matmuls, as the functions below show. The hops send the collective's
           bytes, counted once as that collective. Memory: one chunk arrives while one is in use.
 """
 from collections import namedtuple
@@ -181,8 +181,7 @@ def scatter_input_grads(ring, x, grads, weights):
 
 def gather_then_grads(ring, grad, h, weight):
     """Row backward. grad: this rank's block (B, T/t, d) of the output gradient; h: the saved
-    (B, T, k). Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), summed in fp32.
-    The gradient is gathered hop by hop; the chunk in hand is sent on before its two matmuls."""
+    (B, T, k). Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), summed in fp32."""
     t, n, dtype = ring.size, grad.shape[1], grad.dtype
     weight = weight.to(dtype)
     index, chunk = ring.start("all_gather", t * grad.nbytes), grad.contiguous()
@@ -235,8 +234,7 @@ class SaveForRing(Function):
 
 
 class RowParallelRing(Function):
-    """z = this rank's sequence block of Σ_tp x · Wᵀ, the matmul cut by destination block under
-    the ring reduce-scatter. Backward gathers the output gradient the same way."""
+    """z = this rank's sequence block of Σ_tp x · Wᵀ: multiply_then_scatter, gather_then_grads."""
 
     @staticmethod
     def forward(ctx, x, weight, ring, saved):
