@@ -1,48 +1,42 @@
 """The contracts between the parallel modules, the optional layers, train.py and the saves.
 
-1. The data-parallel wrapper (ddp.DDP, fsdp.FSDP, hsdp.HSDP), built by each module's `wrap(...)`.
-   It owns this rank's materialized weights. train.py asks only it about gradients:
-     sync_grads          True on the step's last backward (of a chunk): DDP all-reduces then,
-                         HSDP sums over its replicas. FSDP reduce-scatters every backward.
+1. The data-parallel wrapper (ddp.DDP, fsdp.FSDP, hsdp.HSDP), built by each module's `wrap(...)`,
+   owns this rank's materialized weights. train.py asks only it about gradients:
+     sync_grads          True on a chunk's last backward of the step. DDP all-reduces then, and
+                         HSDP sums over replicas. FSDP reduce-scatters every backward.
      finish_grad_sync()  after the last backward: wait for every reduction, average over dp x cp.
      optim_params()      the tensors the optimizer steps (whole params, or fp32 shards).
-     grads_for_norm()    [(gradient, replicas)]: each element of the global gradient appears once
-                         after dividing by `replicas`, the ranks that hold an identical copy.
+     grads_for_norm()    [(gradient, replicas)]: each element counts once, divided by `replicas`.
      owned_pieces()      [Piece]: where each element this rank holds sits in the global tensors.
      zero_grad()         zeroes the buffers the .grads are views of.
 
-2. Parameter tags, set by tp.py on meta parameters. materialize.py, the wrappers and the planner
-   read them.
+2. Parameter tags, set by tp.py on meta parameters, read by materialize.py, wrappers and planner.
      p.tp_shard = (dim, rank, world)   p is block `rank` of `world` equal blocks along `dim`.
      p.tp_partial_grad = True          p's gradient is a partial sum over tp (sp's norms).
-   An untagged parameter is replicated over tp: its gradient is the same on every tp rank.
+   An untagged parameter is replicated over tp.
 
-3. A Piece: one stretch of a global tensor that this rank holds. Elements [start, end) of the
-   flattened optimizer param `param` (Adam's state maps alike) are elements [offset, offset + end -
-   start) of this rank's tp block of tensor `name`, of global shape `shape`. `writer`: this rank
-   writes them in a save; each element has exactly one writer.
+3. A Piece: elements [start, end) of the flat optimizer param `param` (Adam's state alike) are
+   elements [offset, offset + end - start) of this rank's tp block of tensor `name`. `shape` is
+   its global shape. `writer`: this rank writes them in a save. Each element has exactly one.
 
 4. Hooks for the optional layers. The plain algorithm runs when a hook is None.
-     matmul        on model.Linear (tp's linears too): (x, weight) -> x·Wᵀ, instead of F.linear.
-                   fp8.py sets it.
-     weight_grads  on model.Linear and model.RMSNorm: a store that defers the weight's gradient.
-                   Backward returns the input's gradient and calls store.defer(weights, compute);
-                   compute() returns the weights' gradients later (pp_bw_split.py: the W of
-                   zero-bubble schedules).
+     matmul        on model.Linear (tp's too): (x, weight) -> x·Wᵀ instead of F.linear (fp8.py).
+     weight_grads  on model.Linear and model.RMSNorm: backward returns the input's gradient and
+                   calls store.defer(weights, compute). compute() gives their gradients later.
      gather        on each FSDP unit: (unit) -> (full, handle, kept), an all-gather of its own
-                   into `full`, a (padded,) buffer in the compute dtype. fp8.py gathers in e4m3.
-   tp_overlap.py swaps the classes of tp.py's modules: same parameters, other kernels.
+                   into `full`, a (padded,) compute-dtype buffer. fp8.py gathers in e4m3.
+   tp_overlap.py swaps the classes of tp.py's modules instead: same parameters, other kernels.
 
-5. Saved-tensor rules (keep_saved below). A rule decides how a tensor that autograd saves for
-   backward is kept: pack(t) returns t, or what to keep instead; unpack(kept) remakes t. FSDP keeps
-   a gathered weight as (unit, offset) and gathers it again. --ckpt selective keeps a norm's or
-   SwiGLU's output as how to recompute it. All rules of a chunk share one context, tried in order.
+5. Saved-tensor rules (keep_saved). pack(t) returns t, or what to keep instead; unpack(kept)
+   remakes t. FSDP keeps a gathered weight as (unit, offset) and gathers it again. --ckpt
+   selective keeps a norm's or SwiGLU's output as its recipe. A chunk's rules share one context,
+   tried in order.
 
-6. The precision policy, the same in every layout. fp32: master weights and their gradients, Adam's
-   moments, every gradient reduction (unless --reduce-dtype bf16), and the insides of norms, softmax
-   and the loss. The compute dtype (bf16): matmul inputs and outputs, FSDP's gathered weights, the
-   embedding's rows, each norm's output and the residual stream. So every activation that tp, sp, pp
-   and cp send is bf16. A bf16 residual stream trains as an fp32 one does (bench/README.md).
+6. Precision, the same in every layout. fp32: master weights and gradients, Adam's moments,
+   gradient reductions (unless --reduce-dtype bf16), the insides of norms, softmax and the loss.
+   bf16, the compute dtype: matmul inputs and outputs, FSDP's gathered weights, embedding rows,
+   norm outputs and the residual stream. So every activation that tp, sp, pp and cp send is bf16.
+   A bf16 residual stream trains as an fp32 one does (bench/README.md).
 """
 from collections import namedtuple
 
@@ -72,12 +66,8 @@ def global_name(name):
 
 
 def keep_saved(chunk, pack, unpack):
-    """Adds a saved-tensor rule (5. above) to the chunk's forward.
-
-    The first rule wraps the forward in one saved_tensors_hooks context. Such contexts do not nest
-    (the innermost alone applies), so every rule shares it. The rules run eagerly: a compiled part
-    would otherwise compile them too.
-    """
+    """Adds a saved-tensor rule (5. above) to the chunk's forward. All rules share one hooks
+    context, as such contexts do not nest. They run eagerly, outside any compiled part."""
     if "saved_rules" not in vars(chunk):
         chunk.saved_rules, forward = [], chunk.forward
 

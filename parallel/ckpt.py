@@ -1,23 +1,20 @@
 """Activation checkpointing (--ckpt): keep fewer activations in forward, recompute them in backward.
 
-Split:    nothing across ranks. A chunk's blocks form checkpointed segments. Only a segment's input
-          is kept: the (b, s, d) residual stream at the boundary. Backward re-runs its forward.
+Split:    nothing across ranks. A checkpointed segment of blocks keeps only its input, the (b, s, d)
+          residual stream at the boundary. Backward re-runs its forward.
 Policies: full      every block alone: L boundaries stored, L blocks recomputed.
           every:K   blocks whose global index is a multiple of K, alone; the others keep all.
-          segment:C C consecutive blocks per segment: ceil(L/C) boundaries, plus one segment's
-                    activations while it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L),
-                    O(sqrt L).
-          selective nothing is checkpointed. Only matmuls read the norms' and SwiGLU's outputs,
-                    and they do not keep them: backward remakes them from what the norm (input,
-                    1/rms) and SwiGLU (gate, up) keep anyway. Per token and layer that saves
-                    2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual bytes, e: compute
-                    dtype's), for three elementwise passes and no matmul. Megatron's selective
-                    recomputation, in spirit. Under --compile, compiled.py does the same inside
-                    the compiled blocks.
+          segment:C C blocks a segment: ceil(L/C) boundaries, plus one segment's activations while
+                    it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L).
+          selective nothing checkpointed. The norms' and SwiGLU's outputs, read only by matmuls,
+                    are remade from the norm's input and 1/rms and SwiGLU's gate and up. Per token
+                    and layer that saves 2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual
+                    bytes, e: compute dtype's) for three elementwise passes. Under --compile,
+                    compiled.py does it inside the compiled blocks.
 Costs:    one more forward of each recomputed block, counted in HFU, not in MFU. Under tp it
           repeats the block's collectives. This file sends nothing; nothing overlaps.
-RNG:      checkpoint(preserve_rng_state=True) restores the CPU and CUDA generators, so dropout
-          draws the same masks again. Memory: bench/results/ckpt_memory.md.
+RNG:      checkpoint restores the CPU and CUDA generators, so dropout draws the same masks again.
+Memory, measured: bench/results/ckpt_memory.md.
 """
 import math
 
@@ -46,9 +43,7 @@ def parse(policy):
 
 
 def segments(keys, policy):
-    """The plan for one chunk's blocks: [(keys of consecutive blocks, checkpointed?)].
-
-    keys: the blocks' global indices as ModuleDict keys, in order."""
+    """A chunk's blocks (keys: global indices, in order) as [(consecutive keys, checkpointed?)]."""
     kind, k = parse(policy)
     if kind in ("none", "selective"):
         return [(list(keys), False)] if keys else []
@@ -61,12 +56,10 @@ def segments(keys, policy):
 
 
 def recomputed_layers(cfg, policy):
-    """How many layers' forwards run twice per step, over the whole model.
+    """Layers whose forward runs twice per step: the HFU term of model.flops_per_token.
 
-    It is the HFU term of model.flops_per_token. torch's checkpoint stops recomputing once the
-    last tensor backward needs is back. So each segment's final down_proj matmul, and what
-    follows it, is not repeated: that share is subtracted. Exact without pp. Under pp, sqrt
-    and segment:C count segments per stage, a few more than assumed here."""
+    Recomputing stops at backward's last tensor, so each segment's final down_proj matmul, and
+    what follows, is not repeated. Under pp, sqrt and segment:C count a few more segments."""
     kind, k = parse(policy)
     n = cfg.n_layer
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0,
@@ -88,10 +81,9 @@ def pack_recomputable(t):
 
 
 def unpack_recomputable(kept):
-    """The output again, bit for bit, for one reader's backward.
+    """The output again, bit for bit, for one reader's backward (q, k and v: three times).
 
-    A norm read by q, k and v is remade three times. Nothing is cached on the graph: the graph
-    lives as long as the loss, past the backward."""
+    Nothing is cached on the graph: the graph lives as long as the loss, past the backward."""
     fn, cast, size, stride, offset = kept
     out = type(fn)._forward_cls.output(*fn.saved_tensors)
     return (out if cast is None else out.to(cast)).as_strided(size, stride, offset)
@@ -118,16 +110,13 @@ class CheckpointedLayers:
             if not checkpointed or not torch.is_grad_enabled():
                 x = run_blocks(blocks, x, cos, sin)
                 continue
-            # Only x (B, T, d) and cos/sin are kept; everything inside is recomputed in backward.
             x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False,
                            preserve_rng_state=True)
         return x
 
 
 def apply(chunk, policy):
-    """Swaps the chunk's run_layers for the checkpointed one. Parameter names are untouched.
-
-    selective instead adds the rule that recomputes the norms' and SwiGLU's outputs."""
+    """Swaps the chunk's run_layers for the checkpointed one; selective adds its rule instead."""
     kind = parse(policy)[0]
     if kind == "selective":
         keep_saved(chunk, pack_recomputable, unpack_recomputable)

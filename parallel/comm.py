@@ -1,18 +1,14 @@
 """The collective layer: thin wrappers over torch.distributed that count calls and bytes.
 
-Every parallel file talks through a `Group`, one per mesh axis, never to torch.distributed.
-So tests and benchmarks read the communication volume from one place.
-
-Bytes are "sent by this rank" in ring terms. A group has g ranks; the payload is N bytes.
+Every parallel file talks through a `Group`, one per mesh axis, never to torch.distributed. So
+tests and benchmarks read the communication volume from one place. Bytes are "sent by this rank"
+in ring terms. A group has g ranks; the payload is N bytes.
 - all-reduce: 2(g-1)/g · N, a reduce-scatter then an all-gather.
 - all-gather (N = the gathered output), reduce-scatter (N = the full input): (g-1)/g · N.
 - all-to-all (N = the local input): (g-1)/g · N.
 - send: N.
-A group of one rank communicates nothing and counts nothing.
-
-`wait_s` is the exposed part: the seconds this rank's thread spent blocked in a collective.
-That is a blocking call, an async one's launch, and Pending.wait. gloo's reduce-scatter does much
-of its work in the launch. Callers wait for p2p requests (send_recv); those are not timed.
+`wait_s`, the exposed part: seconds this rank's thread spent in blocking calls, async launches and
+Pending.wait. gloo's reduce-scatter does much of its work in the launch. p2p waits are not timed.
 """
 import time
 from collections import defaultdict
@@ -59,10 +55,7 @@ class CommStats:
 
 
 class Pending:
-    """An async collective in flight. Waiting twice is harmless.
-
-    wait() blocks until it is done and records the wait. Then it runs `after`, a division that
-    turns gloo's sum into a mean."""
+    """An async collective in flight. wait() waits once, then runs `after` (gloo: sum to mean)."""
 
     def __init__(self, work, stats=None, index=None, after=None):
         self.work, self.stats, self.index, self.after = work, stats, index, after
@@ -85,10 +78,7 @@ def nbytes(t):
 
 class Group:
     """One process group of the mesh. `ranks` are global ranks; `rank` is this rank's index in it.
-
-    The collectives run outside torch.compile: a compiled block breaks its graph around each.
-    So dynamo never traces the counters. Traced, their growing log would become a guard. It
-    would fail, and recompile the block, on every call."""
+    Collectives run outside torch.compile: a traced log would recompile the block every call."""
 
     def __init__(self, name, ranks, pg, global_rank, stats):
         self.name, self.ranks, self.pg, self.stats = name, list(ranks), pg, stats
@@ -199,8 +189,7 @@ class Group:
 
 
 class Uncounted:
-    """The counters of a Ring's twin Group for tp: its hops count nothing, the Ring counts the
-    collective they make."""
+    """Counters of a tp Ring's twin Group: hops count nothing; the Ring counts their collective."""
 
     def add(self, kind, group, nbytes):
         return None
@@ -218,11 +207,8 @@ class Requests:
 
 
 class Ring:
-    """A group as a ring, for cp's ring attention and tp's rings: rank r sends to r+1 and receives
-    from r-1, one hop at a time, each hop an async batched p2p.
-
-    cp counts each hop as sends. tp (hops_counted=False) counts instead the all-gather or
-    reduce-scatter a run of hops makes (start, finish), and logs each hop with 0 bytes."""
+    """A group as a ring (cp's ring attention, tp's rings). cp counts each hop as sends. tp
+    (hops_counted=False) counts the collective its hops make (start, finish), each hop 0 bytes."""
 
     def __init__(self, group, hops_counted=True):
         self.group, self.size, self.rank, self.stats = group, group.size, group.rank, group.stats
@@ -245,8 +231,7 @@ class Ring:
 
     @torch.compiler.disable
     def start(self, kind, full_nbytes):
-        """Counts one all_gather or reduce_scatter of `full_nbytes`, as the group would; returns
-        its log index."""
+        """Counts one all_gather or reduce_scatter of `full_nbytes`; returns its log index."""
         if self.size == 1:
             return None
         return self.stats.add(kind, self.group.name, (self.size - 1) / self.size * full_nbytes)
@@ -268,11 +253,8 @@ def all_reduce_max(group, value, device="cpu"):
 # ---------------------------------------------------------------- scalars over the world
 
 def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
-    """The L2 norm of the full gradient. Returns the norm, or (norm, summed also_sum).
-
-    Each entry is (grad, r): a tensor this rank holds, and how many ranks hold the same copy.
-    So every element counts once. One _foreach_norm runs per replica count, then one all-reduce
-    of the squared sum. `also_sum`, a 0-dim tensor, is summed over the world in the same call."""
+    """The L2 norm of the full gradient, or (norm, also_sum summed over the world).
+    Each entry is (grad, r): a tensor this rank holds and r, the ranks holding the same copy."""
     by_replicas = defaultdict(list)
     for g, replicas in grads_and_replicas:
         by_replicas[replicas].append(g)
@@ -289,10 +271,9 @@ def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
 
 
 def replica_mean(local_loss, mesh):
-    """The global mean loss, on the device, from each rank's local mean: the sum over the tp-rank-0
-    ranks, in rank order, over dp x cp. Only the last pipeline stage's losses are not zeros.
-    Gathered and summed in a fixed order, not all-reduced, so it does not depend on how many
-    losses are reduced at once. Scalars: not counted as traffic."""
+    """The global mean loss on the device: the tp-rank-0 ranks' local means, averaged over dp x cp.
+    Gathered and summed in rank order, not all-reduced, so it does not depend on how many losses
+    reduce at once. Only the last pipeline stage's losses are not zeros. Not counted as traffic."""
     if mesh.world == 1:
         return local_loss
     flat = local_loss.reshape(-1).contiguous()

@@ -4,8 +4,7 @@ Compiled: every block's forward, the embedding, the final norm and the loss (for
 Eager: what joins the parts, as RoPE's cache, the head's matmul and the pipeline's hand-offs. Every
 collective stays eager too: a compiled part breaks its graph around one (parallel/comm.py). This
 runs before the data-parallel wrapper, so FSDP's gathers and frees stay eager. No compiled part
-reads the device back to the host: a step keeps its one host read. Under --ckpt selective the
-compiler's partitioner decides what a compiled block saves: selective_in_graph, below, steers it.
+reads the device back to the host: a step keeps its one host read.
 """
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -14,17 +13,12 @@ import model
 
 
 def apply(chunk, selective=False):
-    """Compiles the chunk's parts in place.
-
-    selective (--ckpt selective): selective_in_graph steers what compiled blocks save. The
-    final norm stays eager: ckpt.py's rule takes its output only from eager autograd.
-    """
+    """Compiles the chunk's parts in place. Under --ckpt selective the final norm stays eager."""
     if selective:
         selective_in_graph(chunk)
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward)
-    # Lambdas give the embedding and the loss frames of their own: compile cannot start in
-    # torch.nn's forward or a partial, and a shared frame would recompile with dynamic shapes
+    # Lambdas: frames of their own. Compile cannot start in nn's forward; a shared frame recompiles
     if chunk.embed_tokens is not None:  # the first pipeline stage
         embed = chunk.embed_tokens.forward
         chunk.embed_tokens.forward = torch.compile(lambda ids: embed(ids))
@@ -45,10 +39,8 @@ def norm_in_compute_dtype(norm, x):
 
 
 class RecomputedNorm(model.RMSNorm):
-    """A norm compiled into one graph with its readers, as a checkpointed region.
-
-    The partitioner recomputes it in backward from its input instead of saving its output.
-    Run eagerly (dynamo declined the frame), it is a plain norm, and selective's rule applies."""
+    """A norm compiled with its readers as a checkpointed region: backward recomputes its output.
+    Run eagerly (dynamo declined the frame), it is a plain norm under selective's rule."""
 
     def forward(self, x):
         if not torch.compiler.is_compiling():
@@ -72,12 +64,10 @@ eager_swiglu = torch.compiler.disable(model.SwiGLU.apply)  # MLP.activation, its
 
 
 def how_compiled(module):
-    """How a block's attention or MLP compiles: "apart", "fp8" or "whole".
-
-    "apart": tp's or cp's collectives break the graph inside it, or the zero-bubble split's
-    deferred weight gradients do. "fp8": fp8's matmul hook, traced whole when no group reduces
-    its amaxes; it is left to the partitioner. "whole": model.py's linears and attention, one
-    graph with the norm in front."""
+    """How a block's attention or MLP compiles. "apart": tp's or cp's collectives, or deferred
+    weight gradients, break its graph. "fp8": fp8's matmul hook, traced whole when no group
+    reduces its amaxes; left to the partitioner. "whole": model.py's linears and attention, one
+    graph with the norm."""
     linears = [m for m in module.modules() if isinstance(m, model.Linear)]
     if (any(type(linear) is not model.Linear or linear.weight_grads is not None
             for linear in linears)
@@ -89,13 +79,9 @@ def how_compiled(module):
 def selective_in_graph(chunk):
     """--ckpt selective for blocks about to be compiled, after every layer is applied.
 
-    Inside a graph the compiler's partitioner, not autograd, decides what is saved. The rule
-    above never sees a norm's or SwiGLU's output. The partitioner keeps one a matmul's backward
-    reads, and a graph keeps its inputs as they came. So where a norm's readers compile into one
-    graph with it, the norm (autocast's cast included) and SwiGLU become checkpointed regions.
-    The partitioner recomputes those. Where tp's or cp's collectives break that graph, the norm
-    or SwiGLU and the linears reading it run eagerly. The rule then takes their outputs, as in
-    an eager run. fp8's matmuls are left to the partitioner."""
+    In a graph the partitioner, not autograd, decides what is saved: ckpt.py's rule sees nothing.
+    So a norm compiled with its readers, and SwiGLU, become checkpointed regions. Where
+    collectives break that graph, they and their readers run eagerly, under the rule."""
     eager = {}  # one eager class per class in this chunk: its blocks keep sharing compiled graphs
 
     def run_apart(*modules):

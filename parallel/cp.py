@@ -1,22 +1,19 @@
 """Context parallel: the sequence is split over the cp group. Only attention needs other tokens.
 
 Split:    zigzag: 2·CP chunks; rank r holds chunks r and 2CP-1-r, for equal causal work. Tokens,
-          targets and RoPE positions move together; the rest is token-local. The DP wrapper
-          averages grads over dp x cp.
+          targets and RoPE positions move together. The DP wrapper averages over dp x cp.
 Sends:    per rank and layer, in forward. b: micro-batch, s = T/CP local tokens, e: bytes per
           element, |K_r| = |V_r| = b·s·Hkv·hd·e. A step sends this x n_layer x M, plus backward.
   ring:      K,V hop around the ring, each hop under a block's attention: (CP-1)·2·|K_r|.
              Backward: the same + CP·2·|K_r|·4/e for the fp32 dK,dV (ring_attention.py).
-  ulysses:   q, k, v go all-to-all from (s tokens, h heads) to (T tokens, h/CP heads). Then SDPA
-             with GQA, and all-to-all back: (CP-1)/CP · b·s·(2·H + 2·lcm(Hkv, CP))·hd·e.
-             Backward: the same. No overlap.
-  allgather: K,V all-gathered: (CP-1)·2·|K_r|. Each local query chunk makes two calls, merged by
-             log-sum-exp: a causal one on its own key chunk, a full one on all earlier keys.
-             Backward reduce-scatters dK,dV, the same size.
+  ulysses:   q, k, v all-to-all from (s tokens, h heads) to (T tokens, h/CP heads). SDPA with
+             GQA, and back: (CP-1)/CP · b·s·(2·H + 2·lcm(Hkv, CP))·hd·e. Backward: the same.
+  allgather: K,V all-gathered: (CP-1)·2·|K_r|; backward reduce-scatters dK,dV, the same size.
+             Each local query chunk makes two calls, merged by log-sum-exp. One is causal on its
+             own key chunk, one full on all earlier keys. ulysses and allgather do not overlap.
 Memory:   activations are 1/CP of the sequence. Attention holds two K,V blocks under ring, the
-          whole sequence's K,V under allgather, and all of it for H/CP heads under ulysses.
-          K,V keep the model's Hkv heads, never repeated per query head. Only ulysses repeats
-          them, to lcm(Hkv, CP) heads, when CP does not divide Hkv.
+          whole sequence's K,V under allgather, all of it for H/CP heads under ulysses. K,V keep
+          Hkv heads; only ulysses repeats them, to lcm(Hkv, CP), when CP does not divide Hkv.
 """
 import math
 
@@ -90,9 +87,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def seq_to_heads(x, group):
-    """(B, h, T/CP, hd): local tokens, all heads -> (B, h/CP, T, hd): all tokens, h/CP heads.
-
-    The tokens come in rank order."""
+    """(B, h, T/CP, hd) local tokens, all heads -> (B, h/CP, T, hd) all tokens in rank order."""
     B, h, s, hd = x.shape
     cp = group.size
     # (CP, B, h/CP, s, hd): head group j goes to rank j
@@ -113,8 +108,6 @@ def heads_to_seq(y, group):
 
 def ulysses_attention(q, k, v, group):
     cp, kv_heads = group.size, k.shape[1]
-    # The one place K,V are still copied: too few kv heads to split over cp. Each is repeated
-    # just until cp divides them: lcm(Hkv, CP) heads, and GQA grouping holds.
     if kv_heads % cp:
         repeat = cp // math.gcd(kv_heads, cp)
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -146,11 +139,8 @@ class _GatherKV(torch.autograd.Function):
 
 
 def _in_position_order(kv, cp):
-    """(CP·2, B, Hkv, s, hd) in rank order -> (2, B, Hkv, T, hd) in position order, in one copy.
-
-    Rank r holds chunks r and 2CP-1-r. So chunk p < CP is rank p's first chunk, and later ones
-    are rank 2CP-1-p's second. The order: first chunks in rank order, then second ones reversed.
-    Slices and a flip do it: no index is built on the host."""
+    """(CP·2, B, Hkv, s, hd) in rank order -> (2, B, Hkv, T, hd) in position order, in one copy:
+    first chunks in rank order, then second ones reversed. No index is built on the host."""
     _, B, kv_heads, s, hd = kv.shape
     # (2, B, Hkv, CP, 2, c, hd)
     chunks = kv.view(cp, 2, B, kv_heads, 2, s // 2, hd).permute(1, 2, 3, 0, 4, 5, 6)
@@ -160,9 +150,7 @@ def _in_position_order(kv, cp):
 
 
 def _chunk_blocks(rank, cp, c):
-    """Per local query chunk p: a causal call on key chunk p, a full call on earlier keys (if any).
-
-    Returns [(q rows, k rows, causal)] of the local q and the position-ordered K,V."""
+    """[(q rows, k rows, causal)] per local query chunk p: causal on chunk p, full on earlier."""
     blocks = []
     for i, p in enumerate(local_chunks(rank, cp)):
         rows = slice(i * c, (i + 1) * c)
@@ -172,10 +160,7 @@ def _chunk_blocks(rank, cp, c):
 
 
 class _ChunkAttentionFn(torch.autograd.Function):
-    """q (B, H, s, hd) of this rank's chunks against kv (2, B, Hkv, T, hd) -> (B, H, s, hd).
-
-    It runs ring_attention's block kernels, merged by log-sum-exp.
-    Backward needs only the final (out, lse)."""
+    """q (B, H, s, hd) against kv (2, B, Hkv, T, hd) -> (B, H, s, hd): ring_attention's blocks."""
 
     @staticmethod
     def forward(ctx, q, kv, blocks):

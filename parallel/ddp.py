@@ -2,14 +2,11 @@
 
 Split:    the batch. Each dp rank gets its own slice; each cp rank sees other tokens.
 Sends:    one all-reduce of the fp32 gradients per step: 2(g-1)/g · 4·N bytes per rank.
-Overlap:  gradients live in flat fp32 buckets (--bucket-mb), in the order backward makes them.
-          Each .grad is a view into its bucket, so autograd adds straight into what is sent.
-          A hook starts a bucket's async all-reduce once its last gradient is ready (AVG on NCCL;
-          sum, then divide, on gloo). finish_grad_sync waits for all of them.
-          --no-overlap launches every bucket after backward. --bucket-mb 0: one per tensor.
-Memory:   nothing saved. Params, grads and Adam state are replicated (16 B/param, fp32 Adam).
-          Buckets cost nothing more: they are the gradients. With sync_grads False, micro-batches
-          add into the buckets, and only the last backward launches the all-reduces.
+Overlap:  gradients live in flat fp32 buckets (--bucket-mb) in backward's order. Each .grad is a
+          view into its bucket, so autograd adds straight into what is sent. A hook starts a
+          bucket's async all-reduce once its last gradient is ready (AVG on NCCL; sum, then divide,
+          on gloo). --no-overlap launches them after backward. --bucket-mb 0: one per tensor.
+Memory:   nothing saved. Params, grads, Adam state: replicated (16 B/param). Buckets are the grads.
 Average, not sum: each rank's loss is a mean over its tokens. The mean of the rank gradients is
 the gradient of the global batch's mean, so the learning rate does not depend on the world size.
 """
@@ -47,10 +44,7 @@ class Bucket:
             p.grad = view
 
     def adopt(self, p, view):
-        """Makes p.grad the bucket's view again if something replaced it.
-
-        zero_grad(set_to_none) lets autograd make a fresh gradient. It holds the whole sum, so it is
-        copied in."""
+        """Makes p.grad the bucket's view again, copying in a fresh gradient (after set_to_none)."""
         if p.grad is not view:
             if p.grad is None:
                 view.zero_()

@@ -5,27 +5,19 @@ Formats, as in torchao and Transformer Engine. Hopper multiplies fp8 at twice th
     e5m2   dY, the gradient of a block linear's output: 2 bits, max 57344, for more range.
     fp32   the sums of Y = x·Wᵀ, dx = dY·W and dW = dYᵀ·x. Y is bf16, dx x's dtype, dW W's.
     bf16   the rest (embedding, attention, norms, residual stream, lm_head, loss): autocast.
-    fp32   master weights, their gradients and AdamW's moments, as in every mode.
 A block linear's x: the norm output (q, k, v, gate, up), attention (o), silu(gate)·up (down).
-
 Scale rule (dynamic, tensorwise): q = fmt(bf16(t)·s), and the matmul undoes s. s is the largest
-power of two with amax·s <= the format's max. amax = max |bf16(t)| over the whole tensor.
-x's and W's amaxes come from the tensors in forward, dY's from the gradient in backward. Nothing
-is delayed or kept across steps. A power of two makes the multiply exact, so the scale only
-decides what underflows.
-Layouts: a scale must be the one a single process would use, so amax is the whole tensor's. It is
-MAX-all-reduced over the groups that split its tensor (apply; counted as `all_reduce_max`). With
-tp alone, per layer and micro-batch: 3 reductions in forward, 5 in backward, a few bytes each.
-Forward reduces the weights and o's and down's inputs; backward, the column linears' dY. dp and
-pp ranks run whole micro-batches, and FSDP gathers whole weights: no reduction. The matmul then
-runs on the local shard.
+power of two with amax·s <= the format's max. amax = max |bf16(t)| over the whole tensor, as one
+process would take it: x's and W's in forward, dY's in backward. Nothing is kept across steps.
+A power of two makes the multiply exact, so the scale only decides what underflows.
+Layouts: amax is MAX-all-reduced over the groups that split its tensor (`all_reduce_max`); the
+matmul runs on the local shard. With tp alone, per layer and micro-batch: 3 reductions in forward,
+5 in backward, a few bytes each. dp, pp and FSDP split no tensor a matmul reads: no reduction.
 Memory: backward keeps x and W as they came, and their scales. bf16 autocast keeps a bf16 copy of
-x per linear. Transients of 1 byte/element: the casts, the column-major copies for backward.
-Under --fp8-all-gather, also a unit arriving (gather_in_fp8).
-Time: per linear and step, 3 amax passes (x, W, dY) and 5 casts. Backward casts x and W again,
-with no second amax. Add 3 transposed fp8 copies; torch.compile fuses them all. Under tp or cp,
-add the tiny blocking reductions. --sp's rings (tp_overlap.py) stay off. Under fp8 each sp gather
-and reduce-scatter is one call, and backward keeps the gathered input.
+x per linear. Transients of 1 byte/element: the casts, column-major copies, an fp8-gathered unit.
+Time: per linear and step, 3 amax passes, 5 casts and 3 transposed copies, fused by torch.compile.
+Under tp or cp, add the blocking reductions. --sp's rings stay off: each sp collective is one
+call, and backward keeps the gathered input.
 """
 import math
 from functools import partial
@@ -48,8 +40,7 @@ def missing():
 
 def misfit(cfg, tp, tokens):
     """(flag, message) of the first block-matmul dimension not a multiple of 16, or None.
-
-    tokens: the rows of one micro-batch on a rank, the inner dimension of the weight gradient."""
+    tokens: a micro-batch's rows on a rank, the weight gradient's inner dimension."""
     hd = cfg.head_dim
     dims = [("--d-model", "d_model", cfg.d_model, 1, 1),
             ("--n-head", "n_head / tp x head_dim", cfg.n_head, tp, hd),
@@ -66,10 +57,8 @@ def misfit(cfg, tp, tokens):
 # ---------------------------------------------------------------- the scale rule and the casts
 
 def scale_for(amax, fmt):
-    """The largest power of two s with amax·s <= fmt's max, elementwise over fp32 amaxes.
-
-    Computed from the exponents, so exact. amax 0: any s works. inf or nan: the cast gives nan,
-    and the run stops on a non-finite loss."""
+    """The largest power of two s with amax·s <= fmt's max, exact from fp32 amaxes' exponents.
+    amax 0: any s works. inf or nan: the cast gives nan, and the run stops on its loss."""
     mantissa, exponent = math.frexp(torch.finfo(fmt).max)  # 448 = 0.875·2^9, 57344 = 0.875·2^16
     m, e = torch.frexp(amax)
     return torch.exp2((exponent - e - (m > mantissa).int()).clamp(-126, 126).float())
@@ -91,10 +80,8 @@ def cast(t, scale, fmt):
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
     """(a / scale_a) · (b / scale_b) for fp8 a (m, k) row-major and b (k, n) column-major.
 
-    Summed in fp32, rounded once to out_dtype: torch._scaled_mm on a GPU. On CPU _scaled_mm is a
-    reference loop, about 1000x slower than a bf16 matmul of 512x128x384. So there the operands
-    are upcast to fp32 (exact) and multiplied in fp32. Exact products, fp32 sums, one rounding:
-    _scaled_mm's arithmetic. tests/test_fp8.py checks one against the other."""
+    torch._scaled_mm on a GPU: fp32 sums, rounded once. On CPU, where that is a slow loop, the
+    operands are upcast to fp32, exactly: the same arithmetic (tests/test_fp8.py)."""
     inverse = (1 / scale_a).float(), (1 / scale_b).float()  # exact: powers of two
     if a.is_cuda:
         return torch._scaled_mm(a, b, scale_a=inverse[0], scale_b=inverse[1], out_dtype=out_dtype,
@@ -114,10 +101,7 @@ def row_major(t):
 
 
 class ScaledLinear(torch.autograd.Function):
-    """y = x·Wᵀ with x, W in e4m3 and dY in e5m2.
-
-    W's scale is given (w_scale); x's and dY's come from their amaxes. Each amax is MAX-reduced
-    over the groups that split its tensor (x_groups, dy_groups)."""
+    """y = x·Wᵀ, x and W in e4m3, dY in e5m2. x's and dY's amaxes are reduced over their groups."""
 
     @staticmethod
     def forward(ctx, x, weight, w_scale, x_groups, dy_groups, x_scale=None):
@@ -147,20 +131,16 @@ class ScaledLinear(torch.autograd.Function):
 
 
 def linear(x, weight, groups=()):
-    """y = x·Wᵀ in fp8, every amax reduced over `groups`, x's and W's in one reduction.
-
-    Each tensor is split over each of the groups."""
+    """y = x·Wᵀ in fp8. x's and W's amaxes are reduced together over `groups`, which split both."""
     scales = scale_for(amaxes([x.to(torch.bfloat16), weight.to(torch.bfloat16)], groups), E4M3)
     return ScaledLinear.apply(x, weight, scales[1], [], list(groups), scales[0])
 
 
 class BlockWeights:
-    """The e4m3 scales of one block's linear weights, reduced together once per forward.
+    """The e4m3 scales of a block's linear weights: one MAX all-reduce over tp per forward.
 
-    The block's first fp8 matmul of each forward (q_proj's, in block order) reduces the amax of
-    every weight. It is one MAX all-reduce over tp. The block's other matmuls read theirs. With one
-    reduction per tensor a layer would take 14 (28 with cp). The amax of the fp32 master is that
-    of its bf16 copy, rounded. Rounding is monotonic, so no copy is made."""
+    The first fp8 matmul (q_proj's) reduces every weight's amax, not 14 reductions (28 with cp).
+    An fp32 master's amax is its bf16 copy's, rounded. Rounding is monotonic: no copy is made."""
 
     def __init__(self, linears, group):
         self.linears, self.groups, self.scales = linears, [group] if group is not None else [], None
@@ -182,19 +162,14 @@ def reduce_max(values, groups):
 
 
 def apply(chunk, tp_group=None, cp_group=None):
-    """Routes a GPT chunk's block matmuls through fp8, in place, by their matmul hook.
+    """Routes a chunk's block matmuls, tp's linears too, through fp8 by their matmul hook.
 
-    The hook is parallel/__init__.py's. Every block's linears take it: model.Linear, and tp's
-    column and row linears alike. The embedding, attention and lm_head stay as they are.
-    Each amax is reduced only over the groups (tp, cp) that split its tensor. The weight's
-    tp_shard tag tells which. A column-parallel linear (split by output features) sees its whole
-    input and a shard of dY. A row-parallel one sees a shard of its input and the whole dY. cp
-    splits every x and dY by tokens, no weight. A block's weights share one reduction."""
+    Each amax is reduced over the groups that split its tensor. Over tp a column linear splits dY,
+    a row linear x (the weight's tp_shard tells which). cp splits every x and dY."""
     tp = [tp_group] if tp_group is not None and tp_group.size > 1 else []
     cp = [cp_group] if cp_group is not None and cp_group.size > 1 else []
     matmul = block_linear
-    # The amax all-reduces break a compiled block's graph. So the matmul runs eagerly: else dynamo
-    # compiles its pieces once per weight shape and dtype, past its limit.
+    # Eager: the amax all-reduces break the graph, recompiled per weight shape past dynamo's limit
     if tp or cp:
         matmul = torch.compiler.disable(block_linear)
     for block in chunk.layers.values():
@@ -216,16 +191,13 @@ def block_linear(x, weight, module, weights, x_groups, dy_groups):
 # ---------------------------------------------------------- FSDP: block units all-gathered in e4m3
 
 def gather_in_fp8(wrapper, tp_group):
-    """--fp8-all-gather: every block unit of an FSDP/HSDP wrapper all-gathers in e4m3.
+    """--fp8-all-gather: every block unit of an FSDP/HSDP wrapper gathers in e4m3 (its gather hook).
 
-    It goes through the units' gather hook (parallel/__init__.py). Each matrix of a unit's shard
-    is cast with its own scale. Its amax is MAX-reduced over the shard group and tp first.
-    The e4m3 bytes are half the bf16 all-gather: (g-1)/g · padded unit · 1 byte. The norm gains
-    are not matmul weights. They travel in bf16 beside them: (g-1) · 2v bytes, v the most norm
-    elements a shard holds (<= 2d). Then all is written into the bf16 unit buffer, exactly. The
-    rest of FSDP does not change. The embedding and norm + head units stay in bf16.
-    An fp8 value dequantized to bf16 casts back to itself. So the matmuls' e4m3 operands are
-    those of a bf16 all-gather cast there, bit for bit."""
+    Each matrix of a shard has its own scale, its amax MAX-reduced over the shard group and tp.
+    The e4m3 bytes are half of bf16's: (g-1)/g · padded unit · 1 byte. Norm gains travel in bf16
+    beside them: (g-1) · 2v bytes. v is the most norm elements a shard holds (<= 2d). An fp8 value
+    dequantized to bf16 casts back to itself. So the matmuls' operands are a bf16 gather's, bit
+    for bit."""
     for unit in wrapper.units:
         if unit.name.startswith("layers."):
             unit.gather = FP8Gather(unit, [g for g in (unit.group, tp_group) if g.size > 1])
@@ -233,10 +205,7 @@ def gather_in_fp8(wrapper, tp_group):
 
 
 class FP8Gather:
-    """One unit's fp8 all-gather: the matrices of the flat shard as e4m3 bytes, gains in bf16.
-
-    In the e4m3 bytes, vectors and padding are zero. The norm gains this shard holds travel beside
-    them in bf16. They are padded to the most any shard holds (v)."""
+    """One unit's fp8 all-gather: the shard's matrices as e4m3 bytes, its norm gains in bf16."""
 
     def __init__(self, unit, groups):
         self.groups, n, start = groups, unit.shard_numel, unit.start
@@ -270,9 +239,7 @@ class FP8Gather:
 
 
 class Dequantize:
-    """The handle FSDP waits for: both all-gathers, then the bf16 unit written from them.
-
-    Exact: s is a power of 2."""
+    """FSDP's handle: both all-gathers, then the bf16 unit. Exact, as s is a power of 2."""
 
     def __init__(self, gather, handles, got, got_side, full, scales):
         self.gather, self.handles, self.got, self.got_side, self.full, self.scales = (

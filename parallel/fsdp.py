@@ -2,8 +2,8 @@
 
 Split:    the batch, as DDP, and the model state in units (the embedding, each block, norm + head).
           A unit is flattened, padded to a multiple of g and cut into g shards, kept in fp32.
-Sends:    per micro-batch, every unit all-gathered for forward and each block again for backward
-          (compute dtype, c bytes), and each unit's gradient reduce-scattered (r bytes). Per rank
+Sends:    per micro-batch, every unit is all-gathered for forward, each block again for backward
+          (compute dtype, c bytes). Each unit's gradient is reduce-scattered (r bytes). Per rank
           and step: (g-1)/g · M·((2N-E)·c + N·r), E the embedding's, norm's and head's parameters.
           Under pp units stay gathered through the step: (g-1)/g · N·(c + M·r).
 Overlap:  forward prefetches the next unit's gather, backward the previous one's. A reduce-scatter
@@ -27,10 +27,8 @@ def in_backward():
 
 class Unit:
     """Parameters gathered, used and freed together: one flat buffer, padded, cut into shards.
-
-    Flat layout: [matrices | vectors | padding]. This rank's shard is two optimizer params split at
-    the boundary, the matrices' viewed as (1, k), so that AdamW decays exactly the matrices.
-    """
+    Layout: [matrices | vectors | padding]. A shard is two optimizer params split at the boundary.
+    The matrices' is viewed as (1, k), so AdamW decays exactly the matrices."""
 
     def __init__(self, name, slots, group, device, compute_dtype):
         self.name, self.group, self.compute_dtype = name, group, compute_dtype
@@ -110,8 +108,7 @@ class Unit:
 
 
 class GatherUnit(torch.autograd.Function):
-    """Forward: the unit's full parameters, views of its gathered buffer. Backward: their gradients
-    go to FSDP, which reduce-scatters them into the shards."""
+    """Forward: the unit's parameters, views of its gathered buffer. Backward: after_backward."""
 
     @staticmethod
     def forward(ctx, fsdp, unit, *shards):
@@ -152,8 +149,7 @@ class FSDP:
             keep_saved(chunk, self.pack, self.unpack)
 
     def make_unit(self, name, tops, owner, names, init_param, device, compute_dtype):
-        """One unit materialized from the meta device: this rank makes only its shard of each
-        initial value (init_param(name, meta, flat=range)), never a full parameter."""
+        """One unit from the meta device: this rank makes only its shard of each initial value."""
         slots = [(m, attr, names[id(p)], p) for top in tops for m in top.modules()
                  for attr, p in m._parameters.items() if p is not None]
         unit = Unit(name, slots, self.group, device, compute_dtype)
@@ -234,8 +230,7 @@ class FSDP:
             self.finish_reduction(unit)
 
     def flat_gradient(self, unit, grads):
-        """This backward's gradients as one flat (padded,) buffer in the reduce dtype. One buffer
-        serves every unit, one at a time: the reduce-scatter that read it is done."""
+        """This backward's gradients as one flat (padded,) reduce-dtype buffer, reused by units."""
         if self.flat is None:  # freed by finish_grad_sync
             largest = max(u.padded for u in self.units)
             self.flat = unit.local.new_empty(largest, dtype=self.reduce_dtype)
@@ -286,8 +281,7 @@ class FSDP:
             self.sum_partial_grads()
 
     def sum_partial_grads(self):
-        """Sequence-parallel norms saw only their tp rank's tokens: their gains' gradients are
-        partial sums over tp, all-reduced here (one call per unit that holds some)."""
+        """Sums sp's norm gain gradients over tp, one call a unit: each saw only its tokens."""
         for unit in self.units:
             pieces = [unit.params[i].grad.view(-1)[a:b] for i, a, b, slot in unit.segments()
                       if has_tp_partial_grad(slot[3]) and unit.params[i].grad is not None]
@@ -312,7 +306,7 @@ class FSDP:
 
     def owned_pieces(self):
         """This shard as Pieces, one per (optimizer param, slot) overlap. HSDP replicas hold the
-        same shards: only the first shard group writes; tp-replicated params: tp rank 0."""
+        same shards: the first shard group writes. tp-replicated params: tp rank 0."""
         first = self.mesh.dp_cp_group.rank < self.group.size
         pieces = []
         for unit in self.units:
@@ -327,8 +321,6 @@ class FSDP:
 
 def wrap(module, mesh, device, init_param, compute_dtype=torch.float32, reduce_dtype=torch.float32,
          overlap=True, cls=FSDP, group=None):
-    """module: nn.ModuleList of GPT chunks on the meta device, materialized one unit at a time by
-    init_param(global name, meta param, flat range, out). Shards over dp x cp; under pp units stay
-    gathered. cls: FSDP, HSDP, or either with fsdp_accumulate's unsharded accumulation."""
+    """module: meta GPT chunks, materialized unit by unit. cls: FSDP, HSDP, or fsdp_accumulate's."""
     return cls(module, mesh, group or mesh.dp_cp_group, init_param, device, compute_dtype,
                reduce_dtype, overlap=overlap, keep_gathered=mesh.pp > 1)

@@ -1,8 +1,6 @@
 """A layer on FSDP and HSDP (--accumulate unsharded): micro-batch gradients summed locally.
 
-A unit's gradients are summed unsharded over the step's micro-batches. They are reduce-scattered
-once, after the unit's last backward, instead of once per micro-batch.
-
+A unit's gradients are summed unsharded over the step's micro-batches, then reduce-scattered once.
 Sends:    the reduce-scatter's (g-1)/g · N·r bytes once per step, not M times. All-gathers: same.
 Overlap:  as FSDP's: a unit's one reduce-scatter runs under the next unit's backward.
 Memory:   every unit's flat gradient (reduce dtype, r·N bytes) stays all step, not one shared

@@ -1,16 +1,13 @@
-"""HSDP: FSDP in a shard group of K ranks, DDP across the R = dp/K replicas.
+"""HSDP: FSDP in a shard group of K ranks (one server), DDP across the R = dp/K replicas.
 
-A shard group is one server: its links are the fast ones.
-
-Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp). It is replicated
-          R times (mesh.replicate_group). The batch goes over all dp x cp ranks.
-Sends:    in the shard group, FSDP's (K-1)/K · M·((2N-E)·c + N·r) per step (fsdp.py).
-          Once per step, each unit's fp32 gradient shard is all-reduced over the replicas.
-          It holds the sum over micro-batches: 2(R-1)/R · 4N/K bytes per rank, whatever M.
-          Only this all-reduce crosses servers. It is 1/K of DDP's.
-Overlap:  a unit's replica all-reduce starts when its step gradient shard is complete. That is at
-          the end of the next unit's backward, when the last reduce-scatter lands. It is waited
-          for one unit later, at the next launch, so it runs under backward.
+Split:    the model state K ways (mesh.shard_group, K = --dp-shard, times cp), replicated R times
+          (mesh.replicate_group). The batch goes over all dp x cp ranks.
+Sends:    in the shard group, FSDP's (K-1)/K · M·((2N-E)·c + N·r) per step (fsdp.py). Once per
+          step, each unit's fp32 gradient shard, summed over micro-batches, is all-reduced over
+          the replicas: 2(R-1)/R · 4N/K bytes per rank, whatever M. Only this all-reduce crosses
+          servers. It is 1/K of DDP's.
+Overlap:  a unit's replica all-reduce starts when its last reduce-scatter lands, in the next
+          unit's backward. It is waited for at the next launch, so it runs under backward.
 Memory:   16·N/K bytes of model state per rank. K, not dp, sets the saving.
 """
 import torch
@@ -47,9 +44,8 @@ class HSDP(FSDP):
             self.in_flight = None
 
     def finish_step_grads(self, units):
-        """Waits for every reduced unit's all-reduce over the replicas.
-
-        Those backward did not launch (none said sync_grads) start now, in unit order."""
+        """Waits for each reduced unit's all-reduce over the replicas. Those backward did not
+        launch (no sync_grads) start now, in unit order."""
         self.wait_in_flight()
         for unit in units:
             if unit not in self.replica:

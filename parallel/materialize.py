@@ -26,12 +26,10 @@ def init_tile(name, rows, cols, cfg, seed):
 
 
 def local_init(name, param, cfg, seed, flat=None, out=None):
-    """This rank's part of one parameter's initial value.
+    """This rank's part of one parameter's initial value, written into `out` when given.
 
-    param: the meta parameter, maybe tagged tp_shard = (dim, rank, world). flat: a range of the
-    block's flattened elements (an FSDP shard; the result is then 1-D), or None for the whole
-    block. Written into `out` when given.
-    """
+    param: the meta parameter, maybe tagged tp_shard. flat: an FSDP shard's range of the block's
+    flattened elements (the result is then 1-D), or None for the whole block."""
     dim, rank, world = getattr(param, "tp_shard", (0, 0, 1))
     rows = param.shape[0] if param.dim() else 1
     cols = math.prod(param.shape[1:])  # the tp block as a (rows, cols) matrix
@@ -67,10 +65,7 @@ def local_init(name, param, cfg, seed, flat=None, out=None):
 @torch.no_grad()
 def materialize(module, device, init_param):
     """Meta parameters -> real ones on `device`, each filled by init_param(name, param, out=view).
-
-    Tags on the meta parameters (tp_shard, tp_partial_grad) carry over. A Parameter held in two
-    places (a tied head) is still one Parameter after.
-    """
+    Their tags carry over. A Parameter held in two places (a tied head) stays one."""
     tags = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     places = {}  # id of a Parameter -> the names it is held under, the first as listed
     for name, p in module.named_parameters(remove_duplicate=False):

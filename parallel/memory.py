@@ -25,8 +25,7 @@ MARGIN = 0.10
 
 
 def check_fits(cfg, run):
-    """Refuses a run whose step would not fit the device's memory less the margin, naming the
-    largest part and the flag that moves it."""
+    """Refuses a step over the device's memory less MARGIN, naming its largest part's flag."""
     if cfg.vocab_size >= 2 ** 31:
         raise LayoutError("--vocab-size", f"{cfg.vocab_size} is past 2^31")
     parts, (limit, where) = step_bytes(cfg, run), device_memory(run)
@@ -51,29 +50,23 @@ def step_bytes(cfg, run):
 def stage_bytes(cfg, run, pp_rank):
     """{part: bytes} one rank of pipeline rank `pp_rank` holds at its step's peak.
 
-    model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded;
-                    --accumulate unsharded keeps every unit's flat gradient all step too.
-    weights in use  FSDP: the largest unit gathered, with its flat gradient (its backward; none
-                    apart under --accumulate unsharded); under pp the stage's units stay gathered
-                    all step. DDP under autocast: the matmul weights' compute-dtype copies, which
-                    each micro-batch in flight saves.
-    activations     per layer and token in the compute dtype: the norms' inputs and outputs,
-                    attention's q, k, v (after RoPE) and output, the MLP's gate, up and product
-                    (what autograd saves, counted), fp32 1/rms. As many sets as the schedule keeps.
-                    zb1, zbv: a deferred norm also keeps its fp32 x-hat; from B to W a set holds
-                    each matmul's input and output gradient and each norm's x-hat and output
-                    gradient, whatever --ckpt (B remade the set).
-    logits          on the last stage: the logits of each set in flight, their gradient, one fp32
-                    chunk of the loss.
-                    On the last stage, each set's final norm: its input and output (zb1, zbv: from
-                    B to W its x-hat, output and output gradient).
-    The peak is the fuller of two moments: the loss's backward (the logits), or a layer's backward
-    (SwiGLU's: the gradients of the product, gate and up, silu(gate) remade, the residual's
-    gradient; checkpointed, also its remade activations; FSDP: the layer's weight gradient in the
-    compute dtype and, without pp, the next unit prefetched; sp: three whole (tokens, d) tensors,
-    the input gathered again, the output's gradient gathered, the input's gradient).
+    model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded.
+                    --accumulate unsharded also keeps every unit's flat gradient all step.
+    weights in use  FSDP: the largest unit gathered, with its flat gradient (none apart under
+                    --accumulate unsharded). Under pp the stage's units stay gathered all step.
+                    DDP under autocast: the matmul weights' compute-dtype copies, one per set.
+    activations     per layer and token, what autograd saves in the compute dtype (norms' inputs
+                    and outputs; q, k, v after RoPE; attention's output; gate, up and product),
+                    and fp32 1/rms. As many sets as the schedule keeps. zb1, zbv: a deferred
+                    norm's fp32 x-hat too. From B to W: each matmul's input and output gradient,
+                    each norm's x-hat and output gradient, whatever --ckpt (B remade the set).
+    logits          on the last stage: each set's logits and final norm's input and output (zb1,
+                    zbv, B to W: x-hat, output, its gradient), one logits gradient, one loss chunk.
     token ids       the step's inputs and targets.
-    """
+    A layer's backward (peak_moment) holds SwiGLU's gradients of the product, gate and up,
+    silu(gate) remade, and the residual's gradient. Checkpointed: its remade activations. FSDP:
+    the weight gradient in the compute dtype and, without pp, the next unit. sp: three whole
+    (tokens, d) tensors, the input and the output's gradient gathered, the input's gradient."""
     e = 4 if run.dtype == "fp32" else 2
     r = 4 if run.reduce_dtype == "fp32" else 2
     d, f, t = cfg.d_model, cfg.ffn_dim, run.tp
@@ -89,8 +82,7 @@ def stage_bytes(cfg, run, pp_rank):
     per_layer = e * (4 * d / sh + (2 * d + kv + 3 * f) / t) + 8 / sh  # per token
     kind = ckpt.parse(run.ckpt)[0]
     split = run.pp > 1 and run.pp_schedule in S.SPLIT_BACKWARD
-    # a layer's backward at its fullest, SwiGLU's: the gradients of the product, gate and up,
-    # silu(gate) remade, the residual's gradient; the product is freed by then (split: W holds it)
+    # a layer's backward at its fullest (SwiGLU's); the product is freed by then (split: W holds it)
     layer = e * ((3 + split) * f / t + d / sh)
     if kind == "selective" and not split:  # the product was never kept; a norm's output is remade
         layer += e * (f / t + d / sh)
@@ -112,8 +104,7 @@ def stage_bytes(cfg, run, pp_rank):
     layer_weights = 0 if run.dp_mode == "ddp" else e * block * (1 + (run.pp == 1))
     regather = 3 * e * d * (t > 1 and run.sp)
     summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
-    # the final norm of each set on the head's chunk: its input and output; from B to W its x-hat,
-    # output and output gradient
+    # the final norm of each set on the head's chunk
     norm = last * e * tokens * (2 + split) * d / sh
     moment = peak_moment(tokens * (sets * kept + waiting * held),
                          tokens * (layer + checkpointed * per_layer + regather), layer_weights,
@@ -127,8 +118,7 @@ def stage_bytes(cfg, run, pp_rank):
 
 def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm):
     """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
-    backward (every set's logits and final norm, their gradient, one fp32 chunk) or a layer's
-    backward (the other sets' logits and final norms stay)."""
+    backward, or a layer's while the other sets' logits and final norms stay."""
     loss = logits * (sets + 1) + chunk
     if loss + norm >= layer_backward + layer_weights + (logits + norm) * (sets - 1):
         return {"weights in use": 0, "activations": kept + norm * sets, "logits": loss}
@@ -154,11 +144,8 @@ def stage_layout(cfg, run, pp_rank):
 
 def sets_in_flight(run, pp_rank, chunks, kept=1.0, held=0.0):
     """((forward layer-sets, layer-sets between B and W) at the fullest moment, the most
-    micro-batches alive on the head's chunk).
-
-    A micro-batch's forward through a chunk keeps that chunk's layers' activations (`kept` bytes a
-    layer) until its backward; under zb1 and zbv until its B, then `held` bytes a layer until its
-    W. Counted from the schedule's own action list."""
+    micro-batches alive on the head's chunk). A forward keeps `kept` bytes a layer until its
+    backward. Under zb1 and zbv: until its B, then `held` bytes a layer until its W."""
     if run.pp == 1:
         return (chunks[0], 0), 1
     return schedule_peak(run.pp_schedule, run.pp, run.accum_steps, run.pp_virtual, pp_rank, chunks,
@@ -176,8 +163,8 @@ def schedule_peak(schedule, P, M, V, rank, chunks, kept=1.0, held=0.0):
 
 @lru_cache(maxsize=256)  # the planner prices thousands of layouts on a few schedules
 def schedule_moments(schedule, P, M, V):
-    """Per rank: the fullest moments of its action list, each (micro-batches alive in forward,
-    micro-batches between B and W) per chunk, and the most micro-batches on the head's chunk."""
+    """Per rank: its fullest moments and the most micro-batches on the head's chunk. A moment:
+    (micro-batches alive in forward, micro-batches between B and W) per chunk."""
     n, split = S.chunks_per_rank(schedule, V), schedule in S.SPLIT_BACKWARD
     vshape, end, out = schedule in S.VSHAPED, P * n - 1, []
     for rank, actions in enumerate(S.build(schedule, P, M, V)):
@@ -212,8 +199,7 @@ def fullest(moments):
 # ---------------------------------------------------------------- the device, and measured memory
 
 def device_memory(run):
-    """(bytes one rank may use, what they are): the GPU's memory, or on CPU the memory available
-    now, shared by the ranks on this machine."""
+    """(bytes one rank may use, what): the GPU's memory, or the free RAM / ranks on this machine."""
     if run.backend == "nccl":
         name = torch.cuda.get_device_name(run.device)
         return torch.cuda.get_device_properties(run.device).total_memory, name
@@ -222,9 +208,8 @@ def device_memory(run):
 
 
 class CPUMemory:
-    """mem_gb on CPU: the tensors the run keeps (weights, gradients, Adam's state) plus the peak of
-    what a step allocates, counted once, in the first step (every step is the same).
-    count=False (a compiled run): nothing is counted, mem_gb is None."""
+    """mem_gb on CPU: the tensors the run keeps (weights, gradients, Adam's state) plus the peak
+    a step allocates, counted in the first, as all are alike. Compiled (count=False): None."""
 
     def __init__(self, trainer, count=True):
         self.trainer, self.peak, self.counting = trainer, None, LiveBytes() if count else None
@@ -246,8 +231,7 @@ class CPUMemory:
 
 
 def storage_bytes(tensors):
-    """Bytes of the distinct storages behind the tensors: views of one buffer count once. None and
-    meta tensors, which hold no memory, are skipped."""
+    """Bytes of the distinct storages behind the tensors: views of one buffer count once."""
     storages = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and not t.is_meta:
@@ -257,9 +241,8 @@ def storage_bytes(tensors):
 
 
 class StorageMode(TorchDispatchMode):
-    """A dispatch mode that also hears of every UntypedStorage.resize_ while active, through
-    resized(storage, bytes before). The pipeline frees what it sent that way (parallel/pp.py); no
-    finalizer sees it."""
+    """A dispatch mode that hears of every UntypedStorage.resize_ too: resized(storage, before).
+    The pipeline frees what it sent that way (pp.py). No finalizer sees it."""
 
     def __enter__(self):
         self.resize = resize = torch.UntypedStorage.resize_
@@ -281,8 +264,7 @@ class StorageMode(TorchDispatchMode):
 
 
 class LiveBytes(StorageMode):
-    """Bytes of the storages that ops create while it is active, from creation until freed or
-    resized; `peak` is the most at once. A finalizer on each storage marks its free."""
+    """Bytes of the storages ops create while active, until freed or resized; `peak`, the most."""
 
     def __init__(self):
         super().__init__()

@@ -66,10 +66,8 @@ class Mesh:
         self.sizes = dict(dp=self.dp, pp=pp, cp=cp, tp=tp)
         self.coord = self.coords(rank)
         timeout, self.pgs = timedelta(seconds=timeout_s), []
-        # Every rank creates every group, in the same order: torch.distributed's rule, and what
-        # DeviceMesh does without communicator splitting. A rank outside a group gets a
-        # placeholder back at once. The groups become attributes: dp_group, pp_group, cp_group,
-        # tp_group, dp_cp_group, world_group, shard_group, replicate_group.
+        # Every rank creates every group, in the same order (torch.distributed's rule). Outside
+        # one it gets a placeholder. Each becomes an attribute: dp_group, ..., replicate_group.
         for name, members in self.partitions():
             mine = None
             for g in members:
@@ -89,9 +87,7 @@ class Mesh:
         return pg
 
     def set_timeout(self, seconds):
-        """How long this rank's collectives may wait from now on, in every group it belongs to.
-
-        --startup-timeout for set-up and the first steps, --timeout after."""
+        """How long this rank's collectives may wait from now on (--startup-timeout, --timeout)."""
         for pg in self.pgs + ([dist.group.WORLD] if self.world > 1 and dist.is_initialized()
                               else []):
             SET_TIMEOUT(timedelta(seconds=seconds), pg)
@@ -107,10 +103,7 @@ class Mesh:
         return dict(dp=dp, pp=pp, cp=cp, tp=tp)
 
     def groups_along(self, varying):
-        """The ranks that share every coordinate but those in `varying`, as lists.
-
-        Each list is ascending; the lists come in order of their first rank. O(world): every rank
-        is placed once."""
+        """Ascending lists of the ranks that share every coordinate but `varying`, by first rank."""
         fixed = [a for a in AXES if a not in varying]
         groups = {}
         for rank in range(self.world):
@@ -125,8 +118,7 @@ class Mesh:
             ("world", list(AXES)))]
         K, shard, replicate = self.dp_shard, [], []
         for g in dict(out)["dp_cp"]:
-            # g is ordered by (dp_i, cp_i); dp_i = rep_i·K + shard_i, so a shard group is K·CP
-            # consecutive members and a replicate group takes every (K·CP)-th member.
+            # g is ordered by (dp_i, cp_i): K·CP consecutive members share a shard group
             span = K * self.cp
             shard += [g[i:i + span] for i in range(0, len(g), span)]
             replicate += [g[i::span] for i in range(span)]
@@ -154,8 +146,8 @@ class Mesh:
 # ---------------------------------------------------------------- starting, and naming a hang
 
 def init_process_group(backend, device, rank, world, timeout_s, trace_dir):
-    """The default process group: NCCL on CUDA, its communicators made now, not at each group's
-    first collective, its flight recorder dumping into trace_dir on a timeout; gloo on CPU."""
+    """The default process group: gloo on CPU, NCCL on CUDA. NCCL's communicators are made now,
+    not at first use. Its flight recorder dumps into trace_dir on a timeout."""
     options = {"device_id": torch.device(device)} if backend == "nccl" else {}
     if backend == "nccl":
         for name, value in flight_recorder(trace_dir).items():
@@ -165,18 +157,14 @@ def init_process_group(backend, device, rank, world, timeout_s, trace_dir):
 
 
 def flight_recorder(out):
-    """NCCL's flight recorder: the last collectives of each rank, dumped into the run folder when
-    one times out (torch reads these variables when the process group starts)."""
+    """NCCL's flight recorder: each rank's last collectives, dumped into `out` on a timeout."""
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out) / "nccl_trace_rank_")}
 
 
 def restart_store(rank, world):
-    """init_process_group's store arguments: each attempt gets its own key prefix.
-
-    Under torchrun --max-restarts the rendezvous store outlives a failed attempt. Its keys
-    (a killed peer's address) would be read again, and new workers would wait on a dead port.
-    Outside torchrun's restarts this returns {}."""
+    """init_process_group's store arguments: a key prefix per torchrun restart, else {}. The store
+    outlives a failed attempt, and its keys name dead peers that new workers would wait on."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
         return {}
@@ -192,21 +180,17 @@ PEER_LEFT = re.compile(r"connection (closed|reset) by peer", re.I)  # a peer tha
 
 
 def timed_out(error):
-    """Whether an error is a collective that waited past its timeout, or lost a peer that did
-    (gloo's or NCCL's words)."""
+    """Whether an error is a collective timeout, or a peer lost to one (gloo's or NCCL's words)."""
     return isinstance(error, RuntimeError) and bool(TIMED_OUT.search(str(error)) or
                                                     PEER_LEFT.search(str(error)))
 
 
 def name_the_hang(mesh, step, error, grace_s=6.0):
-    """One line for a collective that timed out: the step, the collective, its group, and the
-    ranks of the group that had not arrived, as far as this rank can tell.
+    """One line for a timed-out collective: the step, the collective, its group, its late ranks.
 
-    Each rank that times out posts its collective to the process group's store. A member that
-    posts nothing within grace_s, or posts another collective, had not arrived at this one. Rank 0
-    may host the store (torchrun's agent hosts it otherwise), so it leaves last: it waits (grace_s
-    at most) until every member that posted has read.
-    """
+    Each rank that times out posts its collective to the store. A member that posts nothing in
+    grace_s, or another collective, had not arrived. Rank 0 may host the store, so it leaves
+    last, once every member that posted has read (grace_s at most)."""
     stats = mesh.stats
     waiting = stats.in_flight()
     if not waiting:

@@ -1,20 +1,18 @@
 """The backward split of the zero-bubble schedules (zb1, zbv): B now, W later.
 
-B is the input gradient, which the stage before waits for. W is the weight gradients. Only the
-optimizer waits for those, so the schedule (pp_schedule.py) puts W where the stage would idle.
-
-Split:    every weight of a chunk but the embedding's. That one has no input to differentiate: its
-          gradient stays in stage 0's B. Each layer with a weight (model.Linear, model.RMSNorm,
-          tp's layers) has a weight_grads hook (parallel/__init__.py). Its matmul or gain then
-          runs as a Function with no autograd edge to the weight.
-Sends:    nothing new. B sends the input gradient, as a full backward did. Under tp, B waits at
-          once for the input gradient's reduction: the weight-gradient matmuls it hid under run
-          in W now. W all-gathers a sequence-parallel input again. The same collectives, calls
-          and bytes; the tp ring layer is not used.
-Overlap:  W fills the fill-and-drain bubble. Within a stage nothing runs concurrently.
-Memory:   from B to W a micro-batch keeps each matmul's input and output gradient. That is about
-          its activation set, and the schedules count the set alive until W. A checkpointed block is
-          recomputed once, in B; W reads the recomputed inputs its closures hold.
+B is the input gradient, which the stage before waits for. W is the weight gradients, which only
+the optimizer waits for.
+Split:    every weight but the embedding's, which has no input to differentiate: its gradient
+          stays in stage 0's B. Each layer with a weight (model.Linear, model.RMSNorm, tp's
+          layers) has a weight_grads hook. Its matmul or gain then runs as a Function with no
+          autograd edge to the weight.
+Sends:    nothing new: the same collectives, calls and bytes. The tp ring layer is not used.
+          Under tp, B waits at once for the input gradient's reduction. The weight-gradient
+          matmuls it hid under run in W now. W all-gathers a sequence-parallel input again.
+Overlap:  the schedule (pp_schedule.py) puts W in the fill-and-drain bubble, where a stage idles.
+Memory:   from B to W a micro-batch keeps each matmul's input and output gradient, about its
+          activation set. The schedules count the set alive until W. A checkpointed block is
+          recomputed once, in B. W reads the recomputed inputs its closures hold.
 """
 import torch
 import torch.nn.functional as F
@@ -24,14 +22,11 @@ from model import compute_dtype
 
 
 class WeightGrads:
-    """One chunk's deferred weight gradients, by micro-batch: the store of the weight_grads hook.
+    """One chunk's deferred weight gradients by micro-batch (`mb`, set before each B).
 
-    In B, autograd goes from the stage output to the stage input only. Each deferred Function
-    returns its input gradient and queues a closure. The closure holds what the weight gradient
-    needs: the matmul's input and output gradient. W runs the closures of one (chunk, micro-batch).
-    It hands the results to autograd at the weights the forward used. So DDP's bucket hooks and
-    FSDP's reduce-scatter fire as in any backward, once per chunk after its last W.
-    The executor sets `mb` before each B."""
+    In B each deferred Function queues a closure over its input and output gradient. W hands the
+    closures' results to autograd at the weights. So DDP's hooks and FSDP's reduce-scatter fire
+    once per chunk, after its last W."""
 
     def __init__(self):
         self.mb, self.pending = None, {}
@@ -101,10 +96,8 @@ class DeferredScale(Function):
 
 
 def apply(chunk):
-    """Defers a chunk's weight gradients: sets the weight_grads hook of every layer that has one.
-
-    It runs after tp, cp and checkpointing have swapped the modules, and before the data-parallel
-    wrapper wraps their forwards. Returns the chunk's WeightGrads (also `chunk.weight_grads`)."""
+    """Defers a chunk's weight gradients: one WeightGrads, also `chunk.weight_grads`, on every
+    weight_grads hook. Runs after tp, cp and checkpointing, before the data-parallel wrapper."""
     store = WeightGrads()
     for module in chunk.modules():
         if hasattr(module, "weight_grads"):

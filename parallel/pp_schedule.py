@@ -4,16 +4,13 @@ A model of P·V virtual stages is spread round-robin over P ranks. Rank r holds 
 r+P, r+2P, ... as its local chunks 0, 1, ..., V-1. zbv places V = 2 in a V instead: rank r holds
 stages r and 2P-1-r. So rank P-1 runs stages P-1 and P back to back, and rank 0 both ends.
 
-A schedule is first a compute order per rank: F and B of micro-batch i on local chunk c.
-The zero-bubble schedules split B in two: B, the input gradient, and a later W, the weight one.
-`with_communication` then adds the sends and receives each compute implies. The executor knows
-the activation shape from the config, so nothing else is exchanged. Two neighbouring stages on
-one rank exchange nothing.
-
-Nothing here touches torch. The executor in pp.py runs the lists; bench.labs.pp_draw draws them.
-The tests check that each (chunk, mb) runs once, forward before backward. Sends match receives.
-Nothing deadlocks, even when a p2p batch blocks its stream until all of it is matched, as NCCL's
-does.
+A schedule is first a compute order per rank: F and B of micro-batch i on local chunk c. The
+zero-bubble schedules split B into B, the input gradient, and a later W, the weight one.
+`with_communication` adds the sends and receives each compute implies. The executor knows the
+activation shape from the config. Neighbouring stages on one rank exchange nothing.
+Nothing here touches torch. pp.py runs the lists; bench.labs.pp_draw draws them. The tests check
+that each (chunk, mb) runs once, forward before backward, and that sends match receives. Nothing
+deadlocks, even when a p2p batch blocks its stream until all of it is matched, as NCCL's does.
 """
 import bisect
 from typing import NamedTuple
@@ -66,10 +63,8 @@ def gpipe(P, M, V=1):
 
 
 def one_f_one_b(P, M, V=1):
-    """PipeDream-flush (1F1B): at most P micro-batches in flight.
-
-    Stage r runs P-r-1 warmup forwards. In the steady state it alternates one forward and one
-    backward. The cooldown drains the remaining backwards."""
+    """PipeDream-flush (1F1B): warmup, one forward and one backward in turn, cooldown. At most P
+    micro-batches are in flight."""
     if V > 1:
         return interleaved(P, M, V)
     orders = []
@@ -85,12 +80,9 @@ def one_f_one_b(P, M, V=1):
 def interleaved(P, M, V):
     """Megatron's interleaved 1F1B: micro-batches go in groups of P through chunk 0, then chunk 1.
 
-    Backwards go through the chunks in reverse. The warmup is (P-r-1)·2 + (V-1)·P units, then
-    1F1B. So rank r keeps up to P + (P-2r-1)/V stages' activation sets. Each chunk is 1/V of a
-    stage, so the fill and drain shrink V times: the bubble is (P-1)/(V·M).
-    A warmup of (P-r-1) + (V-1)·P has the same bubble in simulate(). It keeps 1F1B's P sets on
-    rank 0, but measured 10-15% lower utilization (bench/labs/pp_bubble.py). The second P-r-1
-    forwards are slack."""
+    Rank r keeps up to P + (P-2r-1)/V stages' activation sets. The bubble is (P-1)/(V·M), as a
+    chunk is 1/V of a stage. The warmup's second P-r-1 forwards are slack: without them the
+    bubble simulates the same, but measured 10-15% lower utilization (bench/labs/pp_bubble.py)."""
     if V == 1:
         return one_f_one_b(P, M)
     fwd, bwd = [], []
@@ -109,13 +101,11 @@ def interleaved(P, M, V):
 
 
 def zero_bubble_h1(P, M, V=1):
-    """ZB-H1 (Qi et al., 2024): 1F1B's order, each backward split into B and W.
+    """ZB-H1: 1F1B's order, each backward split into B and W (pp_bw_split.py).
 
-    B is the input gradient the stage before waits for. W is the weight gradient; only the
-    optimizer waits for it. Stage r runs each W r micro-batches after its B. It enters the
-    cooldown with r W's in hand and runs them where 1F1B waits for the next B. At most P
-    activation sets live on every stage (1F1B: P on stage 0). With F = B = W the bubble is P-1
-    passes, not 1F1B's 3(P-1): utilization 3M/(3M+P-1) for M >= P."""
+    Stage r enters the cooldown with r W's in hand, run where 1F1B waits for the next B. At most
+    P activation sets live on every stage. With F = B = W the bubble is P-1 passes, not 3(P-1):
+    utilization 3M/(3M+P-1) for M >= P."""
     orders = []
     for r in range(P):
         warm = min(P - r - 1, M)
@@ -128,14 +118,10 @@ def zero_bubble_h1(P, M, V=1):
 
 
 def zero_bubble_v(P, M, V=2):
-    """ZB-V (Qi et al., 2024): two chunks per rank in a V, B and W split.
+    """ZB-V: two chunks per rank in a V (stages r and 2P-1-r), B and W split.
 
-    Rank r holds stages r and 2P-1-r.
-    Warmup: 2(P-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then P-r rounds of
-    F, B, W on chunk 1. Its backwards start on rank 0 as soon as the V is full.
-    Steady: F B W on chunk 0, then on chunk 1.
-    Cooldown: r pairs of B (chunk 0, chunk 1), P-r of (B, W) on chunk 0, then the W's left.
-    At most 2P chunk activation sets live: 1F1B's P stages' worth. With F = B = W per chunk the
+    The warmup fills the V, and backwards start on rank 0 as soon as it is full. At most 2P
+    chunk activation sets live: 1F1B's P stages' worth. With F = B = W per chunk the
     bubble is P-1 chunk passes, half of ZB-H1's: 6M/(6M+P-1) for M >= 2P-2."""
     return [_v_rank(P, M, r) for r in range(P)]
 
@@ -163,7 +149,6 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
 
 def theoretical_utilization(P, M, V=1, schedule="1f1b"):
     """Busy / (busy + bubble) with equal stages and F = B = W (a full backward B + W = 2F).
-
     M/(M+P-1); interleaved VM/(VM+P-1); zb1 3M/(3M + max(P-1, 2P-1-M)).
     zbv, in chunk passes: 6M/(6M + max(P-1, 3P-3-M, 4P-1-3M)).
     In the last two, fewer micro-batches than the warmup fills add to the bubble."""
@@ -179,12 +164,10 @@ def theoretical_utilization(P, M, V=1, schedule="1f1b"):
 def with_communication(orders, P, V, vshape=False):
     """Adds the p2p actions the compute orders imply.
 
-    Each message gets the tick at which an ideal run (`simulate`) produces it. The sender posts it
-    right after the compute that makes it. The receiver posts it before its first compute that
-    starts at or after that tick. So the transfer overlaps whatever the receiver is busy with.
-    Every rank posts its messages in (tick, message) order. That is one global order, and it
-    respects every data dependency. So in-order streams cannot deadlock (tests/pp_deadlock.py).
-    """
+    A message is posted at the tick an ideal run (`simulate`) makes it: by the sender after that
+    compute, by the receiver before its first compute from then on. So it travels under work.
+    Every rank posts in (tick, message) order, one global order that respects every dependency.
+    So in-order streams cannot deadlock (tests/pp_deadlock.py)."""
     last = P * V - 1
     timeline = simulate(orders, P, V, vshape)
     gaps = [[[] for _ in range(len(order) + 1)] for order in orders]  # [r][k]: p2p before compute k
@@ -220,26 +203,20 @@ def with_communication(orders, P, V, vshape=False):
 
 
 def build(schedule, P, M, V=1):
-    """Every rank's full action list for one optimizer step.
-
-    Raises DeadlockError if the compute orders cannot run: the simulator refuses the (P, M) pair."""
+    """Every rank's full action list for one optimizer step; DeadlockError if it cannot run."""
     V = chunks_per_rank(schedule, V)
     return with_communication(SCHEDULES[schedule](P, M, V), P, V, schedule in VSHAPED)
 
 
 def forward_only(P, M, V=1, vshape=False):
-    """Evaluation: forwards through the chunks, no backward.
-
-    Micro-batch by micro-batch, or down the V and back (all of chunk 0, then chunk 1)."""
+    """Evaluation's forwards: micro-batch by micro-batch, or down the V and back."""
     order = [Action("F", c, i) for c in range(V) for i in range(M)] if vshape else [
         Action("F", c, i) for i in range(M) for c in range(V)]
     return with_communication([order] * P, P, V, vshape)
 
 
 def batches(actions):
-    """Groups a rank's actions into runnable steps: a compute alone, or a run of p2p actions.
-
-    The executor posts each run as one batch_isend_irecv."""
+    """A rank's actions as steps: a compute alone, or a run of p2p actions, posted as one batch."""
     out = []
     for a in actions:
         if a.op in SENDS + RECVS and out and out[-1][0].op in SENDS + RECVS:
@@ -261,10 +238,8 @@ def dependency(a, v, last):
 
 
 def simulate(orders, P, V, vshape=False, f=1, b=1, w=1):
-    """Start and end tick of every compute, each run once its rank is free and its input ready.
-
-    A forward takes f ticks, an input gradient b, a weight gradient w. A backward that is not
-    split (no W in the orders) does both: b + w. Returns per rank a list of (start, end, action)."""
+    """Per rank, [(start, end, action)] of every compute, run once its rank and input are ready.
+    F takes f ticks, B b, W w. A backward not split (no W in the orders) takes b + w."""
     last = P * V - 1
     ticks = {"F": f, "B": b if any(a.op == "W" for order in orders for a in order) else b + w,
              "W": w}

@@ -1,22 +1,17 @@
 """Ring attention: exact causal attention on a sequence sharded over cp (cp.py's `ring`).
 
 Split:    rank r holds the queries and K,V of its sequence chunks (zigzag: r and 2CP-1-r of 2CP).
-Sends:    K,V hop around the ring (comm.Ring: to r+1, from r-1). Per layer and rank, with
-          K_r,V_r the local blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|). Backward: the same,
-          plus CP hops of the fp32 dK,dV accumulator (Hkv heads). It travels with its block and
-          ends back at the block's owner.
-Overlap:  each hop starts before the attention of the block in hand. The dK,dV hop overlaps the
-          next step's work.
-Kernels:  every block call gets K,V with their own Hkv heads. The fused kernels share each kv head
-          among its H/Hkv query heads. So does the math fallback (fp32 on CUDA): _by_kv_head.
-          Per (query chunk, key chunk): an earlier key chunk is a full block. The same chunk is
-          causal; a later one is skipped. Under zigzag each step costs every rank half a block.
+Sends:    K,V hop around the ring (comm.Ring: to r+1, from r-1). Per layer and rank, with K_r,V_r
+          the local blocks (Hkv heads): forward (CP-1)·(|K_r|+|V_r|). Backward: the same, plus CP
+          hops of the fp32 dK,dV accumulator. It travels with its block, back to the block's owner.
+Overlap:  each hop travels under the attention of the block in hand, dK,dV's under the next step.
+Kernels:  K,V keep their own Hkv heads, each shared by its H/Hkv query heads. An earlier key chunk
+          is a full block, the same chunk causal, a later one skipped. Under zigzag each step
+          costs every rank half a block.
 Merge:    online softmax of the blocks' (out_i, lse_i). lse = logaddexp(lse, lse_i);
           out = out·exp(lse_old - lse) + out_i·exp(lse_i - lse). Backward needs only the final
           out and lse. cp.py's allgather reuses both.
-Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence, never
-          K,V per query head.
-The file reads top down: the ring, then the merge of blocks, then the kernels a block runs.
+Memory:   at most two K,V blocks per rank, in hand and arriving. Never the whole sequence.
 """
 import torch
 
@@ -86,9 +81,7 @@ class _RingAttentionFn(torch.autograd.Function):
 
 
 class RingAttention:
-    """attend(q, k, v) for the cp group.
-
-    q (B, H, T_local, hd), k/v (B, Hkv, T_local, hd) -> (B, H, T_local, hd).
+    """attend(q, k, v) for the cp group: q (B, H, Tl, hd), k/v (B, Hkv, Tl, hd) -> (B, H, Tl, hd).
     kernel: None picks the fused kernel for the device; "math" forces the fallback."""
 
     def __init__(self, group, layout="zigzag", kernel=None):
@@ -110,12 +103,11 @@ def local_chunks(rank, cp, layout="zigzag"):
 
 
 def plan_blocks(q_chunks, k_chunks):
-    """The attention calls of one (query rank, key rank) pair: [(q_lo, q_hi, k_hi, causal)].
+    """A (query rank, key rank) pair's attention calls, in chunks: [(q_lo, q_hi, k_hi, causal)].
 
-    Units are chunks. Own block: one causal call (local chunk order is position order).
-    Another rank's block: query chunk i sees key chunk j iff k_chunks[j] < q_chunks[i].
-    That is always a prefix of the keys. Consecutive query chunks with the same non-empty prefix
-    form one full call. Pairs that causality masks are skipped."""
+    Own block: one causal call, as local chunk order is position order. Another rank's: query
+    chunk i sees key chunk j iff k_chunks[j] < q_chunks[i], a prefix of the keys. Consecutive
+    query chunks with the same non-empty prefix form one full call."""
     if q_chunks == k_chunks:
         return [(0, len(q_chunks), len(k_chunks), True)]
     prefix = [sum(k < q for k in k_chunks) for q in q_chunks]
@@ -133,18 +125,15 @@ def plan_blocks(q_chunks, k_chunks):
 # ---------------------------------------------------------------- blocks merged by log-sum-exp
 
 def running_output(q):
-    """The fp32 output the blocks merge into: (B, H, T, hd), laid out (B, T, H, hd) as a flash
-    kernel lays out its own. The model's o_proj input, y.transpose(1, 2), is then a view of it, and
-    backward saves one copy of the output, not two."""
+    """The fp32 output the blocks merge into: (B, H, T, hd), laid out (B, T, H, hd) as flash does.
+    o_proj's input, y.transpose(1, 2), is then a view: backward saves one copy of it, not two."""
     B, H, T, hd = q.shape
     return torch.zeros(B, T, H, hd, dtype=torch.float32, device=q.device).transpose(1, 2)
 
 
 def attend_blocks(q, kv, blocks, kernel, out, lse):
     """Attends q (B, H, Tq, hd) to kv (2, B, Hkv, Tk, hd) over blocks [(q rows, k rows, causal)].
-
-    Each block's (out_i, lse_i) merges into the running fp32 out (B, H, Tq, hd) and lse (B, H, Tq).
-    Returns each call's aux."""
+    Merges into the fp32 out (B, H, Tq, hd) and lse (B, H, Tq); returns each call's aux."""
     fwd, scale, aux = KERNELS[kernel][0], q.shape[-1] ** -0.5, []
     for qs, ks, causal in blocks:
         o_i, lse_i, a = fwd(q[:, :, qs].contiguous(), kv[0][:, :, ks], kv[1][:, :, ks], causal,
@@ -158,9 +147,7 @@ def attend_blocks(q, kv, blocks, kernel, out, lse):
 
 
 def attend_blocks_backward(dout, q, kv, out, lse, blocks, kernel, aux, dq, dkv):
-    """attend_blocks' gradients from the final out and lse, added into fp32 dq (B, H, Tq, hd), dkv.
-
-    dkv is shaped like kv."""
+    """attend_blocks' gradients from the final out and lse, added into fp32 dq and dkv (as kv)."""
     bwd, scale = KERNELS[kernel][1], q.shape[-1] ** -0.5
     for (qs, ks, causal), a in zip(blocks, aux):
         dq_i, dk_i, dv_i = bwd(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
@@ -194,9 +181,7 @@ def _flash_cuda_bwd(dout, q, k, v, out, lse, causal, scale, aux):
         scale=scale)[:3]
 
 
-# CPU only: the fused kernel runs outside any compiled graph. It is an external call in a graph
-# either way, and compiling the code around it is slow. Dynamo then skips the frame of the loop
-# that calls it, so the merges run eagerly too. On CUDA the flash kernels and merges compile.
+# CPU only: the fused kernel and its loop run eagerly; compiling around it is slow.
 @torch.compiler.disable
 def _flash_cpu_fwd(q, k, v, causal, scale):
     out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -210,10 +195,8 @@ def _flash_cpu_bwd(dout, q, k, v, out, lse, causal, scale, aux):
 
 
 def _by_kv_head(x, kv_heads):
-    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): the query heads of each kv head, stacked along rows.
-
-    The math kernel's matmuls then copy no K,V and sum dK,dV over the group. A view when x is
-    contiguous: heads h = kv·H/Hkv + g are adjacent. A chunk of rows is copied."""
+    """(B, H, T, d) -> (B, Hkv, H/Hkv·T, d): each kv head's query heads, stacked along rows.
+    The matmuls then copy no K,V and sum dK,dV over the group. A view when x is contiguous."""
     B, H, T, d = x.shape
     return x.reshape(B, kv_heads, H // kv_heads * T, d)
 
@@ -229,10 +212,8 @@ def _query_chunks(q, k):
 
 
 def _scores(q_rows, k, causal, scale, rows):
-    """q_rows (B, Hkv, G·r, hd), k (B, Hkv, Tk, hd) -> fp32 scores (B, Hkv, G·r, Tk).
-
-    q_rows are the query rows `rows` of a block, by kv head. Causal is per query head. A causal
-    block is a diagonal one: row i sees keys up to i."""
+    """q_rows (B, Hkv, G·r, hd), rows `rows` by kv head; k (B, Hkv, Tk, hd) -> fp32 scores
+    (B, Hkv, G·r, Tk). Causal: a diagonal block, masked per query head, row i sees keys <= i."""
     s = (q_rows.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
         B, kv_heads, n, tk = s.shape
@@ -245,9 +226,7 @@ def _scores(q_rows, k, causal, scale, rows):
 
 
 def _math_fwd(q, k, v, causal, scale):
-    """Plain attention for dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA).
-
-    It takes a chunk of query rows at a time (MATH_SCORES). K,V keep their own kv heads."""
+    """Plain attention for dtypes no fused kernel with a log-sum-exp takes (fp32 on CUDA)."""
     B, H, tq, hd = q.shape
     out, lse = torch.empty_like(q), torch.empty(B, H, tq, dtype=torch.float32, device=q.device)
     with torch.autocast(q.device.type, enabled=False):

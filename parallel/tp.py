@@ -6,9 +6,8 @@ Split:    q, k, v, gate, up by output features (whole heads); o, down by input f
 Sends:    f enters a sublayer (identity forward, all-reduce backward); g leaves it (all-reduce
           forward). Per layer and micro-batch: 4 all-reduces of (b, T, d), 4·2(t-1)/t·b·T·d·e bytes.
           --sp turns each into an all-gather and a reduce-scatter along the sequence: same bytes.
-Overlap:  none here: every collective blocks. What runs by default is tp_overlap.py's fused f and
-          column matmuls over these modules, f's reduction under the weight-gradient matmuls
-          (not under fp8 or zb1/zbv); --sp-ring cuts --sp's collectives into ring hops there.
+Overlap:  none here: every collective blocks. By default tp_overlap.py hides f's reduction under
+          the weight-gradient matmuls, and --sp-ring cuts --sp's collectives into ring hops.
 Memory:   weights, gradients, Adam state, attention and MLP activations / t. --sp: the residual
           stream and the norms / t too. Logits are (tokens, V/t): no (tokens, V) tensor exists.
 """
@@ -148,11 +147,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class VocabParallelCrossEntropy(Function):
     """Mean cross-entropy from this rank's vocabulary shard of the logits, (N, V/t) at vocab_start.
-
-    Each rank takes its shard's log-sum-exp and target logit (zero if the target is elsewhere).
-    combine(lse, target_logit) returns the global ones. Backward is local: softmax - onehot on the
-    shard. Columns at or past vocab_size are padding.
-    """
+    combine() makes each shard's log-sum-exp and target logit global. Backward is local. Columns
+    past vocab_size are padding."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, combine, vocab_size=None):
@@ -233,8 +229,7 @@ def parallelize_mlp(mlp, cfg, group, sequence_parallel):
 
 
 def parallelize(chunk, mesh, sequence_parallel=False):
-    """Swaps a meta-device GPT chunk's modules for ones sharded over mesh.tp_group, in place.
-    Parameter names do not change. A pipeline stage may lack embed_tokens, or norm and lm_head."""
+    """Swaps a meta GPT chunk's modules for ones sharded over mesh.tp_group, names unchanged."""
     cfg, sp, group = chunk.cfg, sequence_parallel, mesh.tp_group
     validate(cfg, group.size, mesh.cp, sp)
     if chunk.embed_tokens is not None:

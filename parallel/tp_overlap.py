@@ -1,23 +1,16 @@
 """Layers on tensor parallel (tp.py) that hide its collectives under its matmuls.
 
-build() applies `fuse` after tp.parallelize whenever --tp is on (not under fp8 or zb1/zbv, which
-keep tp's plain path), and `rings` on top of it under --sp-ring. Both swap the classes of tp.py's
-modules, as torch's parametrize does: parameters, names, tags and bytes sent stay.
-
+build() applies fuse_columns after tp.parallelize whenever --tp is on, except under fp8 or zb1/zbv,
+which keep tp's plain path. Under --sp-ring it applies `rings` on top. Both swap the classes of
+tp.py's modules, as torch's parametrize does: parameters, names, tags and bytes sent stay.
 fuse:     f and the column matmuls that read one input (q, k, v; gate, up; lm_head) become one
-          Function. Backward sums the readers' input gradients once; that sum's all-reduce runs
+          Function. Backward sums the readers' input gradients once. That sum's all-reduce runs
           under the weight-gradient matmuls (--no-overlap: it blocks). Under --sp only this rank's
-          block of the input is saved and backward gathers it again: 2L+1 more all-gathers of
-          (b, T, d) a step, 1/4 more bytes.
-rings:    --sp's all-gathers and reduce-scatters cut into t-1 hops of a comm.Ring, each launched
-          before its step's matmuls and waited for after them. Column forward: each gathered chunk
-          times every weight while the next one travels. Row forward: the partial output for one
-          destination block while the last accumulator travels. Column backward: the input
-          gradient is reduce-scattered and the input gathered again in the same hops, the weight
-          gradients under the last hop. Row backward: each chunk of the output gradient times the
-          weight and the saved input as it travels. t-1 hops of 1/t of the tensor: the
-          collective's bytes, counted once as that collective. Memory: one chunk arrives while one
-          is in use, on top of what the collective held.
+          block of the input is saved, and backward gathers it again. That is 2L+1 more
+          all-gathers of (b, T, d) a step, 1/4 more bytes.
+rings:    --sp's all-gathers and reduce-scatters become t-1 hops of a comm.Ring. Each hop travels
+          under one step's matmuls, as the functions below show. The hops send the collective's
+          bytes, counted once as that collective. Memory: one chunk arrives while one is in use.
 """
 from collections import namedtuple
 
@@ -40,8 +33,7 @@ ColumnInput = namedtuple("ColumnInput", "shape outputs")
 
 
 def input_grad(grads, weights, dtype, rows=slice(None)):
-    """Σ_j dy_j[:, rows] · W_j summed in `dtype` (the input's): this rank's part of the input's
-    gradient."""
+    """This rank's part of the input's gradient: Σ_j dy_j[:, rows] · W_j, summed in `dtype`."""
     parts = [(g[:, rows] @ w.to(g.dtype)).to(dtype) for g, w in zip(grads, weights)]  # (B, r, d)
     return sum(parts[1:], parts[0])
 
@@ -50,11 +42,7 @@ def input_grad(grads, weights, dtype, rows=slice(None)):
 
 class ColumnParallel(Function):
     """f fused with the column matmuls that read x: y_j = x · W_jᵀ, each (B, T, out_j/t).
-
-    x is the replicated (B, T, d), or under --sp this rank's block (B, T/t, d). The block is
-    gathered in forward and again in backward. Backward reduces the summed input gradient under
-    the weight-gradient matmuls.
-    """
+    x: the replicated (B, T, d), or under --sp this rank's block (B, T/t, d)."""
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, overlap, *weights):
@@ -107,9 +95,7 @@ def fuse(norm, readers, overlap):
 
 
 def fuse_columns(chunk, overlap=True):
-    """Fuses each norm of a tp-parallelized chunk with the column linears that read it, in place.
-    Like torch's parametrize it swaps classes: parameters, names and tags stay. overlap=False
-    (--no-overlap): the input gradient's all-reduce blocks."""
+    """Fuses each norm of a tp-parallelized chunk with the column linears that read it, in place."""
     for block in chunk.layers.values():
         attn, mlp = block.self_attn, block.mlp
         fuse(block.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], overlap)
@@ -128,9 +114,7 @@ def block(i, t, n):
 
 
 def gather_then_multiply(ring, x, weights):
-    """Column forward: x (B, T/t, d), this rank's block -> [x_full · W_jᵀ (B, T, out_j)] per weight.
-
-    The sequence is gathered hop by hop. The chunk in hand is sent on before it is multiplied."""
+    """Column forward: x, this rank's block (B, T/t, d) -> [x_full · W_jᵀ (B, T, out_j)]."""
     t, n = ring.size, x.shape[1]
     index, chunk, ys = ring.start("all_gather", t * x.nbytes), x.contiguous(), [None] * len(weights)
     for s in range(t):
@@ -151,10 +135,8 @@ def gather_then_multiply(ring, x, weights):
 
 
 def multiply_then_scatter(ring, h, weight):
-    """Row forward: h (B, T, k) -> this rank's block (B, T/t, d) of Σ_tp h · Wᵀ.
-
-    Step s computes this rank's share of the block bound for rank r-s-1. Meanwhile the
-    accumulator of step s-1 travels. Then it adds the one that arrived."""
+    """Row forward: h (B, T, k) -> this rank's block (B, T/t, d) of Σ_tp h · Wᵀ. Step s computes
+    this rank's share of block r-s-1 while step s-1's accumulator travels, then adds it."""
     t, r, n = ring.size, ring.rank, h.shape[1] // ring.size
     acc = F.linear(h[:, block(r - 1, t, n)], weight)  # (B, T/t, d): step 0, rank r-1's first share
     index = ring.start("reduce_scatter", t * acc.nbytes)
@@ -170,9 +152,8 @@ def multiply_then_scatter(ring, h, weight):
 def scatter_input_grads(ring, x, grads, weights):
     """Column backward. grads: dy_j (B, T, out_j), the whole sequence. x: the saved (B, T/t, d).
 
-    Returns this rank's block of Σ_tp Σ_j dy_j · W_j (B, T/t, d), reduce-scattered on the ring as
-    in multiply_then_scatter. Also returns dW_j = dy_jᵀ · x_full (out_j, d); x is gathered in the
-    same hops, chunk by chunk."""
+    Returns this rank's block of Σ_tp Σ_j dy_j · W_j (B, T/t, d), reduce-scattered as in
+    multiply_then_scatter. And dW_j = dy_jᵀ · x_full (out_j, d), x gathered in the same hops."""
     t, r, n, dtype = ring.size, ring.rank, x.shape[1], grads[0].dtype
     weights = [w.to(dtype) for w in weights]
     full = x.new_empty(x.shape[0], t * n, x.shape[2], dtype=dtype)  # x gathered, in grads' dtype
@@ -199,10 +180,8 @@ def scatter_input_grads(ring, x, grads, weights):
 
 
 def gather_then_grads(ring, grad, h, weight):
-    """Row backward. grad: this rank's block (B, T/t, d) of the output gradient. h: the saved input.
-
-    h is (B, T, k). Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), summed in fp32.
-    The gradient is gathered hop by hop. The chunk in hand is sent on before its two matmuls."""
+    """Row backward. grad: this rank's block (B, T/t, d) of the output gradient; h: the saved
+    (B, T, k). Returns dh = dz_full · W (B, T, k) and dW = dz_fullᵀ · h (d, k), summed in fp32."""
     t, n, dtype = ring.size, grad.shape[1], grad.dtype
     weight = weight.to(dtype)
     index, chunk = ring.start("all_gather", t * grad.nbytes), grad.contiguous()
@@ -223,10 +202,8 @@ def gather_then_grads(ring, grad, h, weight):
 
 
 class RingColumnParallel(Function):
-    """tp's column parallel under --sp, its gathers and reduce-scatter as rings.
-
-    x, this rank's block (B, T/t, d) -> y_j = x_full · W_jᵀ (B, T, out_j/t) for every weight.
-    Only the block is saved."""
+    """tp's column parallel under --sp, on rings: x, this rank's block (B, T/t, d) -> every
+    y_j = x_full · W_jᵀ (B, T, out_j/t). Only the block is saved."""
 
     @staticmethod
     def forward(ctx, x, ring, *weights):
@@ -242,10 +219,8 @@ class RingColumnParallel(Function):
 
 
 class SaveForRing(Function):
-    """Saves RowParallelRing's x and W into `saved` before it runs, and passes x on.
-
-    A checkpointed block's recompute stops once its last saved tensor is back. Saved here, that
-    is before the ring and its matmuls, as it is before F.linear's."""
+    """Saves RowParallelRing's x and W into `saved` before it runs, and passes x on. A
+    checkpointed recompute then stops before the ring and its matmuls, as before F.linear's."""
 
     @staticmethod
     def forward(ctx, x, weight, saved):
@@ -259,10 +234,7 @@ class SaveForRing(Function):
 
 
 class RowParallelRing(Function):
-    """z = this rank's sequence block of Σ_tp x · Wᵀ.
-
-    The matmul is cut by destination block under the ring reduce-scatter. Backward gathers the
-    output gradient the same way."""
+    """z = this rank's sequence block of Σ_tp x · Wᵀ: multiply_then_scatter, gather_then_grads."""
 
     @staticmethod
     def forward(ctx, x, weight, ring, saved):
@@ -296,10 +268,7 @@ class RingRowParallelLinear(RowParallelLinear):
 
 
 def rings(chunk):
-    """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place.
-
-    Like torch's parametrize, it swaps each module's class: the parameters, their names and tags
-    stay. Returns the chunk."""
+    """Switches a tp-parallelized chunk's --sp modules to their ring versions, in place."""
     for module in list(chunk.modules()):
         kind = {FusedNormThenEnter: RingNormThenEnter,
                 RowParallelLinear: RingRowParallelLinear}.get(type(module))
