@@ -101,7 +101,7 @@ def interleaved(P, M, V):
 
 
 def zero_bubble_h1(P, M, V=1):
-    """ZB-H1: 1F1B's order, each backward split into B and W (pp_bw_split.py).
+    """ZB-H1 (Qi et al., 2024): 1F1B's order, each backward split into B and W (pp_bw_split.py).
 
     Stage r enters the cooldown with r W's in hand, run where 1F1B waits for the next B. At most
     P activation sets live on every stage. With F = B = W the bubble is P-1 passes, not 3(P-1):
