@@ -1,7 +1,6 @@
 """The run's configuration: each flag declared once, as a field of Run, resolved once, checked once.
 
-    run = resolve(argv)                  # flags, launcher, device: one frozen Run
-    spec = model_for(run, data_folder)   # the model it trains, checked against every constraint
+    run = resolve(argv)   # flags, launcher, device: one frozen Run
 
 A field made with flag() is a command-line flag: its default, help and type live there, and the
 parser is built from the fields. The other fields are what resolve() derives. Bad input is one
@@ -10,7 +9,6 @@ UsageError or LayoutError line (exit status 2).
 import argparse
 import math
 import os
-from collections import namedtuple
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
@@ -20,10 +18,8 @@ import torch
 import model
 from data import OneLineParser, UsageError  # noqa: F401  (every command's)
 from data.files import check_writable
-from data.hf import init_from
-from data.loader import read_meta
-from data.run import default_out, saved_config, saved_layout
-from parallel import ckpt, cp, fp8, memory, pp, tp
+from data.run import default_out
+from parallel import ckpt, fp8
 from parallel.cp import MODES as CP_MODES
 from parallel.mesh import LayoutError, infer_dp
 from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
@@ -322,49 +318,3 @@ def accumulation_steps(global_batch, micro_batch, dp):
         raise UsageError(f"--global-batch: {global_batch} is not divisible by micro-batch x dp = "
                          f"{micro_batch} x {dp}")
     return global_batch // (micro_batch * dp)
-
-
-# ---------------------------------------------------------------- the model, with the data
-
-# What the run trains: the config (flags, the data's vocabulary, --init-from's config.json), the
-# Hugging Face weights to start from (None: the seeded init), and what a save records of the run.
-Model = namedtuple("Model", "cfg weights config layout")
-
-
-def model_for(run, data_folder):
-    """The Model of a run on a prepared data folder, checked: the shape, every parallelism's
-    constraints on it, fp8's dimensions, and that a step fits the device."""
-    meta = read_meta(data_folder)
-    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
-    check_layout(cfg, run)
-    memory.check_fits(cfg, run)
-    return Model(cfg, weights, saved_config(cfg, run, data_folder, meta), saved_layout(run))
-
-
-def model_config(run, vocab_size):
-    """The ModelConfig of the preset, the shape flags and the data's vocabulary, checked."""
-    base = model.PRESETS[run.model]
-    names = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
-    overrides = {f: getattr(run, f) for f in names if getattr(run, f) is not None}
-    values = {**base.__dict__, "dropout": run.dropout, **overrides}
-    if not values["vocab_size"]:
-        values["vocab_size"] = vocab_size
-    if values["vocab_size"] < vocab_size:
-        raise UsageError(f"--vocab-size: {values['vocab_size']} is below the data's vocabulary of "
-                         f"{vocab_size}")
-    cfg = model.ModelConfig(**values)
-    tokens = run.micro_batch * cfg.seq_len // run.cp
-    problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, tokens))
-    if problem:
-        raise UsageError(f"{problem[0]}: {problem[1]}")
-    return cfg
-
-
-def check_layout(cfg, run):
-    """Every parallelism's constraints on this model, through its own check."""
-    if run.tp > 1:
-        tp.validate(cfg, run.tp, run.cp, run.sp)
-    if run.cp > 1:
-        cp.validate(cfg, run.cp, run.tp, run.cp_mode)
-    if run.pp > 1:
-        pp.layer_counts(cfg, run.pp, run.pp_virtual, run.accum_steps, run.pp_split, run.pp_schedule)

@@ -23,10 +23,19 @@ from torch import nn
 import config
 import model
 from config import DTYPES
-from data import metrics
-from data.loader import TokenLoader
+from data import UsageError, metrics
+from data.hf import init_from
+from data.loader import TokenLoader, read_meta
 from data.prepare import prepared_folder
-from data.run import CtrlC, Hung, Interrupted, RunFolder, run_or_exit
+from data.run import (
+    CtrlC,
+    Hung,
+    Interrupted,
+    RunFolder,
+    run_or_exit,
+    saved_config,
+    saved_layout,
+)
 from parallel import (
     ckpt,
     compiled,
@@ -36,6 +45,7 @@ from parallel import (
     fsdp,
     fsdp_accumulate,
     hsdp,
+    memory,
     pp,
     pp_bw_split,
     tp,
@@ -51,6 +61,49 @@ STARTUP_STEPS = 2  # steps under --startup-timeout (they compile, stage after st
 
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
+
+# ---------------------------------------------------------------- the model the run trains
+
+def model_for(run, data_folder):
+    """(config, Hugging Face weights or None, what a save records of the run, of its layout): the
+    model a run on a prepared data folder trains, checked against the layout and the device."""
+    meta = read_meta(data_folder)
+    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
+    check_layout(cfg, run)
+    memory.check_fits(cfg, run)
+    return cfg, weights, saved_config(cfg, run, data_folder, meta), saved_layout(run)
+
+
+def model_config(run, vocab_size):
+    """The ModelConfig of the preset, the shape flags and the data's vocabulary, checked."""
+    base = model.PRESETS[run.model]
+    names = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
+    overrides = {f: getattr(run, f) for f in names if getattr(run, f) is not None}
+    values = {**base.__dict__, "dropout": run.dropout, **overrides}
+    if not values["vocab_size"]:
+        values["vocab_size"] = vocab_size
+    if values["vocab_size"] < vocab_size:
+        raise UsageError(f"--vocab-size: {values['vocab_size']} is below the data's vocabulary of "
+                         f"{vocab_size}")
+    cfg = model.ModelConfig(**values)
+    tokens = run.micro_batch * cfg.seq_len // run.cp
+    problem = cfg.validate() or (run.dtype == "fp8" and fp8.misfit(cfg, run.tp, tokens))
+    if problem:
+        raise UsageError(f"{problem[0]}: {problem[1]}")
+    return cfg
+
+
+def check_layout(cfg, run):
+    """Every parallelism's constraints on this model, through its own check."""
+    if run.tp > 1:
+        tp.validate(cfg, run.tp, run.cp, run.sp)
+    if run.cp > 1:
+        cp.validate(cfg, run.cp, run.tp, run.cp_mode)
+    if run.pp > 1:
+        pp.layer_counts(cfg, run.pp, run.pp_virtual, run.accum_steps, run.pp_split, run.pp_schedule)
+
+
+# ---------------------------------------------------------------- build
 
 @dataclass
 class Trainer:
@@ -146,9 +199,7 @@ def prepare(run, cfg, mesh):
 # ---------------------------------------------------------------- AdamW, schedule, loss scale
 
 def make_adamw(params, lr, weight_decay, device):
-    """AdamW over fp32 master weights. Matrices decay; norms (1-D) do not.
-
-    Fused (one kernel for all parameters) where torch has it for the device."""
+    """AdamW over fp32 masters, fused where torch can: matrices decay, norms (1-D) do not."""
     params = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -174,9 +225,7 @@ def lr_at(step, lr, min_lr, warmup, total, warmdown=None):
 
 
 def adamw_step(opt, found_inf=None):
-    """opt.step(), skipped where found_inf (a 0-dim device tensor) is 1.
-
-    Fused AdamW reads the flag on the device. Without a fused kernel it is read on the host."""
+    """opt.step(), skipped where found_inf (0-dim) is 1: read on the device by fused AdamW."""
     if found_inf is None or opt.defaults.get("fused"):
         opt.found_inf = found_inf
         opt.step()
@@ -297,9 +346,8 @@ def train(run):
     """Trains the resolved run; returns every step's global mean loss."""
     mesh = start_distributed(run)
     data = prepared_folder(run.data, run.rank, run.world)
-    spec = config.model_for(run, data)  # the model, checked against every constraint and the device
-    cfg = spec.cfg
-    folder = RunFolder(run.out, mesh, run.device, spec.config, spec.layout, run.resume, run.keep,
+    cfg, weights, saved, layout = model_for(run, data)  # checked against the layout and device
+    folder = RunFolder(run.out, mesh, run.device, saved, layout, run.resume, run.keep,
                        run.async_save)
     try:
         batches = (cfg.seq_len, run.global_batch, run.seed, mesh.coord["dp"], mesh.dp, run.device)
@@ -312,7 +360,7 @@ def train(run):
             print(mesh.describe(), flush=True)
         metrics_file = metrics.open_metrics(run)
         trainer = prepare(run, cfg, mesh)
-        start = folder.start(trainer.wrapper, trainer.opt, trainer.scaler, spec.weights)
+        start = folder.start(trainer.wrapper, trainer.opt, trainer.scaler, weights)
     except BaseException:
         folder.close()
         raise

@@ -216,7 +216,7 @@ class TrainStep:
                      "--lr", "3e-4", "--weight-decay", "0.1", "--grad-clip", "1.0", "--peak-tflops", "1",
                      "--out", str(RESULTS / ".unwritten")] + flags
         run = config.resolve(self.argv, environ={})
-        cfg = config.model_config(run, overrides.get("vocab_size") or 257)
+        cfg = train.model_config(run, overrides.get("vocab_size") or 257)
         self.trainer = train.prepare(run, cfg, train.start_distributed(run))
         self.model, self.opt, self.scaler = self.trainer.chunks[0], self.trainer.opt, self.trainer.scaler
 

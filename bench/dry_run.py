@@ -240,8 +240,8 @@ def model_config(run):
     if not vocab:
         raise UsageError(f"--vocab-size: {run.model} takes its vocabulary from the data; "
                          "give --data or --vocab-size")
-    cfg = config.model_config(run, vocab)
-    config.check_layout(cfg, run)
+    cfg = train.model_config(run, vocab)
+    train.check_layout(cfg, run)
     return cfg
 
 

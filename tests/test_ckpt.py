@@ -67,7 +67,7 @@ def test_tp_dropout_recomputes_identically_in_training(runs):
 def test_hfu_counts_the_recomputed_layers(policy, runs):
     _, out = runs
     rows = read_metrics(out / f"{policy}.jsonl")[0]
-    cfg = config.model_config(config.parse_args(_argv(out, [])), 257)
+    cfg = train.model_config(config.parse_args(_argv(out, [])), 257)
     recomputed = ckpt.recomputed_layers(cfg, policy)
     ratio = model.flops_per_token(cfg, recomputed_layers=recomputed) / model.flops_per_token(cfg)
     assert all(r["hfu"] / r["mfu"] == pytest.approx(ratio) for r in rows)

@@ -26,7 +26,7 @@ def saved_bytes(rank, world, flags):
     """Bytes this rank's first chunk keeps for backward from one micro-batch's forward."""
     torch._dynamo.reset()
     run = config.resolve(MODEL + flags, environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
-    cfg = config.model_config(run, 257)
+    cfg = train.model_config(run, 257)
     mesh = train.start_distributed(run)
     trainer = train.prepare(run, cfg, mesh)
     chunk, seen = trainer.chunks[0], {}
@@ -70,7 +70,7 @@ def outputs_bytes(world, flags):
     """One copy of every norm's and SwiGLU's output on a rank, in the compute dtype: per token and layer 2·d/sh + f/tp
     elements (sh = tp under --sp), and d/sh for the final norm."""
     run = config.resolve(MODEL + flags, environ={"RANK": "0", "WORLD_SIZE": str(world)})
-    cfg = config.model_config(run, 257)
+    cfg = train.model_config(run, 257)
     tokens = run.micro_batch * cfg.seq_len // run.cp
     sh = run.tp if run.sp else 1
     per_token = cfg.n_layer * (2 * cfg.d_model // sh + cfg.ffn_dim // run.tp) + cfg.d_model // sh
@@ -90,7 +90,7 @@ def _grads(flags, dynamo_disabled=False):
     """Step-1 gradients of one process (fp32) built with `flags`, run with dynamo on or off."""
     torch._dynamo.reset()
     run = config.resolve(MODEL + ["--dtype", "fp32", "--ckpt", "selective"] + flags, environ={})
-    cfg = config.model_config(run, 257)
+    cfg = train.model_config(run, 257)
     trainer = train.prepare(run, cfg, train.start_distributed(run))
     ids = torch.randint(0, cfg.vocab_size, (run.micro_batch, cfg.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))

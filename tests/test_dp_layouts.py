@@ -29,7 +29,7 @@ def _first_step_and_losses(rank, world, flags, out_dir):
     mesh = train.start_distributed(args)
     dp, n_micro = mesh.dp, args.accum_steps
     folder = prepared_folder(args.data, rank, world)
-    cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
+    cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     loader = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], dp,
                          prefetch=False)
     trainer = train.prepare(args, cfg, mesh)

@@ -199,7 +199,7 @@ def _step1_grads(rank, world, flags):
     args = config.resolve(BASE + FAST + ["--out", "unwritten"] + flags)
     mesh = train.start_distributed(args)
     folder = prepared_folder(args.data, rank, world)
-    cfg = config.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
+    cfg = train.model_config(args, json.loads((folder / "meta.json").read_text())["vocab_size"])
     x, y = TokenLoader(folder, "train", cfg.seq_len, args.global_batch, args.seed, mesh.coord["dp"], mesh.dp,
                        prefetch=False).get(0)
     trainer = train.prepare(args, cfg, mesh)  # bf16 autocast, the block matmuls in fp8

@@ -40,7 +40,7 @@ def with_values(flags, **values):
 
 def test_the_recipe_is_the_speedruns():
     run = config.resolve(recipe() + ["--device", "cpu", "--no-compile"], environ={"WORLD_SIZE": "8", "RANK": "0"})
-    tokens = run.global_batch * config.model_config(run, 50257).seq_len
+    tokens = run.global_batch * train.model_config(run, 50257).seq_len
     assert run.model == "small" and tokens == 2 ** 19  # 512 sequences of 1,024 GPT-2 tokens
     assert (run.lr, run.warmup, run.schedule, run.warmdown, run.min_lr) == (0.0018, 250, "wsd", 2000, 0)
     assert run.steps * tokens == pytest.approx(5.0e9, rel=0.001)

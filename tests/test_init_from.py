@@ -68,7 +68,7 @@ def loaded_logits(rank, world, folder, layout_flags):
     """This rank's logits of tokens() after --init-from in the layout: the full logits, or under tp its vocabulary
     shard; under pp the last stage's (the first sends it its hidden states), None elsewhere."""
     run = config.resolve(FLAGS + ["--init-from", str(folder)] + layout_flags)
-    cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
+    cfg, weights = init_from(run.init_from, train.model_config(run, 257), run)
     mesh = train.start_distributed(run)
     chunks, wrapper, _ = train.build(cfg, mesh, run)
     start_from(weights, wrapper, None, rank)
@@ -86,7 +86,7 @@ def loaded_logits(rank, world, folder, layout_flags):
 def bytes_read_under_tp2(rank, world, folder):
     """(bytes this rank read from the folder's tensors, the tensors' bytes): --init-from under tp 2."""
     run = config.resolve(FLAGS + ["--init-from", str(folder), "--tp", "2"])
-    cfg, weights = init_from(run.init_from, config.model_config(run, 257), run)
+    cfg, weights = init_from(run.init_from, train.model_config(run, 257), run)
     chunks, wrapper, _ = train.build(cfg, train.start_distributed(run), run)
     fill, read = data.saves.Saved._fill, []
 

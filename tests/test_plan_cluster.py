@@ -12,8 +12,9 @@ from bench.cluster.worker import CountOps
 from bench.planner import step_time
 from bench.planner.layout import Cluster, Layout, Shape
 from bench.planner.ours import fsdp_parts, replica_bytes
-from config import model_config, parse_args
+from config import parse_args
 from model import GPT, PRESETS, param_counts
+from train import model_config
 
 TINY = PRESETS["tiny"]
 # a 2-node CPU cluster as bench/cluster measures one: loopback 6x the NIC

@@ -86,7 +86,7 @@ def parse(world, flags, micro, accum, rank=0):
     dp = infer_dp(world, flat.tp, flat.pp, flat.cp, flat.dp)
     args = config.resolve(argv + ["--global-batch", str(micro * dp * accum)],
                           environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
-    cfg = config.model_config(args, args.vocab_size)
+    cfg = train.model_config(args, args.vocab_size)
     lay = plan.Layout(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, dp_mode=args.dp_mode,
                       shard=(args.dp_shard or 0) * args.cp, micro=micro, ckpt=args.ckpt, schedule=args.pp_schedule,
                       V=chunks_per_rank(args.pp_schedule, args.pp_virtual), cp_mode=args.cp_mode, sp=args.sp,

@@ -30,7 +30,7 @@ def _dtypes_and_losses(rank, world, flags):
     run = config.resolve(BF16 + flags)
     mesh = train.start_distributed(run)
     folder = prepared_folder(run.data, rank, world)
-    cfg = config.model_config(run, 257)
+    cfg = train.model_config(run, 257)
     trainer = train.prepare(run, cfg, mesh)
     seen = {}
 

@@ -93,7 +93,7 @@ def test_the_memory_check_counts_what_a_step_holds(in_tmp, extra):
     run(argv + extra)
     measured = read_metrics(in_tmp / "r" / "metrics.jsonl")[0][-1]["mem_gb"] * 1e9
     resolved = config.resolve(argv + extra)
-    estimate = sum(memory.step_bytes(config.model_config(resolved, 257), resolved).values())
+    estimate = sum(memory.step_bytes(train.model_config(resolved, 257), resolved).values())
     assert estimate == pytest.approx(measured, rel=0.05), (measured, estimate)
 
 

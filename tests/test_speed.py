@@ -40,7 +40,7 @@ def test_the_planner_prices_a_gpu_run_and_not_a_cpu_one():
     run = config.resolve(["--model", "small", "--peak-tflops", "989.4", "--device", "cpu", "--dp-mode", "fsdp",
                           "--global-batch", "64"],
                          environ={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_WORLD_SIZE": "8"})
-    cfg = config.model_config(run, 50257)
+    cfg = train.model_config(run, 50257)
     assert compare.expected_mfu(run, cfg, None) is None  # a CPU: nothing to compare with
     low, high = compare.expected_mfu(run, cfg, H100)
     assert 0.05 < low < high < 0.8

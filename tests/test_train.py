@@ -256,7 +256,7 @@ def test_build_says_in_one_line_each_parallelism_and_layer_it_applied(flags, wor
     """A user sees which page's code runs: the fused tp path, the rings, the B/W split. The lines name the files
     whose modules the built model holds, each once, and nothing else."""
     run = train.config.resolve(BASE + ["--out", "unused"] + flags, environ={"WORLD_SIZE": str(world)})
-    cfg = train.config.model_config(run, 257)
+    cfg = train.model_config(run, 257)
     mesh = train.Mesh(0, world, dp=run.dp, pp=run.pp, cp=run.cp, tp=run.tp, dp_shard=run.dp_shard)
     chunks, wrapper, applied = train.build(cfg, mesh, run)
     named = [line.split(".py:")[0].removeprefix("parallel/") for line in applied]

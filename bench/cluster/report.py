@@ -12,7 +12,8 @@ from pathlib import Path
 from bench import common
 from bench.planner.layout import Cluster, parse_layout
 from bench.planner.search import evaluate
-from config import model_config, parse_args
+from config import parse_args
+from train import model_config
 
 MODEL = ["--model", "tiny", "--n-layer", "4", "--d-model", "256", "--n-head", "8", "--n-kv-head", "4",
          "--ffn-dim", "768", "--vocab-size", "256", "--seq-len", "128"]

@@ -82,7 +82,7 @@ def device_rates(spec, trials):
     """Median over ranks, all running at once at the workload's sizes: matmul FLOP/s over a block's linears, causal
     attention fwd + bwd (12 d T FLOPs per token), memory bytes/s of a 16 MB add (past the caches) and host ops/s of
     ops too small to cost more than their dispatch."""
-    cfg = config.model_config(config.parse_args(spec["model"]), 0)
+    cfg = train.model_config(config.parse_args(spec["model"]), 0)
     t, d, T, hd = spec["rate_rows"], cfg.d_model, cfg.seq_len, cfg.head_dim
     mm = linears(cfg, t, torch.float32, "cpu")
     q, kv = torch.randn(1, cfg.n_head, T, hd), torch.randn(1, cfg.n_kv_head, T, hd)
@@ -101,7 +101,7 @@ def device_rates(spec, trials):
 def layout_args(spec, flags, rank=0, world=1):
     args = config.resolve(spec["model"] + ["--dtype", "fp32", "--device", "cpu", "--peak-tflops", "1"] + flags,
                           environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
-    return args, config.model_config(args, 0)
+    return args, train.model_config(args, 0)
 
 
 def train_layout(spec, flags, world, rank):
