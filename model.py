@@ -6,7 +6,7 @@ a stage does not own, tp swaps in sharded modules, cp each attention's `attend`,
 Two hooks on each layer with a weight, `matmul` and `weight_grads`, serve optional layers.
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -118,46 +118,6 @@ PRESETS = {
     "llama3-405b": ModelConfig(n_layer=126, d_model=16384, n_head=128, n_kv_head=8,
                                ffn_dim=53248, **LLAMA3),
 }
-
-
-OPTIONAL_FIELDS = ("rope_scaling", "tie_embeddings")  # added later: absent in older saves (None)
-INTEGER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
-
-
-def field_type_problem(name, value):
-    """What a saved model field must be, if `value` is not that; else None."""
-    if name in INTEGER_FIELDS:
-        return None if is_number(value, integer=True) else "an integer"
-    if name == "rope_scaling":
-        return None if value is None or isinstance(value, dict) else "an object or null"
-    if name == "tie_embeddings":
-        return None if value is None or isinstance(value, bool) else "true, false or null"
-    return None if is_number(value) else "a number"
-
-
-def config_from_dict(d):
-    """The ModelConfig a save recorded (its config's "model"). Else ValueError, naming the field.
-
-    Every field must be there, with its type, and the whole must pass validate(). A missing shape
-    field is never filled with a default: that would build another model than the one saved.
-    Only OPTIONAL_FIELDS may be absent."""
-    if not isinstance(d, dict):
-        raise ValueError(f"the model config is not an object: {d!r}")
-    names = [f.name for f in fields(ModelConfig)]
-    unknown = sorted(set(d) - set(names))
-    if unknown:
-        raise ValueError(f"model.{unknown[0]} is not a field of this code's model")
-    for name in names:
-        if name not in d and name not in OPTIONAL_FIELDS:
-            raise ValueError(f"model.{name} is missing")
-        problem = field_type_problem(name, d.get(name))
-        if problem:
-            raise ValueError(f"model.{name} must be {problem}, got {d.get(name)!r}")
-    cfg = ModelConfig(**d)
-    problem = cfg.validate()
-    if problem:
-        raise ValueError(f"model.{problem[0].lstrip('-').replace('-', '_')}: {problem[1]}")
-    return cfg
 
 
 # ---------------------------------------------------------------- layers

@@ -8,18 +8,20 @@ Every piece read is checked once per rank; export checks the params as it stream
 sampling before it builds the model. CRC-32 guards against disk and copy damage, not forgery.
 A save agrees with itself: its folder's name and its `complete` say the step meta.json says;
 Adam has taken no more steps than training; the loss scale is a finite positive fp32 number,
-1 without fp16's scaler.
+1 without fp16's scaler. The model config it records is whole, typed and valid (config_from_dict).
 """
 import json
 import math
 import re
 import zlib
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from data import SaveError
 from data.files import open_regular, read_text
+from model import ModelConfig, is_number
 
 FORMAT = 3  # what saves.py writes
 FORMATS = (1, 2, 3)  # what saves.py reads
@@ -250,3 +252,45 @@ def verify(path, meta, files=None, kinds=None):
                         raise SaveError(corrupt(path, name))
         except OSError as e:
             raise SaveError(f"cannot read {path / name}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------- the model a save recorded
+
+OPTIONAL_FIELDS = ("rope_scaling", "tie_embeddings")  # added later: absent in older saves (None)
+INTEGER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size", "seq_len")
+
+
+def field_type_problem(name, value):
+    """What a saved model field must be, if `value` is not that; else None."""
+    if name in INTEGER_FIELDS:
+        return None if is_number(value, integer=True) else "an integer"
+    if name == "rope_scaling":
+        return None if value is None or isinstance(value, dict) else "an object or null"
+    if name == "tie_embeddings":
+        return None if value is None or isinstance(value, bool) else "true, false or null"
+    return None if is_number(value) else "a number"
+
+
+def config_from_dict(d):
+    """The ModelConfig a save recorded (its config's "model"). Else ValueError, naming the field.
+
+    Every field must be there, with its type, and the whole must pass validate(). A missing shape
+    field is never filled with a default: that would build another model than the one saved.
+    Only OPTIONAL_FIELDS may be absent."""
+    if not isinstance(d, dict):
+        raise ValueError(f"the model config is not an object: {d!r}")
+    names = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]} is not a field of this code's model")
+    for name in names:
+        if name not in d and name not in OPTIONAL_FIELDS:
+            raise ValueError(f"model.{name} is missing")
+        problem = field_type_problem(name, d.get(name))
+        if problem:
+            raise ValueError(f"model.{name} must be {problem}, got {d.get(name)!r}")
+    cfg = ModelConfig(**d)
+    problem = cfg.validate()
+    if problem:
+        raise ValueError(f"model.{problem[0].lstrip('-').replace('-', '_')}: {problem[1]}")
+    return cfg

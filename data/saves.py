@@ -42,9 +42,18 @@ import torch
 
 from data import DataError, SaveError, TrainingFailure, integrity
 from data.files import fsync_dir, open_regular, read_json, write_json
-from data.integrity import DTYPES, FORMAT, SAVE, check_meta, corrupt, piece_seed, seed_of
+from data.integrity import (
+    DTYPES,
+    FORMAT,
+    SAVE,
+    check_meta,
+    config_from_dict,
+    corrupt,
+    piece_seed,
+    seed_of,
+)
 from data.tokenizer import get_tokenizer
-from model import GPT, config_from_dict
+from model import GPT
 from parallel.comm import all_reduce_max
 
 ADAM = ("exp_avg", "exp_avg_sq")

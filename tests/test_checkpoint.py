@@ -20,6 +20,7 @@ import model
 import sample
 import train
 from bench.ranks import run_ranks
+from data import integrity
 from data.loader import TokenLoader
 from data.metrics import read_metrics
 from data.prepare import prepared_folder
@@ -93,7 +94,7 @@ def test_same_layout_resume_is_bitwise(resume_runs, name):
 def test_each_element_is_written_once(resume_runs):
     """The 4D save: one writer per element (dp, cp and tp replicas deduplicated), pieces spread over ranks."""
     saved = data.saves.Saved(resume_runs[0] / "4d" / "step_0000002").validate()
-    full = model.GPT(model.config_from_dict(saved.meta["config"]["model"]))
+    full = model.GPT(integrity.config_from_dict(saved.meta["config"]["model"]))
     assert set(saved.tensors) == {n for n, _ in full.named_parameters()}
     for name, t in saved.tensors.items():
         covered = torch.zeros(t["shape"], dtype=torch.int32)
@@ -182,7 +183,7 @@ def test_export_and_sample_from_the_fsdp4_save(reshard_runs, tmp_path, monkeypat
     assert most[0] == 1
     tensors = read_safetensors(tmp_path / "model.safetensors")
     config = data.saves.Saved(save).meta["config"]
-    cfg = model.config_from_dict(config["model"])
+    cfg = integrity.config_from_dict(config["model"])
     gpt = model.GPT(cfg)
     padded = lambda t: torch.cat([t, t.new_zeros(cfg.padded_vocab - len(t), *t.shape[1:])])  # the export: true vocab
     gpt.load_state_dict({k.removeprefix("model."): padded(v) if "embed" in k or "lm_head" in k else v

@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import model
+from data import integrity
 from data.export import export_hf
 from parallel.materialize import init_weights, local_init
 from parallel.tp import VocabParallelCrossEntropy
@@ -213,13 +214,13 @@ def test_a_tied_head_is_the_embedding_one_parameter_through_init():
     (lambda d: d.update(layers=6), "model.layers is not a field")])
 def test_a_saved_model_config_must_be_complete_and_consistent(edit, message):
     saved = dict(CFG.__dict__)
-    assert model.config_from_dict(saved) == CFG
-    for name in model.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
+    assert integrity.config_from_dict(saved) == CFG
+    for name in integrity.OPTIONAL_FIELDS:  # a save from before these fields: absent means None
         del saved[name]
-    assert model.config_from_dict(saved) == CFG
+    assert integrity.config_from_dict(saved) == CFG
     edit(saved)
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        model.config_from_dict(saved)
+        integrity.config_from_dict(saved)
 
 
 def test_rope_is_computed_once_per_positions_and_dtype(monkeypatch):
