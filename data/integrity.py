@@ -236,11 +236,12 @@ def verify(path, meta, files=None, kinds=None):
     spans = {}
     for file, offset, n, name, kind, p in _spans(meta, files, kinds):
         seed = seed_of(meta, name, kind, p)
-        spans.setdefault(file, []).append((offset, n, p["crc32"][kind], seed))
+        dtype = DTYPES[meta["tensors"][name]["dtype"]]
+        spans.setdefault(file, []).append((offset, n, p["crc32"][kind], seed, dtype))
     for name in sorted(spans):
         try:
             with open_regular(path / name) as f:
-                for offset, n, expected, seed in sorted(spans[name]):
+                for offset, n, expected, seed, dtype in sorted(spans[name]):
                     f.seek(offset)
                     crc, left = seed, n
                     while left:
@@ -248,6 +249,10 @@ def verify(path, meta, files=None, kinds=None):
                         if not block:
                             raise SaveError(f"{path / name} is truncated")
                         crc, left = zlib.crc32(block, crc), left - len(block)
+                        whole = len(block) - len(block) % dtype.itemsize  # a short read: whole ones
+                        values = torch.frombuffer(bytearray(block[:whole]), dtype=dtype)
+                        if whole and not values.isfinite().all():
+                            raise SaveError(f"{path / name} holds values that are not finite")
                     if crc != expected:
                         raise SaveError(corrupt(path, name))
         except OSError as e:

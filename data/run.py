@@ -17,6 +17,7 @@ refuses to start (exit 3) rather than loop until torchrun's restarts run out.
 import gc
 import hashlib
 import json
+import math
 import os
 import signal
 import socket
@@ -49,6 +50,7 @@ from data.saves import (
     complete_saves,
     last_good_save,
     load,
+    not_finite,
     remove_incomplete,
 )
 from parallel.comm import all_reduce_max
@@ -57,10 +59,19 @@ RECORD = {"attempt": int, "resumed_from": int, "reached": int, "status": str}
 WRITE_EVERY_S = 60  # progress between the events that write the record
 
 
-class NonFiniteLoss(TrainingFailure):
-    def __init__(self, step, loss, grad_norm):
-        super().__init__(f"step {step}: non-finite loss {loss} (grad norm {grad_norm})")
+class NonFinite(TrainingFailure):
+    """A step whose loss, gradient norm, or updated weights or Adam state are not finite."""
+
+    def __init__(self, step, what):
+        super().__init__(f"step {step}: {what}")
         self.step = step
+
+
+def non_finite_step(loss, grad_norm):
+    """What of a step's loss and gradient norm is not finite, in words."""
+    if not math.isfinite(loss):
+        return f"non-finite loss {loss} (gradient norm {grad_norm})"
+    return f"non-finite gradient norm {grad_norm} (loss {loss})"
 
 
 class Attempts:
@@ -270,6 +281,10 @@ class RunFolder:
     def save(self, step, wrapper, opt, scaler):
         """Saves, sync or async; returns the seconds training stalled (TrainingFailure if not)."""
         header = {"config": self.config, "layout": self.layout, "scaler": scaler.state_dict()}
+        bad = not_finite(wrapper, opt, self.mesh.world_group, self.device)
+        if bad:  # never a save that cannot train: the run stops, naming the last good one
+            raise stop_run(NonFinite(step, f"the update left {bad} not finite; not saved"),
+                           self.saver, self.attempts, self.path)
         try:
             stall = self.saver.save(step, wrapper, opt, header)
         except SaveFailed as e:
@@ -278,8 +293,9 @@ class RunFolder:
         return stall
 
     def non_finite(self, step, loss, grad_norm):
-        """The TrainingFailure to raise for a non-finite loss at `step`, the failure recorded."""
-        return stop_run(NonFiniteLoss(step, loss, grad_norm), self.saver, self.attempts, self.path)
+        """The TrainingFailure to raise for a non-finite loss or gradient norm at `step`."""
+        return stop_run(NonFinite(step, non_finite_step(loss, grad_norm)), self.saver,
+                        self.attempts, self.path)
 
     def interrupted(self):
         """Ctrl-C: records the attempt; returns a line saying where the run stopped.

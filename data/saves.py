@@ -147,6 +147,18 @@ def global_shape(piece):
     return shape
 
 
+def not_finite(wrapper, opt, group, device):
+    """'' if every weight and Adam moment a save would write is finite on every rank of the group;
+    else which ("the weights", "Adam's state"). Two flags all-reduced: a save is a sync point."""
+    moments = [v for s in opt.state.values() for k, v in s.items() if k in ADAM]
+    bad = []
+    for what, tensors in (("the weights", list(wrapper.optim_params())), ("Adam's state", moments)):
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else True
+        if all_reduce_max(group, float(not finite), device):
+            bad.append(what)
+    return " and ".join(bad)
+
+
 def written_pieces(wrapper, opt, copy):
     """[(piece, {kind: 1-D CPU tensor})] for the pieces this rank writes; copy snapshots (async)."""
     out = []
@@ -412,6 +424,9 @@ class Saved:
                             p["file"], 1) from None
         if n != out.numel() * out.element_size():
             raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
+        if not torch.isfinite(out).all():  # a save that cannot train, or a checkpoint
+            raise FileError(f"{self.path / p['file']}: {name} holds values that are not finite",
+                            p["file"], 0)
         if self.checked and whole and key not in self.verified:
             crc = zlib.crc32(out.view(torch.uint8).numpy(), seed_of(self.meta, name, kind, p))
             if crc != p["crc32"][kind]:

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import data.export
 import data.files
 import data.run
 import data.saves
 import model
+import sample
 import train
 from bench.ranks import run_ranks
 from data.metrics import read_metrics
@@ -237,3 +239,42 @@ def test_a_full_disk_on_one_rank_stops_both_ranks_alike(tmp_path, case):
     results = run_ranks(_full_disk_rank, 2, args=(str(tmp_path), flags, failing_rank, module, name), timeout=200)
     assert [code for code, _ in results] == [3, 3], results
     assert_save_failed(tmp_path, results[0][1], 4, "step_0000002", rank=failing_rank)
+
+
+# ---------------------------------------------------------------- no save that cannot train
+
+DIVERGE = ARGS + ["--micro-batch", "8", "--steps", "1", "--lr", "1e38", "--warmup", "0"]  # one update: all NaN
+
+
+def test_an_update_that_leaves_the_weights_not_finite_writes_no_save(tmp_path):
+    """Was: exit 0 and an all-NaN step_0000001, the save a resume or an export would take."""
+    code, err = exit_of(train.main, DIVERGE + ["--out", str(tmp_path / "run")])
+    assert code == 3, err
+    assert one_error_line(err) == ("error: step 1: the update left the weights not finite; not saved; stopped, "
+                                   "the last good save is none")
+    assert not list((tmp_path / "run").glob("*step_*"))
+
+
+@pytest.fixture
+def nan_save(tmp_path, monkeypatch):
+    """A save of all-NaN weights, as the code before the check wrote one (the check is patched away)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(data.run, "not_finite", lambda *args: "")
+        quiet(train.main, DIVERGE + ["--out", str(tmp_path / "run")])
+    return tmp_path / "run"
+
+
+def test_a_save_that_is_not_finite_is_never_good_nor_resumed_exported_or_sampled(nan_save, tmp_path, capsys):
+    assert data.saves.last_good_save(nan_save) is None  # never named "the last good save"
+    code, err = exit_of(train.main, DIVERGE + ["--out", str(nan_save), "--resume", "--steps", "2"])
+    assert code == 2 and one_error_line(err).startswith("error: --resume:") and "not finite" in err, err
+    assert data.export.main([str(nan_save), str(tmp_path / "hf")]) == 2
+    assert "not finite" in one_error_line(capsys.readouterr().err) and not (tmp_path / "hf").exists()
+    assert sample.main(["--run", str(nan_save), "--max-new-tokens", "3"]) == 2
+    assert "not finite" in one_error_line(capsys.readouterr().err)
+
+
+def test_the_stop_names_what_is_not_finite():
+    """Was: a finite loss of 5.549 called "non-finite loss" when the gradient norm was."""
+    assert data.run.non_finite_step(5.549, float("inf")) == "non-finite gradient norm inf (loss 5.549)"
+    assert data.run.non_finite_step(float("nan"), 2.0) == "non-finite loss nan (gradient norm 2.0)"
