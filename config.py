@@ -2,9 +2,8 @@
 
     run = resolve(argv)   # flags, launcher, device: one frozen Run
 
-A field made with flag() is a command-line flag: its default, help and type live there, and the
-parser is built from the fields. The other fields are what resolve() derives. Bad input is one
-UsageError or LayoutError line (exit status 2).
+A field made with flag() is a command-line flag, its default, help and type there: the parser is
+built from the fields. Bad input is one UsageError or LayoutError line (exit status 2).
 """
 import argparse
 import math
@@ -233,23 +232,24 @@ def check_args(args):
              "random windows (--eval-tokens sets the batches)")):
         if problem:  # a flag that would silently do nothing in this layout
             raise UsageError(f"{flag}: has no effect without {needs}")
-    if args.dp_mode == "hsdp" and not args.dp_shard:
-        raise UsageError("--dp-shard: hsdp needs the shard-group size")
-    if args.schedule == "wsd" and not args.warmdown:
-        raise UsageError("--warmdown: --schedule wsd needs the length of its decay, in steps")
-    if args.warmdown and args.warmdown > args.steps:
-        raise UsageError(f"--warmdown: {args.warmdown} is more than --steps {args.steps}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device: cuda requested but no GPU is visible")
-    if args.dtype == "fp8" and args.pp_schedule in SPLIT_BACKWARD:
-        raise UsageError("--pp-schedule: zb1 and zbv defer the weight gradients of plain matmuls; "
-                         "not with --dtype fp8")
-    if args.sp_ring and (args.dtype == "fp8" or args.pp_schedule in SPLIT_BACKWARD):
-        raise UsageError("--sp-ring: not with --dtype fp8 or the zero-bubble schedules, which run "
-                         "tp's plain path")
-    if args.dtype == "fp8" and fp8.missing():
-        raise UsageError("--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; "
-                         f"{fp8.missing()}")
+    wd, w, steps, wsd = args.warmdown, args.warmup, args.steps, args.schedule == "wsd"
+    split = args.pp_schedule in SPLIT_BACKWARD
+    for problem, message in [
+        (args.dp_mode == "hsdp" and not args.dp_shard, "--dp-shard: hsdp needs its group's size"),
+        (wsd and not wd, "--warmdown: --schedule wsd needs the length of its decay, in steps"),
+        (wd and wd > steps, f"--warmdown: {wd} is more than --steps {steps}"),
+        (wd and w + wd > steps, f"--warmdown: its {wd} steps overlap --warmup's {w} in {steps}"),
+        (args.min_lr > args.lr, f"--min-lr: {args.min_lr:g} is above --lr {args.lr:g}"),
+        (args.device == "cuda" and not torch.cuda.is_available(),
+         "--device: cuda requested but no GPU is visible"),
+        (args.dtype == "fp8" and split, "--pp-schedule: zb1 and zbv defer the weight gradients of "
+         "plain matmuls; not with --dtype fp8"),
+        (args.sp_ring and (args.dtype == "fp8" or split), "--sp-ring: not with --dtype fp8 or the "
+         "zero-bubble schedules, which run tp's plain path"),
+        (args.dtype == "fp8" and fp8.missing(),
+         f"--dtype: fp8 needs torch._scaled_mm and the float8 dtypes; {fp8.missing()}")]:
+        if problem:
+            raise UsageError(message)
 
 
 def resolve(argv=None, environ=None):

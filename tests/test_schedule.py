@@ -1,9 +1,11 @@
 """The learning-rate schedules (cosine; warmup-stable-decay with --warmdown), and --target-loss's
 time-to-target line in the summary."""
 import math
+import re
 
 import pytest
 
+import config
 import train
 from data.metrics import read_metrics, run_summary, summary_line
 from tests.layouts import BASE, exit_and_stderr
@@ -71,3 +73,14 @@ def test_the_summary_names_the_best_loss_when_the_target_is_not_reached():
     assert summary_line(s).splitlines()[-1] == "target: val 3.28 not reached; best 3.5000 at step 4, 40 tokens, 4 s"
     s = run_summary(rows, 9.0, "r", {}, target_loss=3.9)
     assert summary_line(s).splitlines()[-1] == "target: val 3.5000 <= 3.9 first at step 4, 40 tokens, 4 s"
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--lr", "1e-4"], "--min-lr: 0.0003 is above --lr 0.0001"),  # the "decay" would climb 3x
+    (["--steps", "30", "--warmup", "20", "--schedule", "wsd", "--warmdown", "15"],
+     "--warmdown: its 15 steps overlap --warmup's 20 in 30"),  # it would jump, or never happen
+])
+def test_a_schedule_that_is_not_the_one_asked_for_is_refused(flags, line):
+    """Was: --min-lr above --lr climbed to 140 times the peak; a warm-down overlapping the warmup jumped."""
+    with pytest.raises(config.UsageError, match=f"^{re.escape(line)}$"):
+        config.parse_args(flags)
