@@ -222,13 +222,15 @@ class RunFolder:
             check_fresh_run_folder(self.path, self.config)
             return None
         if not found:
-            if mode == "auto" or (self.path / "attempts.json").exists():
-                if foreign_attempts(self.path, self.config, strict=False):
-                    raise SaveError(f"--resume: {self.path} holds another run's attempts.json "
-                                    "and no save to resume; choose another --out")
-                return None  # nothing saved yet: the run starts again from step 0
-            raise SaveError(f"--resume: no complete save in {self.path} "
-                            "(use --resume auto to start fresh)")
+            if mode != "auto":
+                raise SaveError(f"--resume: no complete save in {self.path} "
+                                "(use --resume auto to start fresh)")
+            if foreign_attempts(self.path, self.config, strict=False):
+                raise SaveError(f"--resume: {self.path} holds another run's attempts.json "
+                                "and no save to resume; choose another --out")
+            if self.rank == 0:  # nothing saved yet: the run starts again from step 0, and says so
+                print(f"--resume auto: no save in {self.path}; starting from step 0", flush=True)
+            return None
         try:
             saved = Saved(found[-1]).validate()
             mine = saved.meta["config"]
@@ -435,9 +437,10 @@ def check_fresh_run_folder(run_dir, config=None):
     if holds_a_run(run_dir, config):
         found = sorted(p.name for p in run_dir.glob("step_*"))
         found += ["attempts.json"] * (run_dir / "attempts.json").exists()
+        advice = "--resume" if complete_saves(run_dir) else "--resume auto"
         raise SaveError(f"{run_dir} holds saves of another run "
                         f"({', '.join(found[:3])}{', ...' * (len(found) > 3)}): "
-                        "pass --resume, or choose another --out")
+                        f"pass {advice}, or choose another --out")
 
 
 def default_out(preset, flags, resume, root=Path("runs")):

@@ -61,21 +61,25 @@ ADAM = ("exp_avg", "exp_avg_sq")
 
 # ---------------------------------------------------------------- the run folder
 
+def published(path):
+    """A step_* folder that holds a save: `complete`, or the meta.json it was published with (a
+    save whose marker was lost is still one: loading it checks every byte)."""
+    return bool(SAVE.match(path.name)) and any((path / f).exists() for f in ("complete",
+                                                                             "meta.json"))
+
+
 def complete_saves(run_dir):
     """Complete saves in the run folder, oldest first."""
-    run_dir = Path(run_dir)
-    found = [p for p in run_dir.glob("step_*")
-             if SAVE.match(p.name) and (p / "complete").exists()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted((p for p in Path(run_dir).glob("step_*") if published(p)), key=lambda p: p.name)
 
 
 def remove_incomplete(run_dir):
-    """Rank 0 removes saves killed mid-write (.tmp_*), half-deleted (.del_*), not `complete`."""
+    """Rank 0 removes saves killed mid-write (.tmp_*), half-deleted (.del_*), or never published."""
     for p in Path(run_dir).glob("*step_*"):
         if p.is_symlink():
             continue  # a link: what it leads to is not this run's to delete
         if p.is_dir() and (p.name.startswith((".tmp_", ".del_"))
-                           or (SAVE.match(p.name) and not (p / "complete").exists())):
+                           or (SAVE.match(p.name) and not published(p))):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -204,6 +204,17 @@ def run1(argv):
     return quiet(train.main, ARGS + ["--micro-batch", "8"] + argv)
 
 
+def test_a_save_that_lost_its_completion_marker_is_resumed_not_deleted(tmp_path, capsys):
+    """Was: --resume auto deleted a save whose files and meta.json verify but whose `complete` was gone, then
+    trained from step 0. A resume takes it (loading checks every byte); none deletes it."""
+    assert len(run1(["--out", str(tmp_path), "--steps", "2", "--save-every", "1"])) == 2
+    (tmp_path / "step_0000002" / "complete").unlink()
+    assert [p.name for p in data.saves.complete_saves(tmp_path)] == ["step_0000001", "step_0000002"]
+    assert run1(["--out", str(tmp_path), "--steps", "3", "--resume", "auto"]) == run1(
+        ["--out", str(tmp_path / "again"), "--steps", "3"])[2:]  # resumed at step 2: the third loss
+    assert (tmp_path / "step_0000002" / "meta.json").exists()
+
+
 def test_resume_auto_keep_k_and_incomplete_saves_are_ignored_then_removed(tmp_path):
     """--resume auto starts fresh in an empty folder; --keep 2 leaves the newest two; a killed save and a folder
     without `complete` are skipped by the next resume, which removes them."""

@@ -52,14 +52,21 @@ def test_a_second_writer_is_refused_while_the_first_trains_and_welcome_once_it_d
     assert len(losses) == 3  # it saved nothing before it died: the run starts again
 
 
-def test_a_run_that_wrote_no_save_restarts_under_resume(tmp_path):
+def test_a_run_that_wrote_no_save_restarts_under_resume_auto_and_says_so(tmp_path, capsys):
+    """Plain --resume with nothing to resume is the error --help promises (it used to start from 0 whenever an
+    attempts.json was there); --resume auto starts from 0 and says so in one line."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "attempts.json").write_text(json.dumps([{"attempt": 1, "resumed_from": 0, "reached": 2,
                                                     "status": "running"}]))
     code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out)])  # a fresh run would overwrite it
-    assert code == 2 and "holds saves of another run (attempts.json): pass --resume" in one_error_line(err)
-    assert len(quiet(train.main, RUN + ["--steps", "2", "--out", str(out), "--resume"])) == 2
+    assert code == 2 and "holds saves of another run (attempts.json): pass --resume auto" in one_error_line(err)
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(out), "--resume"])
+    assert code == 2 and one_error_line(err) == (f"error: --resume: no complete save in {out} (use --resume auto "
+                                                 "to start fresh)")
+    capsys.readouterr()
+    assert len(train.main(RUN + ["--steps", "2", "--out", str(out), "--resume", "auto"])) == 2
+    assert f"--resume auto: no save in {out}; starting from step 0" in capsys.readouterr().out
     attempts = json.loads((out / "attempts.json").read_text())
     assert [a["status"] for a in attempts] == ["running", "done"]
 
@@ -252,7 +259,7 @@ def test_a_fresh_run_stopped_before_its_first_save_starts_again_under_the_same_c
     assert first.wait(timeout=120) == 130
     assert not any(out.glob("step_*")) and len(json.loads((out / "attempts.json").read_text())) == 1
     code, err = exit_of(train.main, RUN + ["--steps", "2", "--lr", "1e-3", "--out", str(out)])
-    assert code == 2 and "holds saves of another run (attempts.json): pass --resume" in one_error_line(err), err
+    assert code == 2 and "holds saves of another run (attempts.json): pass --resume auto" in one_error_line(err), err
     assert len(quiet(train.main, RUN + ["--steps", "2", "--out", str(out)])) == 2  # --steps aside, the same run
     attempts = json.loads((out / "attempts.json").read_text())
     assert [a["status"] for a in attempts] == [attempts[0]["status"], "done"]

@@ -239,8 +239,9 @@ def test_check_fresh_run_folder_refuses_another_runs_folder_and_writes_nothing(b
     before = snapshot(run)
     with pytest.raises(data.SaveError) as error:
         data.run.check_fresh_run_folder(run)
+    advice = "--resume" if REFUSED[case] is None else "--resume auto"  # what would take it over
     assert str(error.value).startswith(f"{run} holds saves of another run (") and \
-        str(error.value).endswith("): pass --resume, or choose another --out"), error.value
+        str(error.value).endswith(f"): pass {advice}, or choose another --out"), error.value
     assert "\n" not in str(error.value) and snapshot(run) == before
 
 
