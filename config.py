@@ -20,7 +20,7 @@ from data.files import check_writable
 from data.run import default_out
 from parallel import ckpt, fp8
 from parallel.cp import MODES as CP_MODES
-from parallel.mesh import LayoutError, infer_dp
+from parallel.mesh import LayoutError, infer_dp, launcher
 from parallel.pp_schedule import SCHEDULES, SPLIT_BACKWARD
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -260,9 +260,8 @@ def resolve(argv=None, environ=None):
                               ("--metrics", args.metrics, "a file")):
         if value == "":
             raise UsageError(f"{flag}: an empty path: name {what}")
-    rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    rank, world, local_rank, ranks_here = launcher(environ)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    local_rank = int(environ.get("LOCAL_RANK", 0))
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     if cuda and dtype == "fp8" and torch.cuda.get_device_capability(local_rank) < (8, 9):
         raise UsageError("--dtype: fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
@@ -286,7 +285,7 @@ def resolve(argv=None, environ=None):
         device=f"cuda:{local_rank}" if cuda else "cpu", backend="nccl" if cuda else "gloo",
         compile=cuda if args.compile is None else args.compile, out=out, metrics=metrics,
         rank=rank, world=world, local_rank=local_rank,
-        ranks_here=int(environ.get("LOCAL_WORLD_SIZE", 1)), flags=flags)
+        ranks_here=ranks_here, flags=flags)
     run = Run(**{**vars(args), **derived})
     check_writable(run.out, "--out", folder=True)
     check_writable(run.metrics, "--metrics", folder=False)

@@ -58,7 +58,7 @@ from parallel.pp_schedule import SPLIT_BACKWARD
 
 REPO = Path(__file__).resolve().parent
 STARTUP_STEPS = 2  # steps under --startup-timeout (they compile, stage after stage), then --timeout
-
+PER_RANK = ("rank", "local_rank", "device", "ranks_here")  # what differs between ranks of one run
 DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 
 
@@ -345,6 +345,7 @@ def evaluate(trainer, loader, n_batches):
 def train(run):
     """Trains the resolved run; returns every step's global mean loss."""
     mesh = start_distributed(run)
+    mesh.agree({k: v for k, v in vars(run).items() if k not in PER_RANK})
     data = prepared_folder(run.data, run.rank, run.world)
     cfg, weights, saved, layout = model_for(run, data)  # checked against the layout and device
     folder = RunFolder(run.out, mesh, run.device, saved, layout, run.resume, run.keep,

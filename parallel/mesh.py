@@ -33,6 +33,21 @@ class LayoutError(ValueError):
         self.flag = flag
 
 
+def launcher(environ):
+    """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them (else one process),
+    checked: integers, each rank inside its size."""
+    values, names = {}, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    for name, default in zip(names, (0, 1, 0, 1)):
+        text = str(environ.get(name, default))
+        if not text.isdigit():
+            raise LayoutError(name, f"{text!r} is not a non-negative integer (the launcher's)")
+        values[name] = int(text)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if values[rank] >= values[size] and (size in environ or rank == "RANK"):
+            raise LayoutError(rank, f"{values[rank]} is not a rank of {size} {values[size]}")
+    return tuple(values.values())
+
+
 def infer_dp(world, tp=1, pp=1, cp=1, dp=None):
     """The dp degree: given, or world / (tp·pp·cp). LayoutError if it does not multiply out."""
     inner = tp * pp * cp
@@ -75,6 +90,20 @@ class Mesh:
                 if rank in g:
                     mine = (g, pg)
             setattr(self, name + "_group", Group(name, mine[0], mine[1], rank, self.stats))
+
+    def agree(self, values):
+        """LayoutError unless every rank holds the same {flag: value}: the first flag that differs,
+        its value on rank 0 and on a rank that differs. One all_gather_object, at start-up."""
+        if self.world == 1 or not dist.is_initialized():
+            return
+        every = [None] * self.world
+        dist.all_gather_object(every, values)
+        for rank, theirs in enumerate(every):
+            for name, value in every[0].items():
+                if theirs.get(name) != value:
+                    raise LayoutError(f"--{name.replace('_', '-')}", f"rank {rank} has "
+                                      f"{theirs.get(name)!r}, rank 0 {value!r}: every rank must "
+                                      "run the same command")
 
     def _new_group(self, ranks, timeout):
         if self.world == 1 or len(ranks) == 1 or not dist.is_initialized():  # a layout to describe

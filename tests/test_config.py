@@ -9,6 +9,7 @@ import config
 import model
 import train
 from data import metrics
+from parallel.mesh import LayoutError
 
 CFG = model.ModelConfig(vocab_size=257)
 
@@ -67,3 +68,12 @@ def test_the_resolved_run_is_frozen():
     run = config.resolve(["--device", "cpu"], environ={})
     with pytest.raises(AttributeError, match="cannot assign to field"):
         run.dtype = "bf16"
+
+
+@pytest.mark.parametrize("environ, line", [
+    ({"RANK": "4", "WORLD_SIZE": "2"}, "RANK: 4 is not a rank of WORLD_SIZE 2"),  # was: an hour's silent wait
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE: 'abc' is not a non-negative integer (the launcher's)"),  # a traceback
+    ({"LOCAL_RANK": "8", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_RANK: 8 is not a rank of LOCAL_WORLD_SIZE 8")])
+def test_the_launchers_environment_is_checked(environ, line):
+    with pytest.raises(LayoutError, match=f"^{line.replace('(', '[(]').replace(')', '[)]')}$"):
+        config.resolve(["--device", "cpu"], environ=environ)

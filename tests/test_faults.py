@@ -278,3 +278,19 @@ def test_the_stop_names_what_is_not_finite():
     """Was: a finite loss of 5.549 called "non-finite loss" when the gradient norm was."""
     assert data.run.non_finite_step(5.549, float("inf")) == "non-finite gradient norm inf (loss 5.549)"
     assert data.run.non_finite_step(float("nan"), 2.0) == "non-finite loss nan (gradient norm 2.0)"
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+def _rank_with_its_own_flags(rank, world, argv):
+    return exit_of(train.main, argv + (["--lr", "0.1"] if rank == 1 else []))
+
+
+def test_ranks_started_with_different_flags_stop_in_one_line_before_writing(tmp_path):
+    """Was: two launches with different --lr both exited 0, their replicas diverged."""
+    argv = ARGS + ["--micro-batch", "4", "--steps", "2", "--out", str(tmp_path / "run")]
+    (code, err), (code1, _) = run_ranks(_rank_with_its_own_flags, 2, args=(argv,), timeout=120)
+    assert code == code1 == 2
+    assert one_error_line(err) == ("error: --lr: rank 1 has 0.1, rank 0 0.003: every rank must run the same "
+                                   "command")
+    assert not (tmp_path / "run").exists()
