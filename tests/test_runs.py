@@ -100,7 +100,7 @@ def test_the_memory_check_counts_what_a_step_holds(in_tmp, extra):
 def test_cpu_memory_counts_a_storage_resized_in_place_as_freed():
     """The pipeline frees an activation it sent by resizing its storage to 0 (parallel/pp.py), which no finalizer
     sees: mem_gb on CPU counted every sent activation as held until the step ended."""
-    with metrics.LiveBytes() as live:
+    with memory.LiveBytes() as live:
         sent = torch.empty(1000)
         sent.untyped_storage().resize_(0)
         torch.empty(1000)
