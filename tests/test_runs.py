@@ -11,7 +11,6 @@ import torch
 import config
 import train
 from bench import compare
-from data import metrics
 from data.metrics import read_metrics
 from parallel import memory
 from tests.layouts import BASE
