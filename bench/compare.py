@@ -15,6 +15,7 @@ from bench.common import markdown_table
 from bench.planner.layout import Cluster, Layout, invalid
 from bench.planner.plan import error_bars
 from config import UsageError
+from data.files import atomic_write
 from data.metrics import PEAK_TFLOPS, read_metrics
 from model import ModelConfig
 from parallel import ckpt
@@ -170,10 +171,20 @@ def plot(paths, out):
             top.set_xlabel("tokens")
     fig.axes[0].legend(fontsize="small")
     try:
-        fig.savefig(out, dpi=100)
+        with atomic_write(out) as f:  # whole or not at all: a full disk leaves no empty file
+            fig.savefig(f, format="png", dpi=100)
     except OSError as e:
         raise UsageError(f"--plot: cannot write {out}: {e.strerror}") from None
     return fig
+
+
+def check_plot(out):
+    """--plot writes a new file or replaces a PNG, never through a link (a run's metrics, say)."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise UsageError(f"--plot: {out} is a link or not a file; choose another name")
+    if out.exists() and out.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        raise UsageError(f"--plot: {out} exists and is not a PNG; choose another name")
 
 
 @common.command
@@ -186,6 +197,8 @@ def main(argv=None):
         raise UsageError(f"--plot: {args.plot!r} is not a .png file name")
     if args.plot and Figure is None:
         raise UsageError("--plot: needs matplotlib (pip install -r requirements-dev.txt)")
+    if args.plot:
+        check_plot(args.plot)
     print(markdown_table(*table(args.runs)))
     for line in filter(None, (speed(read_run(p)[0]) for p in args.runs)):
         print(line)

@@ -86,34 +86,28 @@ def read_json(path, error, prefix=""):
 
 
 def check_own_file(path, folder):
-    """None if path is missing or a regular file whose real path lies in folder; else what is
-    there, for one line: "a link to /x, outside FOLDER", "a FIFO, not a regular file"."""
+    """None if path is missing or a regular file; else what is there, for one line: "a link to /x"
+    (", outside FOLDER"), "a FIFO, not a regular file"."""
     path = Path(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
-    if stat.S_ISLNK(st.st_mode):
+    if stat.S_ISLNK(st.st_mode):  # never written through another name, inside or out
         target, home = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-        if not target.is_relative_to(home):
-            return f"a link to {target}, outside {folder}"
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return None  # a dangling link inside the folder: writing replaces it
+        return f"a link to {target}" + (f", outside {folder}" * (not target.is_relative_to(home)))
     if not stat.S_ISREG(st.st_mode):
         return f"{kind_of(st.st_mode)}, not a regular file"
     return None
 
 
 def open_append(path, folder=None):
-    """path opened to append text, created if missing: a regular file, and within `folder` never
-    through a link out of it. Else OSError (NotAFile, strerror saying why)."""
+    """path opened to append text, created if missing: a regular file, never through a link. Else
+    OSError (NotAFile, strerror saying why)."""
     path = Path(path)
-    if folder is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder)):
-        problem = check_own_file(path, folder)
-        if problem:
-            raise NotAFile(errno.EINVAL, problem, str(path))
+    problem = check_own_file(path, folder if folder is not None else path.parent)
+    if problem:
+        raise NotAFile(errno.EINVAL, problem, str(path))
     fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     return os.fdopen(fd, "a", encoding="utf-8")
 

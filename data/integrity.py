@@ -243,7 +243,7 @@ def verify(path, meta, files=None, kinds=None):
             with open_regular(path / name) as f:
                 for offset, n, expected, seed, dtype in sorted(spans[name]):
                     f.seek(offset)
-                    crc, left = seed, n
+                    crc, left, finite = seed, n, True
                     while left:
                         block = f.read(min(left, CHUNK))
                         if not block:
@@ -251,10 +251,11 @@ def verify(path, meta, files=None, kinds=None):
                         crc, left = zlib.crc32(block, crc), left - len(block)
                         whole = len(block) - len(block) % dtype.itemsize  # a short read: whole ones
                         values = torch.frombuffer(bytearray(block[:whole]), dtype=dtype)
-                        if whole and not values.isfinite().all():
-                            raise SaveError(f"{path / name} holds values that are not finite")
+                        finite = finite and bool(values.isfinite().all()) if whole else finite
                     if crc != expected:
                         raise SaveError(corrupt(path, name))
+                    if not finite:  # intact bytes, but not a save that can train
+                        raise SaveError(f"{path / name} holds values that are not finite")
         except OSError as e:
             raise SaveError(f"cannot read {path / name}: {e.strerror or e}") from None
 

@@ -21,14 +21,30 @@ from parallel.memory import CPUMemory
 
 def open_metrics(run):
     """Rank 0's --metrics file, opened to append before anything is written: a regular file, never
-    through a link out of the run folder."""
+    through a link, and new, empty or a metrics file (never another run's meta.json, say)."""
     if run.rank != 0:
         return None
     try:
         Path(run.metrics).parent.mkdir(parents=True, exist_ok=True)
-        return open_append(run.metrics, run.out)
+        f = open_append(run.metrics, run.out)
     except OSError as e:
         raise SaveError(f"--metrics: {run.metrics}: {e.strerror or e}") from None
+    if not is_metrics(run.metrics):
+        f.close()
+        raise SaveError(f"--metrics: {run.metrics} is not a metrics file (its first line is no "
+                        "step row or summary): a run appends only to its own kind; choose another")
+    return f
+
+
+def is_metrics(path):
+    """Whether a file is empty or its first line is a JSON step row or summary."""
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        row = json.loads(first) if first else {"summary": None}
+    except ValueError:
+        return False
+    return isinstance(row, dict) and ({"step", "loss"} <= row.keys() or "summary" in row)
 
 
 class StepLog:

@@ -95,10 +95,23 @@ def _retire(path):
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def prune(run_dir, keep):
+def prune(run_dir, keep, config):
+    """Deletes all but the newest `keep` saves, and only saves of this run: their meta.json records
+    `config` (--steps aside). A folder only named like a save is never deleted."""
     if keep > 0:
         for old in complete_saves(run_dir)[:-keep]:
-            _retire(old)
+            if same_run(old, config):
+                _retire(old)
+
+
+def same_run(path, config):
+    """Whether the save at path records config as its run's (--steps aside)."""
+    def plain(c):
+        return json.loads(json.dumps({**c, "train": {**c.get("train", {}), "steps": None}}))
+    try:
+        return plain(read_json(path / "meta.json", SaveError)["config"]) == plain(config)
+    except (SaveError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def last_good_save(run_dir, group=None, device="cpu"):
@@ -246,7 +259,7 @@ def finalize(run_dir, folder, step, world, header, keep, wait_s, abort=None):
     shutil.rmtree(old, ignore_errors=True)
     with contextlib.suppress(OSError):  # the rename is done; an fsync error only weakens durability
         fsync_dir(run_dir)
-    prune(run_dir, keep)
+    prune(run_dir, keep, header["config"])
     return final
 
 
@@ -428,14 +441,14 @@ class Saved:
                             p["file"], 1) from None
         if n != out.numel() * out.element_size():
             raise FileError(f"{self.path / p['file']} is truncated", p["file"], 1)
-        if not torch.isfinite(out).all():  # a save that cannot train, or a checkpoint
-            raise FileError(f"{self.path / p['file']}: {name} holds values that are not finite",
-                            p["file"], 0)
         if self.checked and whole and key not in self.verified:
             crc = zlib.crc32(out.view(torch.uint8).numpy(), seed_of(self.meta, name, kind, p))
             if crc != p["crc32"][kind]:
                 raise FileError(corrupt(self.path, p["file"]), p["file"], 0)
             self.verified.add(key)
+        if not torch.isfinite(out).all():  # a save that cannot train, or a checkpoint
+            raise FileError(f"{self.path / p['file']}: {name} holds values that are not finite",
+                            p["file"], 0)
 
     def validate(self):
         """Each file has its recorded size and its pieces tile it; each tensor's pieces cover it."""

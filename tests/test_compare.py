@@ -120,3 +120,23 @@ def test_training_never_imports_matplotlib():
     code = "import sys, train, sample; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "[]\n", done.stderr
+
+
+def test_plot_never_writes_through_a_link_nor_leaves_an_empty_file(tmp_path, capsys, monkeypatch):
+    """Was: --plot onto a name linking to a run's metrics.jsonl overwrote it with the PNG; a plot that failed on a
+    full disk left an empty file."""
+    run = write_run(tmp_path / "a", {})
+    metrics = run / "metrics.jsonl"
+    before = metrics.read_bytes()
+    (tmp_path / "link.png").symlink_to(metrics)
+    assert compare.main([str(run), "--plot", str(tmp_path / "link.png")]) == 2
+    assert "link" in capsys.readouterr().err and metrics.read_bytes() == before
+    (tmp_path / "notes.png").write_text("my notes")
+    assert compare.main([str(run), "--plot", str(tmp_path / "notes.png")]) == 2
+    assert (tmp_path / "notes.png").read_text() == "my notes"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(compare.Figure, "savefig", full_disk)
+    assert compare.main([str(run), "--plot", str(tmp_path / "new.png")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "link.png", "notes.png"]

@@ -13,7 +13,8 @@ from data import files
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_open_append_refuses_a_link_that_leaves_the_folder_and_takes_one_inside(tmp_path):
+def test_open_append_never_writes_through_a_link_inside_the_folder_or_out(tmp_path):
+    """A link inside the folder was followed: a metrics.jsonl linking to a save's meta.json destroyed it."""
     run, outside = tmp_path / "run", tmp_path / "outside.jsonl"
     run.mkdir()
     outside.write_text("theirs\n")
@@ -23,11 +24,11 @@ def test_open_append_refuses_a_link_that_leaves_the_folder_and_takes_one_inside(
     assert outside.read_text() == "theirs\n"
     (run / "metrics.jsonl").unlink()
     (run / "kept.jsonl").write_text("")
-    (run / "metrics.jsonl").symlink_to("kept.jsonl")  # a link that stays in the folder is the folder's own file
-    with files.open_append(run / "metrics.jsonl", run) as f:
-        f.write("row\n")
-    assert (run / "kept.jsonl").read_text() == "row\n"
-    with files.open_append(outside) as f:  # outside any run folder: a path the user chose, followed
+    (run / "metrics.jsonl").symlink_to("kept.jsonl")
+    with pytest.raises(OSError, match=f"a link to {run / 'kept.jsonl'}: "):
+        files.open_append(run / "metrics.jsonl", run)
+    assert (run / "kept.jsonl").read_text() == ""
+    with files.open_append(outside) as f:  # outside any run folder: a path the user chose, a regular file
         f.write("more\n")
     assert outside.read_text() == "theirs\nmore\n"
 

@@ -298,6 +298,23 @@ def test_a_metrics_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     assert "--metrics" in line and "FIFO" in line, line
 
 
+CONFIG = {"model": {"n_layer": 2}, "train": {"lr": 0.003, "steps": 3}}  # what a save's meta.json records
+
+
+def test_pruning_deletes_only_saves_of_this_run(tmp_path):
+    """Was: pruning deleted a user's folder only named like a save. A folder without meta.json, or with another
+    run's, stays; this run's older saves go."""
+    run = tmp_path / "run"
+    other = {**CONFIG, "train": {"lr": 0.1, "steps": 3}}
+    for step, meta in ((1, None), (2, other), (3, CONFIG), (4, {**CONFIG, "train": {"lr": 0.003, "steps": 9}})):
+        (run / f"step_000000{step}").mkdir(parents=True)
+        (run / f"step_000000{step}" / "complete").write_text(f"{step}\n")
+        if meta is not None:
+            (run / f"step_000000{step}" / "meta.json").write_text(json.dumps({"config": meta}))
+    data.saves.prune(run, keep=1, config=CONFIG)
+    assert sorted(p.name for p in run.iterdir()) == ["step_0000001", "step_0000002", "step_0000004"]
+
+
 def test_links_in_a_run_folder_are_never_deleted_through(tmp_path):
     """A leftover .tmp_step_* link and a linked save: resume's cleanup and pruning leave them, and what they lead
     to, alone (prune used to rename a linked save to .del_*, and then fail to delete it)."""
@@ -311,8 +328,9 @@ def test_links_in_a_run_folder_are_never_deleted_through(tmp_path):
     for step in (2, 3):
         (run / f"step_000000{step}").mkdir()
         (run / f"step_000000{step}" / "complete").write_text(f"{step}\n")
+        (run / f"step_000000{step}" / "meta.json").write_text(json.dumps({"config": CONFIG}))
     data.saves.remove_incomplete(run)
-    data.saves.prune(run, keep=1)
+    data.saves.prune(run, keep=1, config=CONFIG)
     assert sorted(p.name for p in run.iterdir()) == [".tmp_step_0000009_abcdef", "step_0000001", "step_0000003"]
     assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
         "killed", "killed/complete", "saved", "saved/complete"]
@@ -351,3 +369,31 @@ def test_resume_auto_refuses_another_runs_attempts_without_a_save(tmp_path):
     assert code == 2 and "holds another run's attempts.json and no save" in one_error_line(err), err
     code, err = exit_of(train.main, RUN + ["--steps", "1", "--out", str(out), "--resume", "auto"])
     assert code == 0, err  # the same run takes its folder back
+
+
+# ---------------------------------------------------------------- never written through another name
+
+def test_a_metrics_file_that_links_to_a_save_inside_the_folder_is_refused(copied):
+    """Was: metrics.jsonl linked to the save's meta.json got the rows appended, and the save was destroyed."""
+    meta = copied / "step_0000002" / "meta.json"
+    before = meta.read_bytes()
+    (copied / "metrics.jsonl").unlink()
+    (copied / "metrics.jsonl").symlink_to(meta)
+    code, err = exit_of(train.main, RUN + ["--steps", "3", "--out", str(copied), "--resume"])
+    assert code == 2 and one_error_line(err).startswith(f"error: --out: {copied / 'metrics.jsonl'} is a link to "
+                                                        f"{meta}: a run writes only its own files"), err
+    assert meta.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["step_0000002/meta.json", "step_0000002/rank00000.bin"])
+def test_metrics_pointed_at_another_runs_file_is_refused(saved_run, tmp_path, target):
+    """Was: --metrics naming another run's meta.json or rank file appended to it, exit 0."""
+    theirs = tmp_path / "theirs"
+    shutil.copytree(saved_run, theirs)
+    before = (theirs / target).read_bytes()
+    code, err = exit_of(train.main, RUN + ["--steps", "2", "--out", str(tmp_path / "mine"), "--metrics",
+                                           str(theirs / target)])
+    assert code == 2 and one_error_line(err) == (f"error: --metrics: {theirs / target} is not a metrics file (its "
+                                                 "first line is no step row or summary): a run appends only to its "
+                                                 "own kind; choose another"), err
+    assert (theirs / target).read_bytes() == before
