@@ -67,10 +67,11 @@ DATA_PARALLEL = {"ddp": ddp.wrap, "fsdp": fsdp.wrap, "hsdp": hsdp.wrap}
 def model_for(run, data_folder):
     """(config, Hugging Face weights or None, what a save records of the run, of its layout): the
     model a run on a prepared data folder trains, checked against the layout and the device."""
+    def checked(cfg):  # before a checkpoint's tensors are listed: a million layers never built
+        check_layout(cfg, run)
+        memory.check_fits(cfg, run)
     meta = read_meta(data_folder)
-    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run)
-    check_layout(cfg, run)
-    memory.check_fits(cfg, run)
+    cfg, weights = init_from(run.init_from, model_config(run, meta["vocab_size"]), run, checked)
     return cfg, weights, saved_config(cfg, run, data_folder, meta), saved_layout(run)
 
 
@@ -280,18 +281,13 @@ def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, bad_
 
 # ---------------------------------------------------------------- the step
 
-def split_batch(x, y, micro_batch, mesh):
-    """This rank's rows -> [(x, y)] micro-batches (cp: this rank's tokens), their positions."""
-    batches = list(zip(x.split(micro_batch), y.split(micro_batch)))
-    return cp.shard_batches(batches, mesh) if mesh.cp > 1 else (batches, None)
-
-
 def forward_backward(trainer, x, y, total=None, backward=True):
     """Every micro-batch's forward and backward (or forward alone); adds their losses into `total`
     and returns it. A micro-batch's loss is its local mean over M, and dp x cp average the
     gradients: the global batch's mean."""
     t = trainer
-    batches, positions = split_batch(x, y, t.micro_batch, t.mesh)
+    batches = list(zip(x.split(t.micro_batch), y.split(t.micro_batch)))  # cp: this rank's tokens
+    batches, positions = cp.shard_batches(batches, t.mesh) if t.mesh.cp > 1 else (batches, None)
     total = torch.zeros((), device=x.device) if total is None else total
     if t.mesh.pp > 1 and backward:  # the pipeline schedule runs them all
         return total.add_(pp.train_step(t.chunks, t.wrapper, t.mesh, batches, positions,
@@ -356,7 +352,7 @@ def train(run):
         val_loader = None
         if run.eval_every:  # random windows, or the first --eval-tokens of the split
             val_loader = TokenLoader(data, "val", *batches, prefetch=False,
-                                     fixed_tokens=run.eval_tokens)
+                                     fixed_tokens=run.eval_tokens, steps=run.eval_batches)
         if run.rank == 0 and run.world > 1:
             print(mesh.describe(), flush=True)
         metrics_file = metrics.open_metrics(run)

@@ -285,16 +285,19 @@ def hf_weights(folder, cfg):
                           "tensors": tensors})
 
 
-def init_from(folder, cfg, args):
+def init_from(folder, cfg, args, check=lambda cfg: None):
     """--init-from: (cfg updated from config.json, the weights to load); (cfg, None) without.
 
-    args are the run's flags. Everything is checked here, before anything is built or written."""
+    args are the run's flags; check(cfg) the run's own checks of the model, made before the
+    folder's tensors are listed. Everything is checked before anything is built or written."""
     if folder is None:
+        check(cfg)
         return cfg, None
     folder = Path(folder)
     if not folder.is_dir():
         raise SaveError(f"--init-from: {folder} is not a folder")
     _, cfg = check_config(folder, cfg, args)
+    check(cfg)
     return cfg, hf_weights(folder, cfg)
 
 

@@ -193,10 +193,11 @@ def check_vocab(path, top, vocab_size, where, recorded=None):
 class TokenLoader:
     """fixed_tokens N: step s is instead the s-th run of global_batch consecutive windows from
     the split's start, window j the tokens [j·T, j·T + T] (T = seq_len): N tokens in N/(B·T) steps,
-    the same slice every time (a validation set as the speedrun's)."""
+    the same slice every time (a validation set as the speedrun's). steps: how many a pass takes;
+    their windows may not outnumber the split's tokens."""
 
     def __init__(self, data_dir, split, seq_len, global_batch, seed,
-                 dp_rank=0, dp_size=1, device="cpu", prefetch=True, fixed_tokens=None):
+                 dp_rank=0, dp_size=1, device="cpu", prefetch=True, fixed_tokens=None, steps=None):
         if global_batch % dp_size:
             raise ValueError(f"--global-batch {global_batch} is not divisible by the "
                              f"data-parallel size {dp_size}")
@@ -226,6 +227,10 @@ class TokenLoader:
         if fixed_tokens is not None and fixed_tokens + 1 > len(self.shards[0]):
             raise DataError(f"--eval-tokens: {fixed_tokens:,} tokens (and one more, the last "
                             f"target) are more than {paths[0]} holds ({len(self.shards[0]):,})")
+        held = sum(map(len, self.shards))
+        if steps is not None and steps * global_batch > held:  # a cost bounded by the split
+            raise DataError(f"--eval-batches: {steps:,} batches of {global_batch} windows are more "
+                            f"windows than the {split} split has tokens ({held:,}); evaluate fewer")
         rows_per_rank = global_batch // dp_size
         self.rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)  # global rows
         self.device = torch.device(device)

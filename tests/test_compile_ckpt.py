@@ -13,7 +13,7 @@ import torch._dynamo
 import config
 import train
 from bench.ranks import run_ranks
-from parallel import keep_saved
+from parallel import cp, keep_saved
 
 MODEL = ["--model", "tiny", "--n-layer", "2", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4",
          "--device", "cpu", "--peak-tflops", "1"]
@@ -37,7 +37,8 @@ def saved_bytes(rank, world, flags):
     keep_saved(chunk, count, None)
     ids = torch.randint(0, cfg.vocab_size, (run.micro_batch, cfg.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
-    batches, positions = train.split_batch(ids[:, :-1], ids[:, 1:], run.micro_batch, mesh)
+    batch = [(ids[:, :-1], ids[:, 1:])]  # one micro-batch; under cp this rank's tokens, as train.py cuts them
+    batches, positions = cp.shard_batches(batch, mesh) if mesh.cp > 1 else (batch, None)
     for _ in range(2):  # the first forward compiles
         seen.clear()
         with trainer.autocast:

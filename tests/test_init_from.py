@@ -17,12 +17,14 @@ import torch.distributed as dist
 import transformers
 
 import config
+import data.hf
 import data.saves
 import train
 from bench.ranks import run_ranks
 from data import export
 from data.hf import init_from, start_from
 from tests.jobs import Failed, run_jobs
+from tests.test_save_integrity import exit_of, one_error_line
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -296,3 +298,16 @@ def test_a_fifo_in_the_checkpoint_is_one_line_not_a_hang(checkpoints, tmp_path, 
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr
     assert lines[0] == f"error: --init-from: cannot read {folder / name}: a FIFO, not a regular file", lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_asking_for_a_million_layers_is_refused_before_any_is_built(checkpoints, tmp_path, monkeypatch):
+    """Was: config.json's num_hidden_layers 1,000,000, with the --n-layer its refusal advised, built the model's
+    shapes before any check and grew until killed. The run's checks come first: one line, exit 2."""
+    folder = tmp_path / "huge"
+    shutil.copytree(checkpoints["untied"][0], folder)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 1_000_000}))
+    monkeypatch.setattr(data.hf, "model_shapes", lambda cfg: pytest.fail("the model was listed before the checks"))
+    code, err = exit_of(train.main, FLAGS + ["--init-from", str(folder), "--n-layer", "1000000", "--vocab-size",
+                                             "320", "--out", str(tmp_path / "run")])
+    assert code == 2 and "a step needs about" in one_error_line(err), err

@@ -84,3 +84,11 @@ def test_a_schedule_that_is_not_the_one_asked_for_is_refused(flags, line):
     """Was: --min-lr above --lr climbed to 140 times the peak; a warm-down overlapping the warmup jumped."""
     with pytest.raises(config.UsageError, match=f"^{re.escape(line)}$"):
         config.parse_args(flags)
+
+
+def test_an_evaluation_longer_than_its_split_is_refused(tmp_path):
+    """Was: --eval-batches 10**9 evaluated for ever, where --eval-tokens past the split was refused."""
+    code, err = exit_and_stderr(BASE + ["--steps", "2", "--eval-every", "1", "--eval-batches", str(10 ** 9),
+                                        "--out", str(tmp_path / "run")])
+    assert code == 2 and "--eval-batches: 1,000,000,000 batches of 8 windows are more windows than the val split " \
+                         "has tokens" in err, err
