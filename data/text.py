@@ -63,20 +63,20 @@ def decode(data):
 
 
 def next_cut(f, pos, size):
-    """The first cut at or after byte pos of the open file (0 and the file's end are cuts)."""
+    """The first cut at or after byte pos of the open file (0 and the file's end are cuts). Where no
+    CUT comes before the next multiple of UNIT_BYTES, that multiple (moved on to a character's
+    start) is one: a unit reads at most UNIT_BYTES past its start, however long the lines."""
     if pos <= 0 or pos >= size:
         return min(max(pos, 0), size)
-    base = pos - 2
+    forced, base = min((pos // UNIT_BYTES + 1) * UNIT_BYTES, size), max(pos - 2, 0)
     f.seek(base)
-    buf = f.read(1 << 16)
-    while True:
-        match = CUT.search(buf)
-        if match:
-            return base + match.start() + 2
-        more = f.read(1 << 16)
-        if not more:
-            return size
-        base, buf = base + len(buf) - 2, buf[-2:] + more  # keep 2 bytes: a cut may straddle reads
+    buf = f.read(forced - base + 4)  # through the forced cut, and a character that straddles it
+    match = CUT.search(buf, 0, forced - base + 1)  # a cut at or before forced
+    if match:
+        return base + match.start() + 2
+    while forced < size and 0x80 <= buf[forced - base] < 0xC0:  # a UTF-8 continuation byte
+        forced += 1
+    return forced
 
 
 class Tokenizing:
@@ -131,8 +131,11 @@ class Tokenizing:
     def json_lines(self, f, path, start, end):
         """(offset, text, True, invalid sequences replaced) per line starting in [start, end)."""
         f.seek(max(start - 1, 0))
-        if start:
-            f.readline()  # the rest of a line that started before `start`: the previous unit's
+        if start:  # the rest of a line that started before `start` is the previous unit's
+            newline = f.read(end - start + 1).find(b"\n")  # never past this unit's bytes
+            if newline < 0:
+                return
+            f.seek(start + newline)
         pos = f.tell()
         while pos < end and (line := f.readline()):
             offset, pos = pos, pos + len(line)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import ANY
 
 import numpy as np
@@ -21,7 +22,7 @@ import train
 from bench.labs.prepare_speed import train_bpe, write_tiktoken
 from data import prepare as data_prepare
 from data.loader import read_shard
-from data.text import CUT, prepare_text
+from data.text import CUT, UNIT_BYTES, Tokenizing, next_cut, prepare_text
 from data.tokenizer import FILE_PIECES, get_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -277,3 +278,54 @@ def test_a_rank_past_32_bits_is_one_line(tmp_path, capsys):
         bpe = write_tiktoken({bytes([i]): i for i in range(256)} | {b"ab": rank}, tmp_path / "big.tiktoken")
         code, err = run_text([tmp_path / "in.txt", "--tokenizer", bpe, "--out", tmp_path / "out"], capsys)
         assert code == 2 and "\n" not in err and f"rank {rank}" in err, err
+
+
+class CountingFile:
+    """A file that counts the bytes read from it."""
+
+    def __init__(self, f):
+        self.f, self.read_bytes = f, 0
+
+    def seek(self, pos):
+        return self.f.seek(pos)
+
+    def tell(self):
+        return self.f.tell()
+
+    def read(self, n=-1):
+        out = self.f.read(n)
+        self.read_bytes += len(out)
+        return out
+
+    def readline(self):
+        out = self.f.readline()
+        self.read_bytes += len(out)
+        return out
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_corpus_that_is_one_long_line_costs_linear_time(tmp_path, suffix):
+    """Was: each unit of a one-line corpus read on to the line's end, quadratic in its length (80 MB: 47 s). A unit
+    reads at most its own bytes and a few more; the shards stay the same for any number of workers, and no
+    character is cut in two."""
+    text = "word ü " * (3 * UNIT_BYTES // 8)  # about 3 units, no newline, two-byte characters
+    path = tmp_path / f"long{suffix}"
+    path.write_text(json.dumps({"text": text}) + "\n" if suffix == ".jsonl" else text, encoding="utf-8")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for start in range(UNIT_BYTES, size, UNIT_BYTES):
+            counted = CountingFile(f)
+            if suffix == ".txt":
+                cut = next_cut(counted, start, size)
+                f.seek(cut)
+                assert start <= cut and not 0x80 <= (f.read(1) or b"\0")[0] < 0xC0  # a character's start
+            else:
+                end = min(start + UNIT_BYTES, size)
+                assert list(Tokenizing.json_lines(SimpleNamespace(text_key="text"), counted, path, start, end)) == []
+            assert counted.read_bytes <= UNIT_BYTES + 8, (start, counted.read_bytes)
+    tokens = []
+    for workers in (1, 2):
+        prepare_text([path], tmp_path / f"w{workers}", "bytes", workers=workers)
+        tokens.append(np.concatenate([read_shard(p) for p in sorted((tmp_path / f"w{workers}").glob("*.bin"))]))
+    assert np.array_equal(tokens[0], tokens[1])
+    assert bytes(tokens[0][tokens[0] < 256].astype(np.uint8)).decode("utf-8") == text
