@@ -10,7 +10,6 @@ trains the same model as one process.
 """
 import math
 import os
-import subprocess
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -432,13 +431,13 @@ def start_distributed(run):
 
 def main(argv=None):
     """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C.
-    --dry-run hands the command to the rehearsal, bench/dry_run.py, which runs this file's step
+    --dry-run becomes the rehearsal (this process runs bench/dry_run.py), which runs this step
     on fake GPUs."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--dry-run" in argv:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
             "PYTHONPATH", "")]).rstrip(os.pathsep)}
-        sys.exit(subprocess.call([sys.executable, "-m", "bench.dry_run", *argv], env=env))
+        os.execve(sys.executable, [sys.executable, "-m", "bench.dry_run", *argv], env)
     return run_or_exit(lambda: train(config.resolve(argv)))
 
 

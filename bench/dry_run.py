@@ -15,6 +15,7 @@ import hashlib
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ import config
 import model
 import train
 from config import UsageError
+from data.files import Interrupted, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
 from data.text import usable_cores
 from parallel import fp8, fsdp, memory
@@ -101,10 +103,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
         jobs = args.jobs or usable_cores()
-        reports = rehearse(train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
+        with interruptible():
+            reports = rehearse(train_argv, args.world, gpu, per_node, show=True, jobs=jobs)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Interrupted) as e:
+        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"error: the rehearsal was stopped by {sig.name}", file=sys.stderr)
+        return 128 + sig
     except BrokenProcessPool:
         print(f"error: --jobs: a rehearsing process died (out of memory?); {jobs} ran at once", file=sys.stderr)
         return 3
@@ -195,15 +202,25 @@ def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=Fals
             stack.enter_context(FakeGPUs(gpu, per_node))
             done = (rehearse_rank(train_argv, r, world, per_node, gpu) for r in ranks)
         else:
-            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+            pool = ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"), start_worker,
+                                       (os.getpid(),))
             stack.callback(pool.shutdown, cancel_futures=True)
+            stack.push(stop_workers)
             task = [(train_argv, r, world, per_node, gpu) for r in ranks]
-            done = pool.map(rehearse_in_process, *zip(*task))
+            with sigint_held():  # the workers start here: Ctrl-C is this process's to handle
+                done = pool.map(rehearse_in_process, *zip(*task))
         for report in done:  # in stage order, each as soon as it and those before it are done
             reports.append(report)
             if show:
                 print(report.describe(), flush=True)
     return reports
+
+
+def stop_workers(kind, error, trace):
+    """Stopped (Ctrl-C, SIGTERM): the workers go now, not after the ranks they are on."""
+    if kind is not None:
+        for worker in multiprocessing.active_children():
+            worker.kill()
 
 
 def rehearse_in_process(train_argv, rank, world, per_node, gpu):

@@ -10,7 +10,9 @@ The token shards, the saves, the run folder and the exports all write through th
     make_folders, remove_created   a folder and its parents; on a failure, only those made here
     staged                     a folder built beside its place, swapped in whole when complete
     run_command                a command's one line and exit status; Ctrl-C leaves nothing half-done
+    start_worker, sigint_held  a pool's worker dies with its parent and leaves Ctrl-C to it
 """
+import ctypes
 import errno
 import fcntl
 import json
@@ -215,6 +217,29 @@ def interruptible():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def sigint_held():
+    """Ctrl-C waits while workers start here: they inherit the mask (start_worker lifts it)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def start_worker(parent):
+    """In a pool's worker: Ctrl-C is the parent's to handle (no traceback here); SIGTERM and
+    SIGHUP end it as by default; it is killed when `parent`'s process ends, however it ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the line above: no signal will come
+        os._exit(1)
 
 
 def check_writable(path, flag, folder):

@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import re
-import signal
 import sys
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
@@ -30,7 +29,7 @@ from tqdm import tqdm
 
 from data import DataError, TrainingFailure
 from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
-from data.files import check_replaceable, owned_by, staged, write_json
+from data.files import check_replaceable, owned_by, sigint_held, staged, start_worker, write_json
 from data.loader import HEADER_BYTES, fingerprint, shard_header
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 
@@ -161,27 +160,12 @@ class Tokenizing:
 _job = None  # in a worker process: its Tokenizing, made once by the pool's initializer
 
 
-def _start_worker(*job_args):
-    """A worker ignores Ctrl-C (the main process stops handing out work and waits for it).
-
-    SIGTERM and SIGHUP end it as by default, not through the handlers a fork copies."""
+def _start_worker(parent, *job_args):
+    """A worker leaves Ctrl-C to the main process (it stops handing out work and waits) and dies
+    with it, so a killed prepare leaves no worker holding the folder's lock."""
     global _job
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the fork (_submit)
+    start_worker(parent)
     _job = Tokenizing(*job_args)
-
-
-def _submit(pool, unit):
-    """pool.submit(_run_unit, unit) with SIGINT blocked: workers forked here inherit the mask.
-
-    So a Ctrl-C while one starts up waits for this process, not a traceback in the worker."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return pool.submit(_run_unit, unit)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _run_unit(unit):
@@ -205,11 +189,12 @@ def tokenized_units(units, job_args, workers):
     # fork: no re-import per worker
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker,
-                               job_args)
+                               (os.getpid(), *job_args))
     try:
         pending = deque()
         for unit in units:
-            pending.append(_submit(pool, unit))
+            with sigint_held():  # a worker forked here starts up without a traceback
+                pending.append(pool.submit(_run_unit, unit))
             if len(pending) >= 4 * workers:  # bounded: behind a slow unit, the rest never pile up
                 yield pending.popleft().result()
         while pending:

@@ -30,7 +30,10 @@ class LayoutError(ValueError):
 
     def __init__(self, flag, message):
         super().__init__(f"{flag}: {message}")
-        self.flag = flag
+        self.flag, self.message = flag, message
+
+    def __reduce__(self):  # whole across processes: the rehearsal's workers raise it
+        return type(self), (self.flag, self.message)
 
 
 def launcher(environ):

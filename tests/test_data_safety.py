@@ -22,6 +22,7 @@ from data import text as data_text
 from data.loader import DataError
 from data.prepare import prepare
 from data.text import Tokenizing, prepare_text
+from tests.processes import alive, all_gone, children_started
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,14 +173,20 @@ def test_an_interrupted_re_prepare_is_one_line_and_keeps_the_previous_set(tmp_pa
     assert snapshot(out) == files and not hidden(out.parent)
 
 
-def test_a_killed_run_leaves_nothing_the_next_run_keeps(tmp_path, previous):
-    """SIGKILL cannot be caught: the previous set stays whole, and the next preparation of the same --out removes
-    what the killed one left. Was: a .tmp shard inside --out that nothing removed."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_run_leaves_nothing_the_next_run_keeps(tmp_path, previous, workers):
+    """SIGKILL cannot be caught: the previous set stays whole, the workers die with their parent, and the next
+    preparation of the same --out removes what the killed one left. Was: a .tmp shard inside --out that nothing
+    removed; tokenizing workers left alive, holding the folder's lock, so every later preparation was refused."""
+    if workers > len(os.sched_getaffinity(0)):
+        pytest.skip("one core: the work runs in the main process")
     out, files = previous
     corpus = big_corpus(tmp_path / "corpus")
-    proc = start_blocked(tmp_path, ["text", corpus, "--out", out, "--workers", 1])
+    proc = start_blocked(tmp_path, ["text", corpus, "--out", out, "--workers", workers])
+    started = children_started(proc.pid, workers if workers > 1 else 0, within_s=60)
     proc.kill()
     proc.communicate(timeout=60)
+    assert all_gone(started, within_s=30), [p for p in started if alive(p)]
     assert snapshot(out) == files
     prepare_text([corpus], out, val_fraction=0)
     assert not hidden(out) and not hidden(out.parent)

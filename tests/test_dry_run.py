@@ -8,6 +8,9 @@ at the full world size (bench/planner/plan.py's code="ours", the formulas tests/
 runs at 2 and 4 ranks); the peak memory is memory.stage_bytes's within MEMORY_BOUND. Layouts run in two processes, each
 family once however many tests read it (-k runs only the chosen ones).
 """
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from bench.ranks import run_ranks
 from parallel.comm import ALL_GATHER
 from parallel.mesh import infer_dp
 from parallel.pp_schedule import chunks_per_rank
+from tests.processes import alive, all_gone, children_started
 
 # 1B's width (d 2048, 32 heads of 64, 8 kv heads, ffn 8192) in 4 layers, a 32k vocabulary, 2k tokens a sequence
 MODEL = ["--model", "1b", "--n-layer", "4", "--vocab-size", "32768", "--seq-len", "2048", "--micro-batch", "1"]
@@ -225,6 +229,42 @@ def test_the_command_line_exit_codes(tmp_path):
     assert code == 2 and err.startswith("error: --ckpt: rank 0") and err.count("\n") == 1, err
     code, err = _main(small + ["--gpu", "tpu"])
     assert code == 2 and err.startswith("error: --gpu: unknown GPU 'tpu'"), err
+
+
+def test_a_layout_a_worker_refuses_is_its_one_line():
+    """Was: the worker's LayoutError could not cross back to the main process, and the rehearsal blamed memory
+    ("a rehearsing process died (out of memory?)", exit 3)."""
+    code, err = _main(MODEL + ["--n-layer", "2", "--pp", "2", "--tp", "3", "--global-batch", "2", "--world", "6",
+                               "--dry-run", "--jobs", "2"])
+    assert code == 2 and err == "error: --tp: n_head 32 is not divisible by tp 3 (--n-head)\n", err
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "Ctrl-C"])
+def test_a_stopped_rehearsal_takes_its_workers_with_it(how):
+    """Was: SIGTERM or SIGKILL to the main process left its workers alive and blocked, hundreds of MB each; Ctrl-C
+    printed a KeyboardInterrupt traceback from every worker. Now the workers go, and a stop is one line."""
+    argv = MODEL + ["--n-layer", "16", "--pp", "16", "--global-batch", "256", "--world", "256", "--dry-run",
+                    "--jobs", "2"]  # 16 ranks: longer than the waits below
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], cwd="/", stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    while not proc.stdout.readline().startswith("rehearsing"):
+        assert proc.poll() is None, proc.communicate()
+    workers = children_started(proc.pid, 2, within_s=120, deep=True)
+    time.sleep(1)
+    try:
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to every process of the job
+        else:
+            proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+        assert all_gone(workers, within_s=20), [p for p in workers if alive(p)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # none left, as it should be
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    if how != "SIGKILL":
+        code, name = (143, "SIGTERM") if how == "SIGTERM" else (130, "SIGINT")
+        assert proc.returncode == code and err == f"error: the rehearsal was stopped by {name}\n", err
 
 
 def test_help_shows_the_dry_runs_flags_and_train_py_help_points_to_them():

@@ -25,6 +25,7 @@ import train
 from bench.ranks import run_ranks
 from data.metrics import read_metrics
 from tests.layouts import BASE, train_losses
+from tests.processes import children
 from tests.test_checkpoint import ARGS, quiet
 from tests.test_save_integrity import exit_of, one_error_line
 
@@ -36,11 +37,8 @@ FLAGS = ["--peak-tflops", "1", "--steps", "8", "--save-every", "2", "--resume", 
 
 def workers(agent_pid):
     """{rank: pid} of the training processes torchrun started (its children with RANK in their environment)."""
-    children = []
-    for task in Path(f"/proc/{agent_pid}/task").iterdir():
-        children += [int(p) for p in (task / "children").read_text().split()]
     found = {}
-    for pid in children:
+    for pid in children(agent_pid):
         try:
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
         except OSError:
