@@ -23,6 +23,7 @@ import torch
 import model
 from config import OneLineParser, UsageError, nonnegative_int
 from data import SaveError
+from data.files import exit_status
 from data.saves import read_model
 
 
@@ -192,4 +193,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -22,7 +22,8 @@ from torch import nn
 import config
 import model
 from config import DTYPES
-from data import UsageError, metrics
+from data import TrainingFailure, UsageError, metrics
+from data.files import os_error_line
 from data.hf import init_from
 from data.loader import TokenLoader, read_meta
 from data.prepare import prepared_folder
@@ -360,15 +361,15 @@ def train(run):
     except BaseException:
         folder.close()
         raise
-    if run.rank == 0:
-        print("\n".join(trainer.applied + [f"run folder: {run.out}"]), flush=True)
-        if run.warmup >= run.steps:
-            last = lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
-            print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate never "
-                  f"reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
-    log = metrics.StepLog(run, cfg, mesh, start, trainer, metrics_file)
     profiler = metrics.start_profiler(run.profile, Path(run.out), run.rank)
     try:
+        log = metrics.StepLog(run, cfg, mesh, start, trainer, metrics_file)  # prints the model
+        if run.rank == 0:
+            print("\n".join(trainer.applied + [f"run folder: {run.out}"]), flush=True)
+            if run.warmup >= run.steps:
+                last = lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
+                print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate "
+                      f"never reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
         with CtrlC() as ctrl_c:
             for step in log.bar:
                 t0 = log.start_step()
@@ -403,7 +404,10 @@ def train(run):
     except RuntimeError as e:
         if not timed_out(e):
             raise
-        raise Hung(folder.hung(name_the_hang(mesh, step, e))) from None
+        line, silent = name_the_hang(mesh, step, e)
+        raise Hung(folder.stopped(line), silent) from None
+    except OSError as e:  # stdout into `head`, or onto a full device
+        raise TrainingFailure(folder.stopped(os_error_line(e))) from None
     finally:
         profiler.stop()
         loader.close()  # joins its thread

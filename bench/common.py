@@ -19,6 +19,7 @@ import config
 import model
 import train
 from config import DTYPES, OneLineParser, UsageError
+from data.files import exit_status
 from data.metrics import PEAK_TFLOPS
 from data.prepare import prepare
 from data.text import usable_cores as cpu_cores
@@ -113,12 +114,13 @@ def parser(doc, results=True):
 
 
 def command(main):
-    """main(argv) as a command: a UsageError is one line, `error: ...`, on stderr and exit status 2. In the module
+    """main(argv) as a command: a UsageError is one line, `error: ...`, on stderr and exit status 2; an output that
+    cannot be written (`| head`, a full disk) one line and 3. In the module
     `python -m` runs it calls main at once and exits with its status, so main comes last there."""
     @functools.wraps(main)
     def run(argv=None):
         try:
-            return main(argv)
+            return exit_status(lambda: main(argv))
         except UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

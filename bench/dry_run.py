@@ -43,7 +43,7 @@ import config
 import model
 import train
 from config import UsageError
-from data.files import Interrupted, interruptible, sigint_held, start_worker
+from data.files import Interrupted, exit_status, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
 from data.text import usable_cores
 from parallel import fp8, fsdp, memory
@@ -610,4 +610,4 @@ def group_size(args):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

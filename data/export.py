@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from data import SaveError
-from data.files import atomic_write, run_command, staged
+from data.files import atomic_write, exit_status, run_command, staged
 from data.saves import check_tensors, read_model
 from data.tokenizer import EOT
 
@@ -208,4 +208,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -10,6 +10,7 @@ The token shards, the saves, the run folder and the exports all write through th
     make_folders, remove_created   a folder and its parents; on a failure, only those made here
     staged                     a folder built beside its place, swapped in whole when complete
     run_command                a command's one line and exit status; Ctrl-C leaves nothing half-done
+    exit_status                an output that cannot be written (| head) is one line, no traceback
     start_worker, sigint_held  a pool's worker dies with its parent and leaves Ctrl-C to it
 """
 import ctypes
@@ -23,7 +24,7 @@ import signal
 import stat
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from data import DataError, SaveError, TrainingFailure
@@ -242,6 +243,15 @@ def start_worker(parent):
         os._exit(1)
 
 
+def cannot_create(path, e):
+    """Why make_folders(path) failed: the folder that refused a new entry, when it is one that
+    exists (/proc, a read-only mount), else the name and the error."""
+    made = Path(e.filename or path)
+    if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS) and made.parent.is_dir():
+        return f"cannot create {path}: nothing can be created in {made.parent} ({e.strerror})"
+    return f"cannot create {made}: {e.strerror or e}"
+
+
 def check_writable(path, flag, folder):
     """path (a folder, or a file, to be) can be created: it is not the other kind, nothing on its
     way is a file, and the nearest existing folder takes a new file (probed, then removed)."""
@@ -260,7 +270,32 @@ def check_writable(path, flag, folder):
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".write_probe_"):
             pass
     except OSError as e:
-        raise SaveError(f"{flag}: cannot write in {parent}: {e.strerror or e}") from None
+        raise SaveError(f"{flag}: cannot create {path}: nothing can be created in {parent} "
+                        f"({e.strerror or e})") from None
+
+
+def os_error_line(e):
+    """An OSError in a few words: what failed, on which file. A pipe whose reader is gone (stdout
+    into `head`) is said so."""
+    if isinstance(e, BrokenPipeError):
+        return "the output's reader is gone (a closed pipe)"
+    return f"{e.filename}: {e.strerror}" if e.filename else f"a write failed: {e.strerror or e}"
+
+
+def print_error(line):
+    """line on stderr, as `error: line`; nothing if stderr itself cannot be written."""
+    with suppress(OSError):
+        print(f"error: {line}", file=sys.stderr, flush=True)
+
+
+def exit_status(main):
+    """main()'s exit status. An OSError it leaves (stdout into `head`, or onto a full device) is
+    one line and 3, not a traceback."""
+    try:
+        return main()
+    except OSError as e:
+        print_error(os_error_line(e))
+        return 3
 
 
 def run_command(work, out, quiet=False):
@@ -277,13 +312,15 @@ def run_command(work, out, quiet=False):
             return e, code
     except TrainingFailure as e:
         code, message = 3, e
+    except BrokenPipeError as e:  # stdout into `head`: out is as it was, or complete
+        code, message = 3, os_error_line(e)
     except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
         code = 2 if e.errno == errno.ENAMETOOLONG else 3
         message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
     except (KeyboardInterrupt, Interrupted) as e:
         sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
         code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
-    print(f"error: {message}", file=sys.stderr)
+    print_error(message)
     return None, code
 
 
@@ -379,7 +416,7 @@ def staged(out, check, who="a preparation of it", instead="choose another --out"
     try:
         created = make_folders(place)  # out too: the lock is taken on the folder itself
     except OSError as e:
-        raise DataError(f"cannot create {e.filename or place}: {e.strerror or e}") from None
+        raise DataError(cannot_create(place, e)) from None
     try:
         lock = lock_folder(place)
     except OSError as e:

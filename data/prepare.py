@@ -43,6 +43,7 @@ from data.files import (
     atomic_write,
     carry,
     check_replaceable,
+    exit_status,
     owned_by,
     run_command,
     staged,
@@ -340,4 +341,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -14,6 +14,7 @@ data and optimization config match (--steps may grow). RUN/attempts.json keeps o
 attempt, at most a minute behind. When the last two attempts failed at the same step, the next
 refuses to start (exit 3) rather than loop until torchrun's restarts run out.
 """
+import contextlib
 import gc
 import hashlib
 import json
@@ -30,9 +31,12 @@ import torch.distributed as dist
 
 from data import SaveError, TrainingFailure
 from data.files import (
+    cannot_create,
     check_own_file,
     lock_folder,
     make_folders,
+    os_error_line,
+    print_error,
     read_json,
     read_text,
     remove_created,
@@ -207,7 +211,7 @@ class RunFolder:
                                    f"({holder(self.path)}); "
                                    "wait for it to end, or choose another --out")
             except OSError as e:  # a name too long for the file system, a file on the way
-                problem = f"--out: cannot create {self.path}: {e.strerror or e}"
+                problem = f"--out: {cannot_create(self.path, e)}"
         if all_reduce_max(self.mesh.world_group, float(bool(problem)), self.device):
             self.lock = handle
             self.close()
@@ -261,10 +265,12 @@ class RunFolder:
         if self.rank == 0 and self.resuming:
             remove_incomplete(self.path)
         self.created = []  # from here on the folder is this run's
-        # who holds the folder, for a second run's message (atomic: never through a link)
+        # who holds the folder, for a second run's message (atomic: never through a link); on a
+        # full disk it is not written, and attempts.json's write below says so in one line
         if self.lock is not None:
-            write_json(self.path / ".lock", {"pid": os.getpid(), "host": socket.gethostname(),
-                                             "since": time.ctime()})
+            with contextlib.suppress(OSError):
+                write_json(self.path / ".lock", {"pid": os.getpid(), "host": socket.gethostname(),
+                                                 "since": time.ctime()})
         if all_reduce_max(self.mesh.world_group, float(not self.attempts.begin(self.step)),
                           self.device):
             why = self.attempts.unwritten
@@ -306,8 +312,9 @@ class RunFolder:
         return self._stop(f"interrupted after step {self.step}",
                           f"interrupted after step {self.step}; the newest save is")
 
-    def hung(self, what):
-        """A collective timed out (`what` names it): records the failure; returns the line."""
+    def stopped(self, what):
+        """A collective timed out, or a write failed (`what` names it): records the failure;
+        returns the line."""
         return self._stop(f"failed: {what}", f"{what}; stopped, the newest save is")
 
     def _stop(self, status, line):
@@ -491,7 +498,23 @@ class Interrupted(Exception):
 
 class Hung(TrainingFailure):
     """A collective timed out: one line naming it (exit 3). The process leaves at once: tearing
-    the process group down would wait on the peer that does not answer."""
+    the process group down would wait on the peer that does not answer. `silent`: the ranks that
+    gave no word (None: unknown)."""
+
+    def __init__(self, line, silent=frozenset()):
+        super().__init__(line)
+        self.silent = silent
+
+
+def speaks_for_its_node(error):
+    """Whether this rank prints the error line: its node's lowest local rank, passing over the
+    ranks a hang found silent (every rank speaks when that is unknown)."""
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+    silent = getattr(error, "silent", frozenset())
+    if silent is None:
+        return True
+    first = int(os.environ.get("RANK", 0)) - local  # the node's first global rank
+    return local == min(set(range(local + 1)) - {r - first for r in silent})
 
 
 class CtrlC:
@@ -536,6 +559,8 @@ def run_or_exit(job):
         return job()
     except KeyboardInterrupt:
         code, error = 130, "interrupted before training started; nothing was written"
+    except OSError as e:  # stdout into `head`, or onto a full device
+        code, error = 3, os_error_line(e)
     except Exception as e:
         if getattr(e, "exit_status", None) is None:
             raise
@@ -548,8 +573,8 @@ def run_or_exit(job):
             # there needs the GIL and aborts the process after a run that succeeded.
             gc.collect()
     report_to_launcher(error)
-    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # one line per node
-        print(f"error: {error}", file=sys.stderr)
+    if speaks_for_its_node(error):  # one line per node
+        print_error(error)
     elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
         time.sleep(1)  # torchrun stops every worker once one exits: let rank 0's line out first
     if isinstance(error, Hung) and not joined:

@@ -86,6 +86,7 @@ class Group:
         self.rank = self.ranks.index(global_rank)
         # gloo has no ReduceOp.AVG
         self.native_mean = pg is not None and dist.get_backend(pg) == "nccl"
+        self.p2p_timeout = None  # gloo's, set by Mesh.set_timeout (see Requests)
 
     def __repr__(self):
         return f"Group({self.name}, ranks={self.ranks})"
@@ -196,14 +197,19 @@ class Uncounted:
 
 
 class Requests:
-    """One hop's p2p requests as one handle."""
+    """One batch of p2p requests as one handle. Given a timeout (gloo's), each wait is bounded by
+    it: gloo's p2p keeps the timeout its group was made with, the start-up one, where NCCL's
+    watchdog applies the group's current one."""
 
-    def __init__(self, works):
-        self.works = works
+    def __init__(self, works, timeout=None):
+        self.works, self.timeout = works, timeout
 
     def wait(self):
         for work in self.works:
-            work.wait()
+            work.wait(self.timeout) if self.timeout else work.wait()
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self.works)
 
 
 class Ring:
@@ -226,8 +232,9 @@ class Ring:
         works = self.p2p.send_recv([(t, self.next) for t in sends],
                                    [(t, self.prev) for t in received])
         if counted:
-            return received, Requests(works)
-        return received, Pending(Requests(works), self.stats, len(self.stats.log) - 1)
+            return received, Requests(works, self.group.p2p_timeout)
+        return received, Pending(Requests(works, self.group.p2p_timeout), self.stats,
+                                 len(self.stats.log) - 1)
 
     @torch.compiler.disable
     def start(self, kind, full_nbytes):

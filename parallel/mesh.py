@@ -123,6 +123,9 @@ class Mesh:
         for pg in self.pgs + ([dist.group.WORLD] if self.world > 1 and dist.is_initialized()
                               else []):
             SET_TIMEOUT(timedelta(seconds=seconds), pg)
+        for group in vars(self).values():  # gloo's p2p waits are given it (comm.Requests)
+            if isinstance(group, Group) and group.pg and dist.get_backend(group.pg) == "gloo":
+                group.p2p_timeout = timedelta(seconds=seconds)
 
     def rank_of(self, dp=0, pp=0, cp=0, tp=0):
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
@@ -218,38 +221,76 @@ def timed_out(error):
 
 
 def name_the_hang(mesh, step, error, grace_s=6.0):
-    """One line for a timed-out collective: the step, the collective, its group, its late ranks.
+    """(One line for a timed-out collective, the ranks that posted nothing: frozenset, or None
+    when the store does not answer). The line names the step, the collective, its group, its
+    late ranks, and, past a late rank that waits in a collective of its own, the silent ones.
 
-    Each rank that times out posts its collective to the store. A member that posts nothing in
-    grace_s, or another collective, had not arrived. Rank 0 may host the store, so it leaves
-    last, once every member that posted has read (grace_s at most)."""
+    Each rank that times out posts its collective and that collective's ranks to the store. A
+    member that posts nothing in grace_s, or another collective, had not arrived; the ranks it
+    waits for are followed until those that posted nothing. Rank 0 may host the store, so it
+    leaves last, once every rank it read has read (grace_s at most)."""
     stats = mesh.stats
     waiting = stats.in_flight()
     if not waiting:
-        return f"step {step + 1}: a collective timed out outside the counted ones"
+        return f"step {step + 1}: a collective timed out outside the counted ones", frozenset()
     index = waiting[0]
     kind, name, _ = stats.log[index]
     group = getattr(mesh, f"{name}_group", None)
     nth = sum(g == name for _, g, _ in stats.log[:index]) + 1  # the same on every member
     mine = f"{nth} {kind} {name}"
+    members = list(group.ranks) if group else []
     where = f"step {step + 1}: {kind} #{nth} of the step on group {name}"
     how = "timed out" if TIMED_OUT.search(str(error)) else "lost a peer that timed out"
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"hang/{step}/{mesh.global_rank}", mine)
-        keys = {r: f"hang/{step}/{r}" for r in (group.ranks if group else [])}
-        wait_for(store, keys.values(), grace_s)
-        posted = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        absent = [r for r in keys if posted.get(r) != mine]
+        store.set(f"hang/{step}/{mesh.global_rank}", f"{mine} {','.join(map(str, members))}")
+        posted = read_posts(store, step, members, grace_s)
+        absent = [r for r in members if posted[r] is None or posted[r][0] != mine]
+        silent = follow_to_silent(store, step, absent, posted, grace_s)
         store.set(f"hang/{step}/{mesh.global_rank}/read", "1")
         if mesh.global_rank == 0:
-            wait_for(store, [f"hang/{step}/{r}/read" for r in keys if r not in absent], grace_s)
+            wait_for(store, [f"hang/{step}/{r}/read" for r, p in posted.items() if p], grace_s)
     except (RuntimeError, ValueError):  # the store itself does not answer
-        return f"{where} {how}; the store does not answer, so which ranks are late is unknown"
-    ranks = f"ranks {group.ranks[0]}..{group.ranks[-1]}" if group and len(group.ranks) > 2 else \
-        f"ranks {group.ranks}" if group else "its ranks"
-    late = ", ".join(map(str, absent)) or "none (all arrived: look at the network)"
-    return f"{where} ({ranks}) {how}; had not arrived: rank {late}"
+        return (f"{where} {how}; the store does not answer, so which ranks are late is unknown",
+                None)
+    ranks = f"ranks {members[0]}..{members[-1]}" if len(members) > 2 else \
+        f"ranks {members}" if group else "its ranks"
+    late = ", ".join(f"{r}" if posted[r] is None else waiting_in(r, posted[r][0])
+                     for r in absent) or "none (all arrived: look at the network)"
+    beyond = sorted(silent - set(absent))
+    return (f"{where} ({ranks}) {how}; had not arrived: rank {late}"
+            + (f"; no word from rank {', '.join(map(str, beyond))}" if beyond else ""), silent)
+
+
+def waiting_in(rank, post):
+    nth, kind, group = post.split()
+    return f"{rank} (waiting in {kind} #{nth} on group {group})"
+
+
+def read_posts(store, step, ranks, grace_s):
+    """{rank: (its collective, its collective's ranks), or None if it posted nothing in grace_s}."""
+    keys = {r: f"hang/{step}/{r}" for r in ranks}
+    wait_for(store, keys.values(), grace_s)
+    posted = {}
+    for r, k in keys.items():
+        what, _, members = store.get(k).decode().rpartition(" ") if store.check([k]) else ("",) * 3
+        posted[r] = (what, [int(m) for m in members.split(",") if m]) if what else None
+    return posted
+
+
+def follow_to_silent(store, step, late, posted, grace_s):
+    """The ranks that posted nothing, found from `late` through the collectives each late rank
+    waits in (a stopped rank keeps its tp peer waiting, which keeps the next stage waiting)."""
+    silent, todo = set(), list(late)
+    while todo:
+        r = todo.pop()
+        if posted[r] is None:
+            silent.add(r)
+            continue
+        new = [m for m in posted[r][1] if m not in posted]
+        posted.update(read_posts(store, step, new, grace_s))
+        todo += new
+    return frozenset(silent)
 
 
 def wait_for(store, keys, seconds):

@@ -18,6 +18,7 @@ import torch
 
 import model
 from parallel import pp_schedule as S
+from parallel.comm import Requests
 from parallel.mesh import LayoutError
 
 
@@ -243,8 +244,8 @@ class Pipeline:
             else:
                 receives.append((a, torch.empty(self.activation[0], dtype=self.activation[1],
                                                 device=self.device)))
-        posted = Posted(self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives]),
-                        [t for t, _ in sends], spent)
+        works = self.group.send_recv(sends, [(buf, a.peer) for a, buf in receives])
+        posted = Posted(Requests(works, self.group.p2p_timeout), [t for t, _ in sends], spent)
         for a, buf in receives:
             self.receives[(a.op, a.chunk, a.mb)] = (buf, posted)
         self.sends = [p for p in self.sends if not p.completed()]
@@ -262,17 +263,16 @@ class Pipeline:
 class Posted:
     """One batch_isend_irecv: its works and sent tensors. Done, it frees the sent outputs' bytes."""
 
-    def __init__(self, works, tensors, spent=()):
-        self.works, self.tensors, self.spent, self.done = works, tensors, spent, False
+    def __init__(self, requests, tensors, spent=()):
+        self.requests, self.tensors, self.spent, self.done = requests, tensors, spent, False
 
     def wait(self):
         if not self.done:  # waits once: gloo blocks on a second wait
-            for w in self.works:
-                w.wait()
+            self.requests.wait()
             self._finish()
 
     def completed(self):
-        if not self.done and all(w.is_completed() for w in self.works):
+        if not self.done and self.requests.is_completed():
             self._finish()
         return self.done
 

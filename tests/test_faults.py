@@ -292,3 +292,43 @@ def test_ranks_started_with_different_flags_stop_in_one_line_before_writing(tmp_
     assert one_error_line(err) == ("error: --lr: rank 1 has 0.1, rank 0 0.003: every rank must run the same "
                                    "command")
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- an output that cannot be written
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    quiet(train.main, ARGS + ["--steps", "2", "--out", str(run)])
+    return run
+
+
+COMMANDS = {  # name: argv after python, given a finished run and a fresh folder
+    "train.py": lambda run, new: ["train.py", *ARGS, "--steps", "2", "--log-every", "1", "--out", str(new)],
+    "sample.py": lambda run, new: ["sample.py", "--run", str(run), "--max-new-tokens", "4"],
+    "data.prepare": lambda run, new: ["-m", "data.prepare", "text", "README.md", "--out", str(new)],
+    "data.export": lambda run, new: ["-m", "data.export", str(run), str(new)],
+    "bench.compare": lambda run, new: ["-m", "bench.compare", str(run)],
+}
+
+
+@pytest.mark.parametrize("into", ["head", "a full device"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_that_cannot_be_written_is_one_line_exit_3(finished_run, tmp_path, command, into):
+    """stdout into a pipe whose reader is gone (`| head`), or onto /dev/full. Was: a BrokenPipeError or OSError
+    traceback from each command; train.py's run now also records the attempt as failed and names the newest save."""
+    if into == "head":
+        reader, stdout = os.pipe()
+        os.close(reader)
+    else:
+        stdout = os.open("/dev/full", os.O_WRONLY)
+    try:
+        proc = subprocess.run([sys.executable, *COMMANDS[command](finished_run, tmp_path / "new")], cwd=REPO,
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(stdout)
+    why = "the output's reader is gone" if into == "head" else "a write failed: No space left on device"
+    assert proc.returncode == 3 and one_error_line(proc.stderr).startswith(f"error: {why}"), proc.stderr[-3000:]
+    if command == "train.py":
+        assert one_error_line(proc.stderr).endswith("stopped, the newest save is none")
+        assert json.loads((tmp_path / "new" / "attempts.json").read_text())[-1]["status"].startswith("failed: ")

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+import data.prepare
 import data.run
 import data.saves
 import train
 from tests.test_checkpoint import ARGS, quiet, snapshot
+from tests.test_data_writers import no_bigger_files_than
 from tests.test_faults import full_disk_open
 from tests.test_save_integrity import exit_of, one_error_line
 
@@ -93,6 +95,27 @@ def test_a_full_disk_at_the_start_is_one_line_exit_3(tmp_path, monkeypatch):
     assert code == 3, err
     assert one_error_line(err).startswith(f"error: cannot write {tmp_path / 'run' / 'attempts.json'} (No space left "
                                           "on device); stopped before training, the newest save is none")
+
+
+def test_a_fresh_run_onto_a_disk_that_takes_no_file_is_one_line_exit_3(tmp_path):
+    """A real write refused (RLIMIT_FSIZE: past 50 bytes a file cannot grow, as on a full disk), not a patched one.
+    Was: the folder's .lock, the first file a run writes, failed with a traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", *RUN, "--steps", "2", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, preexec_fn=no_bigger_files_than(50))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert one_error_line(proc.stderr) == (f"error: cannot write {out / 'attempts.json'} (File too large); stopped "
+                                           "before training, the newest save is none"), proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Linux's /proc, where nothing can be created")
+def test_an_out_where_nothing_can_be_created_is_named_with_the_folder_that_refuses_it():
+    """Was: `--out: cannot write in /proc: No such file or directory`, as if /proc were missing or the fault."""
+    why = "cannot create /proc/nope: nothing can be created in /proc (No such file or directory)"
+    code, err = exit_of(train.main, RUN + ["--out", "/proc/nope"])
+    assert code == 2 and one_error_line(err) == f"error: --out: {why}", err
+    code, err = exit_of(lambda: sys.exit(data.prepare.main(["text", str(REPO / "README.md"), "--out", "/proc/nope"])))
+    assert code == 2 and one_error_line(err) == f"error: {why}", err
 
 
 def test_ctrl_c_is_one_line_naming_where_it_stopped(tmp_path):

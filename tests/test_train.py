@@ -205,7 +205,7 @@ def test_a_full_disk_under_the_metrics_is_one_line_exit_3(tmp_path):
     subprocess.run([sys.executable, "-m", "data.prepare", "text", str(REPO / "README.md"), "--out", str(data)],
                    cwd=REPO, check=True, capture_output=True, timeout=120)
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text("{}\n" * 1000)  # rows of an earlier run, under the limit
+    metrics.write_text('{"step": 1, "loss": 5.0}\n' * 200)  # rows of an earlier run, under the limit
     limit = metrics.stat().st_size + 2000  # room for a few rows, not for ten
 
     def small_files():
@@ -217,7 +217,7 @@ def test_a_full_disk_under_the_metrics_is_one_line_exit_3(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: --metrics: cannot write {metrics}: File too large"), line
-    rows = [r for r in read_metrics(metrics)[0] if r]
+    rows = read_metrics(metrics)[0][200:]  # this run's, after the earlier run's
     assert rows and all(r["step"] == i + 1 for i, r in enumerate(rows))
 
 
