@@ -117,15 +117,21 @@ def check_config(folder, cfg, args):
     if config.get("model_type") != "llama":
         refuse("model_type", f"is {config.get('model_type')!r}; "
                              "only Llama checkpoints load into this model")
+    shape = {}
     for field, ours in SHAPE_FIELDS:
         value = config.get(field, config.get("num_attention_heads")
                            if field == "num_key_value_heads" else None)
         if not is_number(value, integer=True):
             refuse(field, f"is {value!r}; it must be an integer")
-        if value != getattr(cfg, ours):
-            flag = f"--{ours.replace('_', '-')}"
-            refuse(field, f"is {value}, this run has {flag} {getattr(cfg, ours)} "
-                          f"(pass {flag} {value})")
+        shape[ours] = value
+    differ = [(field, ours) for field, ours in SHAPE_FIELDS if shape[ours] != getattr(cfg, ours)]
+    if differ:  # advice the next run takes: every flag to change, or why none can help
+        field, ours = differ[0]
+        flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
+        problem = replace(cfg, **shape).validate()
+        refuse(field, f"is {shape[ours]}, this run has {flag(ours)} {getattr(cfg, ours)} " + (
+            f"(and no run can take the checkpoint's shape: {problem[1]})" if problem else
+            "(pass " + " ".join(f"{flag(o)} {shape[o]}" for _, o in differ) + ")"))
     if (config.get("head_dim") not in (None, cfg.head_dim)
             or isinstance(config.get("head_dim"), bool)):
         refuse("head_dim", f"is {config['head_dim']!r}; "

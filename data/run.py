@@ -261,6 +261,9 @@ class RunFolder:
             self.step = start_from(weights, wrapper, opt, self.rank)
         else:
             self.step = resume(self.saved, wrapper, opt, scaler, self.layout, self.rank)
+        if self.saved is not None and weights is not None and self.rank == 0:
+            print(f"note: --init-from {weights.path} is not read: a resumed run takes its "
+                  "weights from its save", flush=True)
         run_id = agree_on_run_id(self.mesh, self.device)  # a barrier: every rank read the folder
         if self.rank == 0 and self.resuming:
             remove_incomplete(self.path)

@@ -311,3 +311,28 @@ def test_a_config_asking_for_a_million_layers_is_refused_before_any_is_built(che
     code, err = exit_of(train.main, FLAGS + ["--init-from", str(folder), "--n-layer", "1000000", "--vocab-size",
                                              "320", "--out", str(tmp_path / "run")])
     assert code == 2 and "a step needs about" in one_error_line(err), err
+
+
+def test_the_advice_for_a_checkpoints_shape_is_one_the_next_run_takes(checkpoints, tmp_path, capsys):
+    """Was: the first field that differed was answered with its flag alone, and num_key_value_heads 3 beside 8
+    heads with `--n-kv-head 3`, which the next run refused (8 heads do not split into 3 groups)."""
+    folder = checkpoints["untied"][0]
+    base = FLAGS + ["--steps", "1", "--out", str(tmp_path / "out"), "--init-from"]
+    two = edited_copy(folder, tmp_path, lambda c: c.update(num_hidden_layers=2, intermediate_size=256))
+    assert "num_hidden_layers is 2, this run has --n-layer 4 (pass --n-layer 2 --ffn-dim 256)" in refused(
+        base + [str(two)], capsys)
+    three = edited_copy(folder, tmp_path, lambda c: c.update(num_key_value_heads=3))
+    err = refused(base + [str(three)], capsys)
+    assert "num_key_value_heads is 3, this run has --n-kv-head 4 (and no run can take the checkpoint's shape: " \
+           "n_head 8 is not divisible by n_kv_head 3)" in err and "pass" not in err, err
+
+
+def test_init_from_beside_a_resume_says_it_is_not_read(checkpoints, tmp_path, capsys):
+    """Was: silently ignored; a resumed run takes its weights from its save, and now says so."""
+    run = FLAGS + ["--out", str(tmp_path / "run"), "--init-from", str(checkpoints["untied"][0])]
+    train.main(run + ["--steps", "2", "--save-every", "1"])
+    assert "note: --init-from" not in capsys.readouterr().out
+    train.main(run + ["--steps", "3", "--resume"])
+    out = capsys.readouterr().out
+    assert f"note: --init-from {checkpoints['untied'][0]} is not read: a resumed run takes its weights from its " \
+           "save" in out, out
