@@ -190,7 +190,10 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+        grad_up = F.silu(gate).mul_(grad)  # in place, as below: two (tokens, f) temporaries fewer
+        grad_gate = grad * up
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate, grad_up
 
 
 def compute_dtype(x):
@@ -318,10 +321,10 @@ def log_sum_exp(logits, real):
     return lse
 
 
-def softmax_minus_onehot(logits, lse, targets, mine, real, scale):
+def softmax_minus_onehot(logits, lse, targets, mine, real, scale, out=None):
     """(softmax - onehot) · scale chunk by chunk, in the logits' dtype; columns past `real` get 0.
-    `mine`: the rows whose target's column is here."""
-    grad = torch.empty_like(logits)
+    `mine`: the rows whose target's column is here. `out` may be the logits themselves."""
+    grad = torch.empty_like(logits) if out is None else out
     for rows in loss_chunks(*logits.shape):
         probs = torch.exp(logits[rows].float() - lse[rows, None])  # (rows, V): this chunk's softmax
         probs[:, real:] = 0.0
@@ -332,27 +335,31 @@ def softmax_minus_onehot(logits, lse, targets, mine, real, scale):
 
 class CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V) in their own dtype; no (N, V) fp32 tensor exists. Columns
-    at or past vocab_size pad the vocabulary to a multiple of 64: no part, no gradient."""
+    at or past vocab_size pad the vocabulary to a multiple of 64: no part, no gradient. With
+    `overwrite` (logits made for this loss alone) their gradient is written over them: the loss
+    holds one (N, V) tensor at its peak, not two."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_size=None):
+    def forward(ctx, logits, targets, vocab_size=None, overwrite=False):
         real = logits.shape[1] if vocab_size is None else vocab_size
         lse = log_sum_exp(logits, real)
         target_logit = logits.gather(1, targets[:, None]).squeeze(1).float()  # (N,)
         ctx.save_for_backward(logits, lse, targets)
-        ctx.real = real
+        ctx.real, ctx.overwrite = real, overwrite
         return (lse - target_logit).mean()
 
     @staticmethod
     def backward(ctx, grad):
         logits, lse, targets = ctx.saved_tensors
         mine, scale = torch.ones_like(targets, dtype=torch.bool), grad / logits.shape[0]
-        return softmax_minus_onehot(logits, lse, targets, mine, ctx.real, scale), None, None
+        grad = softmax_minus_onehot(logits, lse, targets, mine, ctx.real, scale,
+                                    logits if ctx.overwrite else None)
+        return grad, None, None, None
 
 
-def cross_entropy_loss(logits, targets, vocab_size=None):
+def cross_entropy_loss(logits, targets, vocab_size=None, overwrite=False):
     """logits (B, T, V), targets (B, T) -> the mean over all local tokens."""
-    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_size)
+    return CrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_size, overwrite)
 
 
 # ---------------------------------------------------------------- the model
@@ -368,7 +375,8 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:  # one Parameter, saved once, as embed_tokens.weight
             self.lm_head.weight = self.embed_tokens.weight
         self.run_layers = run_layers
-        self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size)  # tp swaps it
+        # its logits are made for the loss: their gradient takes their place. tp swaps it
+        self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size, overwrite=True)
         self.seq_shards = 1  # --sp sets t: hidden states then hold T/t of the T positions
         self.rope_cache = None
 

@@ -6,6 +6,10 @@ Policies: full      every block alone: L boundaries stored, L blocks recomputed.
           every:K   blocks whose global index is a multiple of K, alone; the others keep all.
           segment:C C blocks a segment: ceil(L/C) boundaries, plus one segment's activations while
                     it is recomputed: O(L/C + C). sqrt: C = ceil(sqrt L).
+          op        every block alone, at the level of torch ops: it keeps its input, attention's
+                    output and log-sum-exp, and every second matmul's output (q, v, gate, down);
+                    backward remakes the rest (the norms, k, RoPE, o, up, SwiGLU), redoing
+                    2·d·(kv/2 + d + f)/t matmul FLOPs per token and layer (kv: k's and v's width).
           selective nothing checkpointed. The norms' and SwiGLU's outputs, read only by matmuls,
                     are remade from the norm's input and 1/rms and SwiGLU's gate and up. Per token
                     and layer that saves 2·d·r/sh + f·e/tp bytes (sh = tp under sp; r: residual
@@ -19,19 +23,23 @@ Memory, measured: bench/results/ckpt_memory.md.
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import model
 from parallel import keep_saved
 from parallel.mesh import LayoutError
 
-POLICIES = "none, full, every:K, segment:C, sqrt or selective"
+POLICIES = "none, full, every:K, segment:C, sqrt, op or selective"
 RECOMPUTABLE = (model.ScaledRMSNorm, model.SwiGLU)  # Functions whose output(*saved) remakes it
 
 
 def parse(policy):
     """'every:4' -> ('every', 4); 'full' -> ('full', None). Else raises LayoutError('--ckpt')."""
-    if policy in ("none", "full", "sqrt", "selective"):
+    if policy in ("none", "full", "sqrt", "op", "selective"):
         return policy, None
     kind, _, k = str(policy).partition(":")
     if kind in ("every", "segment"):
@@ -52,7 +60,7 @@ def segments(keys, policy):
         return [(list(keys[i:i + c]), True) for i in range(0, len(keys), c)]
     if kind == "every":
         return [([key], int(key) % k == 0) for key in keys]
-    return [([key], True) for key in keys]  # full
+    return [([key], True) for key in keys]  # full, op
 
 
 def recomputed_layers(cfg, policy):
@@ -62,6 +70,9 @@ def recomputed_layers(cfg, policy):
     what follows, is not repeated. Under pp, sqrt and segment:C count a few more segments."""
     kind, k = parse(policy)
     n = cfg.n_layer
+    if kind == "op":  # the k, o and up matmuls
+        d, kv = cfg.d_model, cfg.d_model * cfg.n_kv_head / cfg.n_head
+        return n * 2 * d * (kv + d + cfg.ffn_dim) / model.layer_flops_per_token(cfg)
     layers = {"none": 0, "full": n, "sqrt": n, "segment": n, "selective": 0,
               "every": -(-n // (k or 1))}[kind]
     n_segments = {"sqrt": -(-n // math.ceil(math.sqrt(n))),
@@ -95,11 +106,27 @@ def run_blocks(blocks, x, cos, sin):
     return x
 
 
+def keep_op_outputs():
+    """--ckpt op's rule for one checkpointed block, fresh per call: the output of attention and of
+    the 1st, 3rd, ... matmul is kept from forward; every other op runs again in backward."""
+    matmuls = {False: 0, True: 0}  # counted apart in forward and in the recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            keep = matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op.__name__.startswith("_scaled_dot_product")  # any SDPA kernel
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 class CheckpointedLayers:
     """A drop-in for GPT.run_layers(layers, x, cos, sin) that runs the blocks under a policy."""
 
     def __init__(self, policy):
         self.policy = policy
+        self.options = {"context_fn": keep_op_outputs} if parse(policy)[0] == "op" else {}
 
     def __repr__(self):
         return f"CheckpointedLayers({self.policy!r})"
@@ -111,7 +138,7 @@ class CheckpointedLayers:
                 x = run_blocks(blocks, x, cos, sin)
                 continue
             x = checkpoint(run_blocks, blocks, x, cos, sin, use_reentrant=False,
-                           preserve_rng_state=True)
+                           preserve_rng_state=True, **self.options)
         return x
 
 

@@ -7,8 +7,10 @@ Sends:    per micro-batch, every unit is all-gathered for forward, each block ag
           and step: (g-1)/g · M·((2N-E)·c + N·r), E the embedding's, norm's and head's parameters.
           Under pp units stay gathered through the step: (g-1)/g · N·(c + M·r).
 Overlap:  forward prefetches the next unit's gather, backward the previous one's. A reduce-scatter
-          is waited for after the next unit's backward (--no-overlap: at once).
-Memory:   16·N/g bytes of state, about 2 gathered units, one flat gradient of the largest unit.
+          is waited for after the next unit's backward, the backward's last at its end
+          (--no-overlap: each at once).
+Memory:   12·N/g bytes of state and 4·N/g of gradients, made as each unit's first reduce-scatter
+          lands and freed after the step; about 2 gathered units; one unit's flat gradient.
 """
 from collections import namedtuple
 
@@ -49,7 +51,8 @@ class Unit:
         self.full = None  # the gathered buffer
         self.pending = None  # (buffer, handle, what is sent) of the all-gather in flight
         self.gather = None  # hook (parallel/__init__.py): (unit) -> `pending`; None: compute dtype
-        self.grad = None  # (shard_numel,) fp32: this step's gradient shard, summed over the group
+        self.grad = None  # (shard_numel,) fp32: this step's gradient shard, summed over the group,
+        # made when its first reduce-scatter lands
         self.reduction = None  # (output, handle, the step's last backward?) of the reduce-scatter
 
     def matrix_numel(self):
@@ -130,7 +133,6 @@ class FSDP:
         self.reduce_dtype = reduce_dtype
         self.sync_grads = True  # the step's last backward of a chunk? HSDP then sums over replicas
         self.reducing = None  # the unit whose reduce-scatter is in flight
-        self.flat = None  # the flat gradient being reduced, sized for the largest unit
         self.reduced = set()  # units whose gradient shard holds some of this step's backwards
         self.units, self.next_unit, self.prev_unit = [], {}, {}
         names = {id(p): global_name(name) for name, p in module.named_parameters()}
@@ -226,15 +228,14 @@ class FSDP:
         out = flat[unit.start:unit.start + unit.shard_numel]  # in place: this rank's block
         unit.reduction = (out, self.group.reduce_scatter(out, flat, async_op=True), self.sync_grads)
         self.reducing = unit
-        if not self.overlap:
-            self.finish_reduction(unit)
+        if not self.overlap or unit not in self.prev_unit:  # the backward's last: its flat gradient
+            self.finish_reduction(unit)  # must not outlive it into the next forward
 
     def flat_gradient(self, unit, grads):
-        """This backward's gradients as one flat (padded,) reduce-dtype buffer, reused by units."""
-        if self.flat is None:  # freed by finish_grad_sync
-            largest = max(u.padded for u in self.units)
-            self.flat = unit.local.new_empty(largest, dtype=self.reduce_dtype)
-        flat, views = self.flat[:unit.padded], unit.views(self.flat)
+        """This backward's gradients as one flat (padded,) reduce-dtype buffer of the unit's size,
+        freed when its reduce-scatter is done (a block's, not the largest unit's, at a time)."""
+        flat = unit.local.new_empty(unit.padded, dtype=self.reduce_dtype)
+        views = unit.views(flat)
         flat[unit.numel:].zero_()  # the padding
         # a param this backward did not reach (grad None): its view zeroed, copied onto itself
         torch._foreach_copy_(views, [v.zero_() if g is None else g for v, g in zip(views, grads)])
@@ -245,9 +246,10 @@ class FSDP:
         out, handle, last = unit.reduction
         unit.reduction, self.reducing = None, None
         handle.wait()
-        if unit.grad is None:  # allocated once, kept across steps
-            unit.grad = torch.empty(unit.shard_numel, device=out.device)
-        (unit.grad.add_ if unit in self.reduced else unit.grad.copy_)(out)
+        if unit in self.reduced:
+            unit.grad.add_(out)
+        else:  # the step's first: the shard is made now (zero_grad frees it)
+            unit.grad = out.to(torch.float32, copy=True)
         self.reduced.add(unit)
         if last:
             self.step_grad_ready(unit)
@@ -276,7 +278,7 @@ class FSDP:
             unit.grad.div_(self.averaged_over())
             for p, (a, b) in zip(unit.params, unit.ranges):
                 p.grad = unit.grad[a:b].view_as(p)
-        self.reduced, self.flat = set(), None
+        self.reduced = set()
         if self.mesh.tp > 1:
             self.sum_partial_grads()
 
@@ -292,9 +294,11 @@ class FSDP:
 
     # ---------------------------------------------------------------- optimizer, norm, saves
     def zero_grad(self):
-        """The gradient shards, whose views are the params' .grad, stay allocated across steps."""
-        for unit in (u for u in self.units if u.grad is not None):
-            unit.grad.zero_()
+        """Frees the gradient shards: none is held through the next forward and the loss."""
+        for unit in self.units:
+            unit.grad = None
+            for p in unit.params:
+                p.grad = None
 
     def optim_params(self):
         return [p for unit in self.units for p in unit.params]

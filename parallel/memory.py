@@ -20,8 +20,10 @@ from parallel.mesh import LayoutError
 from parallel.pp import layer_counts
 
 # What fake tensors cannot see, kept free of every device: the CUDA context and NCCL's buffers
-# (about 1-2 GB on an H100), and the caching allocator's fragmentation.
-MARGIN = 0.10
+# (about 1-2 GB on an H100), and what the caching allocator reserves above the live peak. The
+# evidence: torchtitan's published Llama 3 8B step (8 H100s, FSDP) reserved 82.4 GiB where the
+# same code counted on fake tensors holds 66.7-68.5 GiB live, 20-24% more: 1 / 0.8 = 1.25.
+MARGIN = 0.20
 
 
 def check_fits(cfg, run):
@@ -51,9 +53,11 @@ def stage_bytes(cfg, run, pp_rank):
     """{part: bytes} one rank of pipeline rank `pp_rank` holds at its step's peak.
 
     model state     fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, sharded.
+                    FSDP's gradients only once a unit is reduced (none at the loss with M = 1).
                     --accumulate unsharded also keeps every unit's flat gradient all step.
-    weights in use  FSDP: the largest unit gathered, with its flat gradient (none apart under
-                    --accumulate unsharded). Under pp the stage's units stay gathered all step.
+    weights in use  FSDP: the largest unit gathered; in a layer's backward, the flat gradient of
+                    the unit reducing (none apart under --accumulate unsharded). Under pp the
+                    stage's units stay gathered all step.
                     DDP under autocast: the matmul weights' compute-dtype copies, one per set.
     activations     per layer and token, what autograd saves in the compute dtype (norms' inputs
                     and outputs; q, k, v after RoPE; attention's output; gate, up and product),
@@ -61,7 +65,8 @@ def stage_bytes(cfg, run, pp_rank):
                     norm's fp32 x-hat too. From B to W: each matmul's input and output gradient,
                     each norm's x-hat and output gradient, whatever --ckpt (B remade the set).
     logits          on the last stage: each set's logits and final norm's input and output (zb1,
-                    zbv, B to W: x-hat, output, its gradient), one logits gradient, one loss chunk.
+                    zbv, B to W: x-hat, output, its gradient), one loss chunk. The logits' gradient
+                    is written over them.
     token ids       the step's inputs and targets.
     A layer's backward (peak_moment) holds SwiGLU's gradients of the product, gate and up,
     silu(gate) remade, and the residual's gradient. Checkpointed: its remade activations. FSDP:
@@ -83,7 +88,7 @@ def stage_bytes(cfg, run, pp_rank):
     kind = ckpt.parse(run.ckpt)[0]
     split = run.pp > 1 and run.pp_schedule in S.SPLIT_BACKWARD
     # a layer's backward at its fullest (SwiGLU's); the product is freed by then (split: W holds it)
-    layer = e * ((3 + split) * f / t + d / sh)
+    layer = e * ((2 + split) * f / t + d / sh)
     if kind == "selective" and not split:  # the product was never kept; a norm's output is remade
         layer += e * (f / t + d / sh)
     held = per_layer + e * (2 * d / sh + 2 * d) - 8 / sh if split else 0  # from B to W
@@ -93,35 +98,48 @@ def stage_bytes(cfg, run, pp_rank):
         per_layer += 8 * d / sh
     checkpointed = kind not in ("none", "selective")
     kept = e * d / sh if checkpointed else per_layer  # what a layer of a set in flight keeps
+    recomputed = per_layer * checkpointed  # what the recompute of a layer makes again
+    if kind == "op":  # its input; q, v, attention's output and lse, gate; down's (partial) output
+        op_kept = e * ((2 * d + kv / 2 + f) / t + d) + 4 * cfg.n_head / t
+        kept, recomputed = kept + op_kept, per_layer - op_kept
     (sets, waiting), last_sets = sets_in_flight(run, pp_rank, tuple(chunks), kept, held)
     vocab = cfg.padded_vocab / t
     if run.dp_mode == "ddp":  # autocast's copies (none in fp32), one per set in flight
         in_use = e * (block * sets + head * last * last_sets) * (e < 4)
-    elif run.pp > 1:
-        in_use = e * params + r * unit * (run.accumulate != "unsharded")
-    else:
-        in_use = e * unit + r * unit * (run.accumulate != "unsharded")
-    layer_weights = 0 if run.dp_mode == "ddp" else e * block * (1 + (run.pp == 1))
+    else:  # under pp the stage's units stay gathered, and a unit's flat gradient
+        in_use = (e * params + r * unit * (run.accumulate != "unsharded")) * (run.pp > 1)
+    fsdp_alone = run.dp_mode != "ddp" and run.pp == 1
+    # FSDP in a layer's backward (SwiGLU's): alone, down's weight gradient in the compute dtype, the
+    # block and the next gathered, the flat gradient of the unit reducing (the head's, the largest);
+    # under pp, the block's weight gradients before they are flattened
+    layer_weights = 0 if run.dp_mode == "ddp" else e * block if run.pp > 1 else (
+        e * (d * f / t + 2 * block) + r * unit * (run.accumulate != "unsharded"))
     regather = 3 * e * d * (t > 1 and run.sp)
     summed = r * params if run.accumulate == "unsharded" else 0  # fsdp_accumulate's flat gradients
     # the final norm of each set on the head's chunk
     norm = last * e * tokens * (2 + split) * d / sh
     moment = peak_moment(tokens * (sets * kept + waiting * held),
-                         tokens * (layer + checkpointed * per_layer + regather), layer_weights,
+                         tokens * (layer + recomputed + regather), layer_weights,
                          last * e * tokens * vocab, last_sets, last * 4 * loss_chunk(tokens, vocab),
-                         norm)
-    return {"model state": 16 * params / shard + summed,
-            "weights in use": in_use + moment.pop("weights in use"),
-            **moment,
-            "token ids": 16 * run.global_batch / run.dp * cfg.seq_len}
+                         norm, e * unit * fsdp_alone)  # at the loss, the head gathered
+    # FSDP makes a unit's gradient shard when its first reduce-scatter lands: with one backward a
+    # step, the peak (the loss's, or the first block's backward) holds the head's at most
+    grads = params if run.dp_mode == "ddp" or run.pp > 1 or run.accum_steps > 1 else head * last
+    ids = 16 * run.global_batch / run.dp * cfg.seq_len
+    parts = {"model state": (12 * params + 4 * grads) / shard + summed,
+             "weights in use": in_use + moment.pop("weights in use"), **moment, "token ids": ids}
+    end = {"model state": 16 * params / shard + summed, "weights in use": r * unit,
+           "token ids": ids}
+    fuller = grads != params and sum(end.values()) > sum(parts.values())
+    return end if fuller else parts  # backward's end: every shard made
 
 
-def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm):
+def peak_moment(kept, layer_backward, layer_weights, logits, sets, chunk, norm, loss_weights):
     """{weights in use beyond the step's, activations, logits} at the fuller moment: the loss's
     backward, or a layer's while the other sets' logits and final norms stay."""
-    loss = logits * (sets + 1) + chunk
-    if loss + norm >= layer_backward + layer_weights + (logits + norm) * (sets - 1):
-        return {"weights in use": 0, "activations": kept + norm * sets, "logits": loss}
+    loss = logits * sets + chunk  # the logits' gradient is written over them
+    if loss + norm + loss_weights >= layer_backward + layer_weights + (logits + norm) * (sets - 1):
+        return {"weights in use": loss_weights, "activations": kept + norm * sets, "logits": loss}
     return {"weights in use": layer_weights,
             "activations": kept + layer_backward + norm * (sets - 1),
             "logits": logits * (sets - 1)}

@@ -151,7 +151,7 @@ class VocabParallelCrossEntropy(Function):
     past vocab_size are padding."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, combine, vocab_size=None):
+    def forward(ctx, logits, targets, vocab_start, combine, vocab_size=None, overwrite=False):
         n, vocab = logits.shape
         real = vocab if vocab_size is None else min(max(vocab_size - vocab_start, 0), vocab)
         local = targets - vocab_start
@@ -161,15 +161,16 @@ class VocabParallelCrossEntropy(Function):
         target_logit = logits.gather(1, local[:, None]).squeeze(1).float() * mine  # (N,)
         lse, target_logit = combine(lse, target_logit)
         ctx.save_for_backward(logits, lse, local, mine)
-        ctx.real = real
+        ctx.real, ctx.overwrite = real, overwrite
         return (lse - target_logit).mean()
 
     @staticmethod
     def backward(ctx, grad):
         logits, lse, local, mine = ctx.saved_tensors
         scale = grad / logits.shape[0]
-        grad_logits = softmax_minus_onehot(logits, lse, local, mine, ctx.real, scale)
-        return grad_logits, None, None, None, None
+        out = logits if ctx.overwrite else None  # model.CrossEntropy's `overwrite`
+        grad_logits = softmax_minus_onehot(logits, lse, local, mine, ctx.real, scale, out)
+        return grad_logits, None, None, None, None, None
 
 
 def combine_over_vocab_shards(group):
@@ -186,13 +187,14 @@ def combine_over_vocab_shards(group):
 class VocabParallelLoss:
     """GPT.loss_fn under tp: logits (B, T, V/t), targets (B, T) -> the local tokens' mean."""
 
-    def __init__(self, group, vocab_per_rank, vocab_size=None):
+    def __init__(self, group, vocab_per_rank, vocab_size=None, overwrite=False):
         self.vocab_start, self.vocab_size = group.rank * vocab_per_rank, vocab_size
-        self.combine = combine_over_vocab_shards(group)
+        self.combine, self.overwrite = combine_over_vocab_shards(group), overwrite
 
     def __call__(self, logits, targets):
         return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
-                                               self.vocab_start, self.combine, self.vocab_size)
+                                               self.vocab_start, self.combine, self.vocab_size,
+                                               self.overwrite)
 
 
 # ---------------------------------------------------------------- applying it to a GPT chunk
@@ -242,7 +244,8 @@ def parallelize(chunk, mesh, sequence_parallel=False):
     if chunk.lm_head is not None:
         chunk.norm = NormThenEnterTP(chunk.norm, group, sp)
         chunk.lm_head = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)  # (B, T, V/t)
-        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size, cfg.vocab_size)
+        chunk.loss_fn = VocabParallelLoss(group, cfg.padded_vocab // group.size, cfg.vocab_size,
+                                          overwrite=True)  # as GPT's own loss
     if sp:
         chunk.seq_shards = group.size  # hidden states hold T/t tokens; RoPE still needs all T
     return chunk

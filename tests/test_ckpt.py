@@ -21,12 +21,13 @@ from parallel.mesh import LayoutError
 from tests.layouts import BASE, assert_same_losses
 
 FAST = ["--peak-tflops", "1"]
-POLICIES = ["full", "every:2", "sqrt", "segment:3", "selective"]
+POLICIES = ["full", "every:2", "sqrt", "segment:3", "op", "selective"]
 TP_RUNS = {  # name: flags, on 2 ranks
     "tp2 full": ["--tp", "2", "--ckpt", "full"],
     "tp2-sp every:2": ["--tp", "2", "--sp", "--ckpt", "every:2"],
     "tp2 sqrt": ["--tp", "2", "--ckpt", "sqrt"],
     "tp2-sp selective": ["--tp", "2", "--sp", "--ckpt", "selective"],
+    "tp2-sp op": ["--tp", "2", "--sp", "--ckpt", "op"],
     "tp2 dropout none": ["--tp", "2", "--dropout", "0.2"],
     "tp2 dropout full": ["--tp", "2", "--dropout", "0.2", "--ckpt", "full"],
 }
@@ -179,7 +180,8 @@ def backward_counts(cfg, policy, batch=2):
 def test_recomputed_flops_match_recomputed_layers(policy):
     """The forward work that backward repeats, counted op by op, equals recomputed_layers x one layer's forward
     FLOPs (the HFU term): each checkpointed layer's 7 matmuls and attention, less each segment's final
-    down_proj (torch stops recomputing once backward has what it needs). Selective repeats no matmul."""
+    down_proj (torch stops recomputing once backward has what it needs). Selective repeats no matmul; op repeats
+    each layer's k, o and up matmuls and not attention."""
     cfg = model.ModelConfig(**{**CFG.__dict__, "n_layer": 5})
     batch = 2
     base, got = backward_counts(cfg, "none", batch), backward_counts(cfg, policy, batch)
@@ -188,10 +190,9 @@ def test_recomputed_flops_match_recomputed_layers(policy):
     layer_flops = model.flops_per_token(cfg, recomputed_layers=1) - model.flops_per_token(cfg)
     executed = (got.mm_flops - base.mm_flops) + got.attention_flops
     assert executed == pytest.approx(layers * layer_flops * tokens, rel=0.01)  # norm weights: not matmuls
-    checkpointed, segments = {"full": (5, 5), "every:2": (3, 3), "sqrt": (5, 2), "segment:3": (5, 2),
-                              "selective": (0, 0)}[policy]
-    assert got.mm_calls - base.mm_calls == 7 * checkpointed - segments
-    assert got.attention_calls == checkpointed
+    matmuls, attentions = {"full": (7 * 5 - 5, 5), "every:2": (7 * 3 - 3, 3), "sqrt": (7 * 5 - 2, 5),
+                           "segment:3": (7 * 5 - 2, 5), "op": (3 * 5, 0), "selective": (0, 0)}[policy]
+    assert (got.mm_calls - base.mm_calls, got.attention_calls) == (matmuls, attentions)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

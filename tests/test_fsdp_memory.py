@@ -1,6 +1,7 @@
 """FSDP's gradient accumulation on 2 gloo ranks: with the same micro-batch, 4 micro-batches per step instead of 1
-add at most P bytes to the step's peak memory (P parameters). Every micro-batch's gradient is reduce-scattered into
-the fp32 shard gradient (4P/M bytes whatever the count), not kept unsharded (4P) until the last one.
+add to the step's peak memory at most the fp32 gradient shard (4P/g bytes, P parameters, g ranks: one micro-batch
+reaches its peak before any unit's shard is made) and P bytes more. Every micro-batch's gradient is reduce-scattered
+into the shard, not kept unsharded (4P) until the last one.
 
 Peak: the bytes of every tensor alive as the step starts (shards, and gradients kept between steps), plus the peak of
 the storages that ops create during the step (LiveBytes, as in tests/test_plan_measured.py), from creation until
@@ -58,6 +59,6 @@ def _peaks(rank, world):
 def test_accumulating_four_micro_batches_adds_at_most_p_bytes():
     P = sum(p.numel() for p in model.GPT(CFG).parameters())
     for peaks in run_ranks(_peaks, 2, timeout=120):
-        print(f"\nFSDP M=2, P={P} ({4 * P} B fp32): peak of a step, A=1 {peaks[1]} B, A=4 {peaks[4]} B, "
+        print(f"\nFSDP g=2, P={P} ({4 * P} B fp32): peak of a step, A=1 {peaks[1]} B, A=4 {peaks[4]} B, "
               f"+{peaks[4] - peaks[1]} B")
-        assert peaks[4] - peaks[1] <= P
+        assert peaks[4] - peaks[1] <= 4 * P / 2 + P

@@ -118,14 +118,14 @@ def test_the_overlaps_no_run_measured_are_credited_only_under_the_reference():
 
 def test_a_layout_fits_only_below_hbm_less_the_margin(capsys):
     """Llama 3's 8,192-GPU mesh as train.py runs it, without recomputation, takes 74.7 of 80 GB under ours' model
-    (memory.step_bytes): over its margin (memory.MARGIN, 10%: 72 GB); with no margin it fits."""
+    (memory.step_bytes): over its margin (memory.MARGIN, 20%: 64 GB); with no margin it fits."""
     lay = plan.parse_layout(OURS_8192.replace("ckpt=selective", "ckpt=none"))
     p = plan.evaluate(CFG405, plan.Cluster(8192), lay, 8192, 2048, code="ours")
     used = sum(p.mem.values()) / 1e9
     assert 72.0 < used < 80.0 and not p.fits
     assert plan.evaluate(CFG405, plan.Cluster(8192, margin=0.0), lay, 8192, 2048, code="ours").fits
     argv = ["--model", "llama3-405b", "--gpus", "8192", "--code", "ours", "--layout", str(lay)]
-    assert plan.main(argv) == 0 and "DOES NOT FIT below 72.0" in capsys.readouterr().out
+    assert plan.main(argv) == 0 and "DOES NOT FIT below 64.0" in capsys.readouterr().out
     assert plan.main(argv + ["--mem-margin", "0"]) == 0 and "(fits below 80.0)" in capsys.readouterr().out
 
 

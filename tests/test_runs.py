@@ -86,7 +86,7 @@ def test_a_warmup_that_outlasts_the_run_is_said(in_tmp):
                          ids=["none", "full", "selective", "bf16"])
 def test_the_memory_check_counts_what_a_step_holds(in_tmp, extra):
     """memory.step_bytes (model state, weights in use, activations, logits) against the tensors' measured peak of the
-    same run: within 5% either way (measured: -0.3% .. +1.1%), so the check's margin (memory.MARGIN, 10%) holds the
+    same run: within 5% either way (measured: -0.3% .. +1.1%), so the check's margin (memory.MARGIN, 20%) holds the
     model's error with room to spare, and it refuses no run that fits by much."""
     argv = FLAGS + ["--n-layer", "8", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "128", "--out", "r"]
     run(argv + extra)

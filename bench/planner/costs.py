@@ -18,7 +18,7 @@ def collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     tp, cp, S, g = lay.tp, lay.cp, shard_size(lay), lay.dp * lay.cp
     out = {}
     if tp > 1:  # per layer; plus the embedding's reduce-scatter, the head's all-gather and its grad's RS
-        colls = n * (12 if lay.ckpt == "full" else 10 if lay.sp else 8) + (3 if lay.pp == 1 else 2)
+        colls = n * (12 if lay.ckpt in ("full", "op") else 10 if lay.sp else 8) + (3 if lay.pp == 1 else 2)
         out["tp"] = (M * colls * (tp - 1) / tp * s.t * d * a_bytes, M * colls * (tp - 1))
     if cp > 1 and lay.cp_mode == "ulysses":
         heads = 2 * cfg.n_head / tp + 2 * max(s.kv_local, cp)  # q, k, v in and out back; kv replicated to cp
@@ -63,7 +63,8 @@ def act_per_token(s, ckpt, a_bytes=ACT_B):
     sh = tp if s.lay.sp else 1  # sequence parallel shards the residual stream and the norms
     kv = 2 * s.cfg.head_dim * s.kv_local
     return a_bytes * {"none": 4 * d / sh + (2 * d + 3 * f) / tp + kv,
-                      "selective": 2 * d / sh + (2 * d + 2 * f) / tp + kv, "full": d / sh}[ckpt]
+                      "selective": 2 * d / sh + (2 * d + 2 * f) / tp + kv,
+                      "op": d / sh + (2 * d + f) / tp + kv / 2 + d, "full": d / sh}[ckpt]
 
 
 def memory(cfg, lay, seq, batch, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT_B, code="reference"):
@@ -81,7 +82,9 @@ def shape_memory(s, overhead_gb=OVERHEAD_GB, frag=FRAG, w_bytes=W_B, a_bytes=ACT
     S_opt = lay.dp * lay.cp if lay.dist_opt else S  # Megatron's distributed optimizer shards master and Adam
     zero3 = lay.dp_mode != "ddp" and P == 1
     inflight, last_flight = in_flight(lay.schedule, M, P, lay.V)
-    recompute = act_per_token(s, "none", a_bytes) * s.t if lay.ckpt == "full" else 0.0  # one layer at a time
+    # one layer at a time remakes what it did not keep
+    redo = act_per_token(s, "none", a_bytes) - act_per_token(s, lay.ckpt, a_bytes) + act_per_token(s, "full", a_bytes)
+    recompute = redo * s.t if lay.ckpt in ("full", "op") else 0.0
     first, _, last = s.layers
     best = None
     for layers, params, flight, logits in ((first, s.p_first, inflight, P == 1), (last, s.p_last, last_flight, True)):

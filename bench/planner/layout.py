@@ -61,7 +61,7 @@ class Layout:
     dp_mode: str = "ddp"    # ddp | fsdp | hsdp
     shard: int = 0          # hsdp shard-group size
     micro: int = 1          # sequences per microbatch
-    ckpt: str = "none"      # none | selective | full
+    ckpt: str = "none"      # none | selective | op | full
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1 | zbv
     V: int = 1              # virtual stages per rank (interleaved; zbv: 2)
     cp_mode: str = "ring"   # ring | ulysses | allgather
@@ -152,7 +152,7 @@ def invalid(cfg, cl, lay, seq, batch, code="reference"):
         (lay.fp8 and lay.pp > 1 and lay.schedule in ("zb1", "zbv"), "zb1 and zbv do not run with fp8 (train.py)"),
         (lay.dp_mode == "hsdp" and not (1 < lay.shard < g and g % lay.shard == 0), "hsdp: shard in (1, dp*cp)"),
         (lay.dp_mode not in ("ddp", "fsdp", "hsdp"), "dp_mode: ddp | fsdp | hsdp"),
-        (lay.ckpt not in ("none", "selective", "full"), "ckpt: none | selective | full"),
+        (lay.ckpt not in ("none", "selective", "op", "full"), "ckpt: none | selective | op | full"),
         (lay.schedule not in SCHEDULES, "schedule: " + " | ".join(SCHEDULES)),
         (lay.cp_mode not in ("ring", "ulysses", "allgather"), "cp_mode: ring | ulysses | allgather"),
         (lay.accumulate not in ("sharded", "unsharded"), "accumulate: sharded | unsharded"),

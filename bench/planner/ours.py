@@ -100,7 +100,7 @@ def ours_collectives(s, w_bytes=W_B, g_bytes=G_B, a_bytes=ACT_B):
     counters of tests/test_plan_measured.py read."""
     cfg, lay, d, M, t = s.cfg, s.lay, s.cfg.d_model, s.M, s.t
     tp, cp, g = lay.tp, lay.cp, lay.dp * lay.cp
-    redo = lay.ckpt == "full"  # a recomputed block repeats its forward collectives (but tp's last one)
+    redo = lay.ckpt in ("full", "op")  # a recomputed block repeats its forward collectives (but tp's last one)
     out = {}
     for layers, params, embed, head, sends in s.stages():
         mine = {}

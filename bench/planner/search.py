@@ -10,7 +10,7 @@ from bench.planner.layout import GB, Layout, Shape, invalid
 from bench.planner.step_time import members_per_node, shape_step_time
 from model import param_counts
 
-CKPTS = ("none", "selective", "full")  # each saves more memory and recomputes more
+CKPTS = ("none", "selective", "op", "full")  # each saves more memory and recomputes more
 
 
 @dataclass

@@ -10,6 +10,7 @@ from bench.planner.costs import collectives
 from bench.planner.factors import FACTORS, REFERENCE
 from bench.planner.layout import BUCKET_MB, G_B, GB, Shape, shard_size
 from model import flops_per_token
+from parallel.ckpt import recomputed_layers
 
 MM_EFF, OVERLAP_TAX = REFERENCE.mm, REFERENCE.tax  # the reference's factors (factors.py), as the tests name them
 MM_ROWS0 = 128       # GEMMs over t token rows lose about one 128-row tile wave: * t/(t + 128)
@@ -18,7 +19,7 @@ ELEM_BYTES = 75      # HBM bytes per token per layer per unit of d+f: norms, RoP
 OPT_BYTES = 40       # memory bytes per parameter of an update, --code ours: the clip reads the fp32 gradient twice
 #                      and writes it once, fused AdamW reads weight, gradient and both moments and writes three
 HOST_OPS_LAYER = 186  # aten ops one block's forward and backward dispatch; the embedding, final norm, head and
-HOST_OPS_REST = 135   # loss another 135 per micro-batch (model.py; tests/test_plan_cluster.py counts both)
+HOST_OPS_REST = 134   # loss another 134 per micro-batch (model.py; tests/test_plan_cluster.py counts both)
 TP_EXPOSED = 0.6     # reference: 6 of the 10 TP collectives block (4 fwd, 2 bwd); Megatron hides 4 bwd ones under GEMMs
 RING_HOP_OPS = 6     # ops the host dispatches per hop of one collective (tp_ring.py: a p2p pair, each chunk's matmul
 #                      and its copy or add; a column backward carries two collectives in one hop)
@@ -101,6 +102,14 @@ def clip_norm(cl, lay):
     return 2 * math.ceil(math.log2(world)) * lat * 1e-6
 
 
+def recomputed_share(cfg, ckpt):
+    """The share of a block's forward matmul FLOPs that backward runs again: full 1, op k + o + up."""
+    if ckpt != "op":
+        return float(ckpt == "full")
+    kv, f = cfg.n_kv_head * cfg.head_dim, cfg.ffn_dim
+    return (kv + cfg.n_head * cfg.head_dim + f) / (2 * cfg.n_head * cfg.head_dim + 2 * kv + 3 * f)
+
+
 def chunk_matmuls(s, extra=0.0):
     """(FLOPs per token of a layer's block matmuls cut into ring chunks, all of them): forward, input gradients and the
     row-parallel weights' gradients (o, down) run chunk by chunk; the column weights' gradients run whole (under the
@@ -140,15 +149,15 @@ def ours_tp(s, cl, flop_at):
     over that many rows on one GPU."""
     cfg, lay, d, t, tp = s.cfg, s.lay, s.cfg.d_model, s.t, s.lay.tp
     unit = seconds(cl, lay, "tp", ours.seq_collective_bytes(t, d, tp, cl.dtype_bytes), tp - 1)  # a (t, d) gather or RS
-    full = lay.ckpt == "full"
-    n = ours.activation_collectives(1, False, False, lay.sp, full)  # per layer; an all-reduce is 2
+    redo = lay.ckpt in ("full", "op")
+    n = ours.activation_collectives(1, False, False, lay.sp, redo)  # per layer; an all-reduce is 2
     lost, rate = tax(cl, lay, "tp"), (factors(cl).fp8 if lay.fp8 else 1.0)
     block = flop_at(t) / rate  # seconds per block-matmul FLOP
     head_units = 2 + lay.sp
     if not lay.overlap or (lay.sp and lay.fp8):  # every collective blocks (fp8: no rings)
         layer, head = n * unit, head_units * unit
     elif lay.sp:  # rings: each hop under a 1/tp chunk of the matmul next to it
-        chunked, flops = chunk_matmuls(s, full)
+        chunked, flops = chunk_matmuls(s, recomputed_share(cfg, lay.ckpt))
         slower = flop_at(t / tp) - flop_at(t)
         layer = ring(cl, lay, n, unit, flops * t * block, chunked * t * slower, RING_HOP_OPS)
         head = ring(cl, lay, head_units, unit, 6 * s.p_embed * t * flop_at(t), 4 * s.p_embed * t * slower, RING_HOP_OPS)
@@ -175,7 +184,7 @@ def reference_tp(s, cl, comm_tp, flop_at):
         return comm_tp
     if not lay.tp_comm_overlap:
         return TP_EXPOSED * comm_tp
-    chunked, flops = chunk_matmuls(s, lay.ckpt == "full")
+    chunked, flops = chunk_matmuls(s, recomputed_share(s.cfg, lay.ckpt))
     rate = factors(cl).fp8 if lay.fp8 else 1.0
     mm = s.most * flops * t * flop_at(t) / rate + 6 * s.p_embed * t * flop_at(t)
     penalty = (s.most * chunked / rate + 4 * s.p_embed) * t * (flop_at(t / lay.tp) - flop_at(t))
@@ -283,7 +292,8 @@ def shape_step_time(s, cl):
     r, flop_at, per_byte = rates(s, cl)
     host = cl.host_us * 1e-6 / s.t  # seconds per token for each op the host dispatches in line (a CPU device)
     t_layer = r["mm"] + r["attn"] + r["elem"] + HOST_OPS_LAYER * host  # seconds per token per layer on one GPU
-    redo = {"none": 0.0, "selective": r["elem"] / 3, "full": t_layer / 3}[lay.ckpt]
+    redo = {"none": 0.0, "selective": r["elem"] / 3, "full": t_layer / 3,
+            "op": (recomputed_share(cfg, "op") * r["mm"] + r["elem"]) / 3}[lay.ckpt]
     head_flop = flop_at(1e30)  # the head's matmul: no row loss
     t_head = 6 * s.p_embed * head_flop + 16 * cfg.padded_vocab / tp * per_byte + HOST_OPS_REST * host
     h = t_head / (t_layer + redo)  # the head in layers
@@ -334,6 +344,6 @@ def shape_step_time(s, cl):
     out["total"] = sum(out.values())
     tokens = s.batch * s.seq
     out["mfu"] = flops_per_token(cfg, s.seq) * tokens / (cl.gpus * peak * out["total"])
-    redone = cfg.n_layer if lay.ckpt == "full" else 0
+    redone = cfg.n_layer if lay.ckpt == "full" else recomputed_layers(cfg, lay.ckpt) if lay.ckpt == "op" else 0
     out["hfu"] = flops_per_token(cfg, s.seq, redone) * tokens / (cl.gpus * peak * out["total"])
     return out
