@@ -19,7 +19,7 @@ GPT2   := --model small --dtype bf16 --compile --steps 9536 --global-batch 512 -
           --min-lr 0 --warmup 250 --schedule wsd --warmdown 2000 --eval-every 250 --eval-tokens 10485760 \
           --target-loss 3.28 --log-every 50 --save-every 1000
 
-.PHONY: install install-dev train gpt2 sample test test-core bench bench-quick lint clean
+.PHONY: install install-dev train gpt2 sample test test-core bench bench-quick vs-peers lint clean
 
 $(VENV)/.run: requirements.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -72,6 +72,19 @@ test-core: install-dev
 # out/bench-quick (about 5 minutes).
 bench: install-dev data/pystdlib/meta.json
 	$(PY) -m bench.run_all
+	$(MAKE) vs-peers
+
+# One step of Llama 3 8B on FSDP 8, ours beside torch's FSDP2 and torchtitan's, counted on fake H100s (about a minute
+# on 2 cores; LAYOUT=... CKPT=full for another row, python -m bench.vs_peers --list names them). torchtitan and its
+# imports go into .torchtitan, on top of .venv's torch (--no-deps: a resolver would replace that torch).
+LAYOUT ?= 8b-fsdp8
+CKPT   ?= op
+.torchtitan/.done: requirements-torchtitan.txt | install-dev
+	$(PIP) --no-deps --target .torchtitan -r requirements-torchtitan.txt
+	touch $@
+
+vs-peers: install-dev .torchtitan/.done
+	PYTHONPATH=.torchtitan $(PY) -m bench.vs_peers --layout $(LAYOUT) --ckpt $(CKPT)
 
 bench-quick: install-dev data/pystdlib/meta.json
 	$(PY) -m bench.run_all --quick

@@ -295,13 +295,14 @@ def forward_backward(trainer, x, y, total=None, backward=True):
     if t.mesh.pp > 1:
         return total.add_(pp.eval_step(t.chunks, t.wrapper, t.mesh, batches, positions,
                                        t.autocast, t.dtype))
-    for i, (xb, yb) in enumerate(batches):
-        t.wrapper.sync_grads = i == len(batches) - 1  # the reduction runs in the last backward
-        with t.autocast:
+    with t.autocast:  # one region a step: a weight's compute-dtype copy is made once, not per batch
+        for i, (xb, yb) in enumerate(batches):
+            t.wrapper.sync_grads = i == len(batches) - 1  # the reduction runs in the last backward
             loss = t.chunks[0](xb, yb, positions) / len(batches)
-        if backward:
-            (loss * t.scaler.scale).backward()
-        total += loss.detach()
+            if backward:
+                with torch.autocast(x.device.type, enabled=False):  # as if outside the region
+                    (loss * t.scaler.scale).backward()
+            total += loss.detach()
     return total
 
 
@@ -433,11 +434,19 @@ def start_distributed(run):
                 dp_shard=run.dp_shard, timeout_s=run.startup_timeout)
 
 
+def expandable_segments(environ):
+    """CUDA's caching allocator grows its segments in place unless the user configured it: less
+    memory reserved above the live peak (fragmentation) than with fixed-size segments."""
+    if not any(name in environ for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def main(argv=None):
     """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C.
     --dry-run becomes the rehearsal (this process runs bench/dry_run.py), which runs this step
     on fake GPUs."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    expandable_segments(os.environ)  # read when CUDA first allocates, after this
     if "--dry-run" in argv:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
             "PYTHONPATH", "")]).rstrip(os.pathsep)}

@@ -25,7 +25,7 @@ import weakref
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,6 +56,7 @@ REPO = HERE.parent
 _ATEN = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default  # C++ asks it of fake tensors more often than any op
 STEPS = 2  # the first step creates Adam's state; the second is every later one
+MATMULS = (_ATEN.mm.default, _ATEN.addmm.default, _ATEN.bmm.default, _ATEN.baddbmm.default)
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,9 @@ def rehearse_in_process(train_argv, rank, world, per_node, gpu):
         return rehearse_rank(train_argv, rank, world, per_node, gpu)
 
 
-def rehearse_rank(train_argv, rank, world, per_node, gpu):
-    """One rank's Report (inside FakeGPUs)."""
+def rehearse_rank(train_argv, rank, world, per_node, gpu, watch=None):
+    """One rank's Report (inside FakeGPUs). watch: a dispatch mode also entered for each step,
+    reset() before it (bench.vs_peers counts FLOPs with one)."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
            "LOCAL_WORLD_SIZE": str(per_node)}
     t0 = time.perf_counter()
@@ -241,7 +243,7 @@ def rehearse_rank(train_argv, rank, world, per_node, gpu):
         pp_rank = rank // (run.tp * run.cp) % run.pp
         report = Report(rank, run.device, gpu, run, expected=memory.stage_bytes(cfg, run, pp_rank))
         try:
-            rehearse_steps(run, cfg, report)
+            rehearse_steps(run, cfg, report, watch)
         except Exception as e:  # noqa: BLE001 - what stopped it, and where, is the report
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             report.failure = f"{type(e).__name__}: {first} ({where(e)})"
@@ -262,7 +264,7 @@ def model_config(run):
     return cfg
 
 
-def rehearse_steps(run, cfg, report):
+def rehearse_steps(run, cfg, report, watch=None):
     """train.prepare, then STEPS of train.train_step on random tokens, on fake CUDA."""
     with FakeCUDA(), Ledger() as ledger, no_initial_values():
         mesh = train.start_distributed(run)
@@ -272,14 +274,16 @@ def rehearse_steps(run, cfg, report):
         report.coord = mesh.coord
         trainer = train.prepare(run, cfg, mesh)
         ledger.know(trainer, cfg, run)
-        rules = Rules(torch.device(run.device))
+        rules = Rules(torch.device(run.device), run.dtype)
         for step in range(STEPS):
             with ledger.labelled("token ids"):
                 rows = (run.global_batch // run.dp, cfg.seq_len)
                 x = torch.randint(0, cfg.vocab_size, rows, device=run.device)
                 y = torch.randint(0, cfg.vocab_size, x.shape, device=run.device)
             mesh.stats.reset()
-            with rules:
+            if watch is not None:
+                watch.reset()
+            with rules, watch or nullcontext():
                 lr = train.lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
                 train.train_step(trainer, x, y, lr, run.grad_clip)
             ledger.step_done(trainer)
@@ -460,10 +464,13 @@ class Ledger(StorageMode):
         """Notes {storage: (serial, part)} of what the trainer keeps between steps."""
         w, units = trainer.wrapper, getattr(trainer.wrapper, "units", [])
         params = [p for c in trainer.chunks for p in c.parameters()]
-        kept = {"weights": list(w.optim_params()) + params,
-                "gradients": [p.grad for p in w.optim_params()] + [u.grad for u in units]
-                + [getattr(u, "summed", None) for u in units] + [b.buffer for b in getattr(w, "buckets", [])],
-                "optimizer state": [v for s in trainer.opt.state.values() for v in s.values()]}
+        self.hold({"weights": list(w.optim_params()) + params,
+                   "gradients": [p.grad for p in w.optim_params()] + [u.grad for u in units]
+                   + [getattr(u, "summed", None) for u in units] + [b.buffer for b in getattr(w, "buckets", [])],
+                   "optimizer state": [v for s in trainer.opt.state.values() for v in s.values()]})
+
+    def hold(self, kept):
+        """Notes the storages of {part: [tensors]} as held between steps."""
         self.held = {}
         for part, tensors in kept.items():
             for t in tensors:
@@ -534,12 +541,15 @@ def in_gather():
 
 class Rules(TorchDispatchMode):
     """During a step: no op touches a CPU tensor (0-dim scalars aside) or reads a value back to the
-    host (aten._local_scalar_dense: .item(), bool() and float() of a tensor), and every collective
-    passes the checks NCCL makes on its tensors. Counts the collectives launched, p2p ops each."""
+    host (aten._local_scalar_dense: .item(), bool() and float() of a tensor), every collective
+    passes the checks NCCL makes on its tensors, and under --dtype bf16, fp16 or fp8 no matmul
+    runs in fp32 (the policy: every matmul in the compute dtype, the loss's none). Counts the
+    collectives launched, p2p ops each."""
 
-    def __init__(self, device):
+    def __init__(self, device, dtype="fp32"):
         super().__init__()
         self.device, self.violations, self.launches, self.seen = device, [], Counter(), set()
+        self.low_precision = dtype != "fp32"
 
     def __enter__(self):
         self.launches = Counter()
@@ -559,6 +569,9 @@ class Rules(TorchDispatchMode):
             self.broke("a host read (.item(), bool() or float() of a tensor)")
         if on_cpu((args, kwargs)):
             self.broke(f"{func} on a CPU tensor")
+        if self.low_precision and func in MATMULS and any(
+                t.dtype == torch.float32 for t in tensors_in(args)):
+            self.broke(f"an fp32 matmul ({func._opname}) in a low-precision step")
         if func.namespace == "c10d" and func._opname != "barrier":
             self.launches[func._opname] += 1
             self.check_collective(func._opname, args)

@@ -89,7 +89,7 @@ class Mesh:
         for name, members in self.partitions():
             mine = None
             for g in members:
-                pg = self._new_group(g, timeout)
+                pg = self._new_group(g, timeout, name)
                 if rank in g:
                     mine = (g, pg)
             setattr(self, name + "_group", Group(name, mine[0], mine[1], rank, self.stats))
@@ -108,12 +108,12 @@ class Mesh:
                                       f"{theirs.get(name)!r}, rank 0 {value!r}: every rank must "
                                       "run the same command")
 
-    def _new_group(self, ranks, timeout):
+    def _new_group(self, ranks, timeout, name):
         if self.world == 1 or len(ranks) == 1 or not dist.is_initialized():  # a layout to describe
             return None
         if len(ranks) == self.world:
             return dist.group.WORLD
-        pg = dist.new_group(ranks, timeout=timeout)
+        pg = dist.new_group(ranks, timeout=timeout, group_desc=f"mesh_{name}")  # named in logs
         if pg is not dist.GroupMember.NON_GROUP_MEMBER:
             self.pgs.append(pg)
         return pg

@@ -261,3 +261,14 @@ def test_build_says_in_one_line_each_parallelism_and_layer_it_applied(flags, wor
     chunks, wrapper, applied = train.build(cfg, mesh, run)
     named = [line.split(".py:")[0].removeprefix("parallel/") for line in applied]
     assert sorted(named) == layers_in(chunks, wrapper), applied
+
+
+def test_cuda_grows_its_segments_in_place_unless_the_user_configured_the_allocator():
+    """Was: the allocator's fixed-size segments, whose fragmentation the fit check's margin must hold."""
+    env = {}
+    train.expandable_segments(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        env = {name: "max_split_size_mb:128"}
+        train.expandable_segments(env)
+        assert env == {name: "max_split_size_mb:128"}
