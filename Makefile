@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 NGPU   := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
-RUN    ?= out/$(if $(filter 0,$(NGPU)),tiny,small)
+RUN    ?= runs/$(if $(filter 0,$(NGPU)),tiny,small)
 # FineWeb shards of ~98.5M GPT-2 tokens for the GPU run: one per GPU covers its 2,000 steps of 32 x 1,024 tokens
 SHARDS ?= $(NGPU)
 CORE   := test_config test_model test_mesh test_comm test_layers test_structure test_attention_kernels \
@@ -42,7 +42,7 @@ train: install
 ifeq ($(NGPU),0)
 	$(MAKE) --no-print-directory data/pystdlib/meta.json
 	$(PY) train.py --model tiny --steps 400 --global-batch 32 --micro-batch 16 --lr 3e-3 --warmup 20 \
-		--eval-every 100 --log-every 50 --out $(RUN) --metrics $(RUN)/metrics.jsonl --resume auto
+		--eval-every 100 --log-every 50 --save-every 100 --out $(RUN) --metrics $(RUN)/metrics.jsonl --resume auto
 else
 	data=$$($(PY) -m data.prepare fineweb10b --shards $(SHARDS) --fallback pystdlib --print-folder) && \
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NGPU) train.py --data $$data --model small \

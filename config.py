@@ -81,6 +81,7 @@ def layer_split(text):
 
 def flag(default, help, type=None, group=None, name=True, **options):
     """A Run field that is a flag. name=False: it changes no number trained, so not the name."""
+    help += "%(default).0s" * ("default" in help or default is None)  # argparse's said, or none
     return field(default=default, metadata=dict(help=help, type=type, group=group, name=name,
                                                 options=options))
 
@@ -273,7 +274,7 @@ def resolve(argv=None, environ=None):
     if dp_shard and dp % dp_shard:
         raise LayoutError("--dp-shard", f"dp_shard {dp_shard} does not divide dp {dp}")
     flags = given_flags(args)
-    out = args.out or str(default_out(args.model, flags, args.resume))
+    out = args.out or str(default_out(args.model, flags, args.resume, world))
     metrics = args.metrics or str(Path(out) / "metrics.jsonl")
     derived = dict(
         accum_steps=accumulation_steps(args.global_batch, args.micro_batch, dp),

@@ -28,11 +28,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
-    # Fields added later default to None, which is also what a save written before them means.
-    # Such a save's config then compares equal on --resume, and loads in sample.py and export.
-    # rope_scaling: Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}. None: plain RoPE.
-    rope_scaling: Optional[dict] = None
+    # Fields added later default to None, as a save written before them reads: that save's config
+    # compares equal on --resume, loads in sample.py and export. rope_scaling: Llama 3's
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_..."}
+    rope_scaling: Optional[dict] = None  # None: plain RoPE
     tie_embeddings: Optional[bool] = None  # True: lm_head's weight is embed_tokens'. None: untied
 
     @property
@@ -73,10 +72,9 @@ ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
 
 
 def rope_scaling_problem(scaling):
-    """(key, what is wrong) of a rope_scaling dict, or None.
-
-    rope_type must be "llama3". The three factors must be finite positive numbers, with
-    high_freq_factor above low_freq_factor. original_max_position_embeddings: a positive integer."""
+    """(key, what is wrong) of a rope_scaling dict, or None: rope_type "llama3", the three factors
+    finite positive numbers, high_freq_factor above low_freq_factor, and
+    original_max_position_embeddings a positive integer."""
     if not isinstance(scaling, dict):
         return "", f"must be an object, got {scaling!r}"
     if scaling.get("rope_type") != "llama3":
@@ -189,11 +187,10 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        grad_up = F.silu(gate).mul_(grad)  # in place, as below: two (tokens, f) temporaries fewer
+        gate, up = ctx.saved_tensors  # in place: two (tokens, f) temporaries fewer
         grad_gate = grad * up
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_gate, grad_up
+        return grad_gate, F.silu(gate).mul_(grad)
 
 
 def compute_dtype(x):
@@ -233,8 +230,7 @@ def rope_angles(positions, head_dim, theta, scaling=None):
 def apply_rope(x, cos, sin):
     """x: (B, H, T, hd); cos, sin: (T, hd). Rotates pairs (i, i + hd/2), as Hugging Face's Llama."""
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin  # the second term: x rotated by half
 
 
 def fused_gqa(device_type, dtype):
@@ -335,26 +331,23 @@ def softmax_minus_onehot(logits, lse, targets, mine, real, scale, out=None):
 
 class CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V) in their own dtype; no (N, V) fp32 tensor exists. Columns
-    at or past vocab_size pad the vocabulary to a multiple of 64: no part, no gradient. With
-    `overwrite` (logits made for this loss alone) their gradient is written over them: the loss
-    holds one (N, V) tensor at its peak, not two."""
+    at or past vocab_size pad the vocabulary to 64s: no part, no gradient. `overwrite` (logits made
+    for the loss alone): their gradient is written over them, one (N, V) tensor at the peak."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_size=None, overwrite=False):
         real = logits.shape[1] if vocab_size is None else vocab_size
         lse = log_sum_exp(logits, real)
-        target_logit = logits.gather(1, targets[:, None]).squeeze(1).float()  # (N,)
         ctx.save_for_backward(logits, lse, targets)
         ctx.real, ctx.overwrite = real, overwrite
-        return (lse - target_logit).mean()
+        return (lse - logits.gather(1, targets[:, None]).squeeze(1).float()).mean()  # - target's
 
     @staticmethod
     def backward(ctx, grad):
         logits, lse, targets = ctx.saved_tensors
         mine, scale = torch.ones_like(targets, dtype=torch.bool), grad / logits.shape[0]
-        grad = softmax_minus_onehot(logits, lse, targets, mine, ctx.real, scale,
-                                    logits if ctx.overwrite else None)
-        return grad, None, None, None
+        out = logits if ctx.overwrite else None  # the logits' gradient takes their place
+        return softmax_minus_onehot(logits, lse, targets, mine, ctx.real, scale, out), *[None] * 3
 
 
 def cross_entropy_loss(logits, targets, vocab_size=None, overwrite=False):
@@ -375,7 +368,6 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:  # one Parameter, saved once, as embed_tokens.weight
             self.lm_head.weight = self.embed_tokens.weight
         self.run_layers = run_layers
-        # its logits are made for the loss: their gradient takes their place. tp swaps it
         self.loss_fn = partial(cross_entropy_loss, vocab_size=cfg.vocab_size, overwrite=True)
         self.seq_shards = 1  # --sp sets t: hidden states then hold T/t of the T positions
         self.rope_cache = None

@@ -122,11 +122,9 @@ class Trainer:
 
 def build(cfg, mesh, run):
     """(this rank's pipeline chunks, the data-parallel wrapper that owns their weights, one line
-    for each parallelism and layer applied).
-
-    Each parallelism, then each optional layer the run asks for, changes the chunks on the meta
-    device. The wrapper materializes this rank's part of the weights last.
-    """
+    for each parallelism and layer applied). Each parallelism, then each optional layer the run
+    asks for, changes the chunks on the meta device; the wrapper materializes this rank's part of
+    the weights last."""
     with torch.device("meta"):
         full = model.GPT(cfg)  # shapes only: no rank ever holds the whole model
     chunks = [full]
@@ -154,10 +152,8 @@ def build(cfg, mesh, run):
 
     def init_param(name, meta, flat=None, out=None):  # this rank's part of a weight's initial value
         return local_init(name, meta, cfg, run.seed, flat, out)
-    if run.dp_mode == "ddp":
-        options = dict(bucket_mb=run.bucket_mb)
-    else:
-        options = dict(compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype])
+    options = dict(bucket_mb=run.bucket_mb) if run.dp_mode == "ddp" else dict(
+        compute_dtype=DTYPES[run.dtype], reduce_dtype=DTYPES[run.reduce_dtype])
     if run.accumulate == "unsharded":  # a step's gradients summed unsharded, reduce-scattered once
         sharded = hsdp.HSDP if run.dp_mode == "hsdp" else fsdp.FSDP
         options["cls"] = fsdp_accumulate.unsharded(sharded)
@@ -189,8 +185,7 @@ def prepare(run, cfg, mesh):
     fp32 tensors, the loss scaler (fp16) and the autocast of the compute dtype."""
     torch.manual_seed(run.seed)
     chunks, wrapper, applied = build(cfg, mesh, run)
-    device = torch.device(run.device)
-    dtype = DTYPES[run.dtype]
+    device, dtype = torch.device(run.device), DTYPES[run.dtype]
     autocast = torch.autocast(device.type, dtype=dtype) if run.dtype != "fp32" else nullcontext()
     opt = make_adamw(wrapper.optim_params(), run.lr, run.weight_decay, device)
     scaler = LossScaler(run.dtype == "fp16", device)
@@ -355,14 +350,16 @@ def train(run):
             val_loader = TokenLoader(data, "val", *batches, prefetch=False,
                                      fixed_tokens=run.eval_tokens, steps=run.eval_batches)
         if run.rank == 0 and run.world > 1:
-            print(mesh.describe(), flush=True)
+            print(mesh.describe(run.ranks_here, run.device != "cpu"), flush=True)
         metrics_file = metrics.open_metrics(run)
         trainer = prepare(run, cfg, mesh)
         start = folder.start(trainer.wrapper, trainer.opt, trainer.scaler, weights)
     except BaseException:
         folder.close()
         raise
-    profiler = metrics.start_profiler(run.profile, Path(run.out), run.rank)
+    if folder.finished(start, run.steps):  # a finished run resumed: it says so
+        return []
+    profiler, ctrl_c = metrics.start_profiler(run.profile, Path(run.out), run.rank), CtrlC()
     try:
         log = metrics.StepLog(run, cfg, mesh, start, trainer, metrics_file)  # prints the model
         if run.rank == 0:
@@ -371,7 +368,7 @@ def train(run):
                 last = lr_at(run.steps - 1, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
                 print(f"note: --warmup {run.warmup} >= --steps {run.steps}: the learning rate "
                       f"never reaches --lr {run.lr:g} (it ends at {last:.3g})", flush=True)
-        with CtrlC() as ctrl_c:
+        with ctrl_c:
             for step in log.bar:
                 t0 = log.start_step()
                 x, y = loader.get(step)
@@ -398,10 +395,12 @@ def train(run):
                 if step + 1 - start == STARTUP_STEPS:
                     mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is real
                 if ctrl_c.pressed:
+                    if ctrl_c.terminated and run.world == 1 and "save_stall_s" not in row:
+                        folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
                     raise KeyboardInterrupt
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
-        raise Interrupted(folder.interrupted()) from None
+        raise Interrupted(folder.interrupted(ctrl_c.signal), ctrl_c.signal) from None
     except RuntimeError as e:
         if not timed_out(e):
             raise
@@ -434,19 +433,12 @@ def start_distributed(run):
                 dp_shard=run.dp_shard, timeout_s=run.startup_timeout)
 
 
-def expandable_segments(environ):
-    """CUDA's caching allocator grows its segments in place unless the user configured it: less
-    memory reserved above the live peak (fragmentation) than with fixed-size segments."""
-    if not any(name in environ for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
-        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-
-
 def main(argv=None):
     """Trains; a failure is one line and an exit status: 2 bad input, 3 a failed run, 130 Ctrl-C.
     --dry-run becomes the rehearsal (this process runs bench/dry_run.py), which runs this step
     on fake GPUs."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    expandable_segments(os.environ)  # read when CUDA first allocates, after this
+    memory.expandable_segments(os.environ)  # read when CUDA first allocates, after this
     if "--dry-run" in argv:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
             "PYTHONPATH", "")]).rstrip(os.pathsep)}

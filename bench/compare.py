@@ -1,12 +1,13 @@
 """Runs side by side: each run's summary and the flags that differ; with --plot, their curves.
 
-    python -m bench.compare runs/tiny runs/tiny-ckpt=full out/b/metrics.jsonl [--plot ablation.png]
+    python -m bench.compare runs/tiny runs/tiny-ckpt_full runs/b/metrics.jsonl [--plot ablation.png]
 
 One row per run (a folder or its metrics file): final train and val loss, median tokens/s and MFU (the first step
 left out), peak memory, wall time, a column per flag that differs; a run on a GPU the planner knows gets its MFU beside
 the planner's range. --plot draws train and val loss, tokens/s and peak memory (bench/README.md, "Runs side by side";
 matplotlib, requirements-dev.txt). A run without a summary: one line on stderr, exit 2.
 """
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,17 +79,37 @@ def differing(summaries):
     return [k for k in keys if len({repr(s["flags"].get(k)) for s in summaries}) > 1]
 
 
+def layout_of(summary):
+    """(ranks, layout) of a run, from its resolved flags ("-" for a summary without them)."""
+    r = summary.get("resolved")
+    if not isinstance(r, dict) or not isinstance(r.get("world"), int):
+        return "-", "-"
+    axes = [f"{r.get('dp_mode', 'ddp')} {r.get('dp', 1)}"] + [
+        f"{k} {r[k]}" for k in ("tp", "pp", "cp") if isinstance(r.get(k), int) and r[k] > 1]
+    return str(r["world"]), " x ".join(axes) + " sp" * bool(r.get("sp"))
+
+
+def shown(value):
+    """A flag's value as the table shows it: a switch as on or off."""
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+
+
 def table(paths):
-    """(header, rows) of the runs' summaries and the flags that differ between them."""
+    """(header, rows) of the runs' summaries and the flags that differ between them; the ranks and
+    the layout where those differ (a 2-rank DDP run beside one process)."""
     summaries = [read_run(p)[0] for p in paths]
     differ = differing(summaries)
-    header = (["run", "steps", "loss", "val loss", "tok/s", "MFU", "peak GB", "wall s"] + [f"--{k}" for k in differ])
+    layouts = [layout_of(s) for s in summaries]
+    placed = len(set(layouts)) > 1
+    header = (["run"] + ["ranks", "layout"] * placed + ["steps", "loss", "val loss", "tok/s", "MFU", "peak GB",
+                                                          "wall s"] + [f"--{k}" for k in differ])
 
     def number(value, spec):
         return "-" if value is None else format(value, spec)
-    rows = [[s["run"], s["steps"], number(s["loss"], ".4f"), number(s["val_loss"], ".4f"),
-             number(s["tok_s"], ".0f"), number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"), number(s["wall_s"], ".0f")]
-            + [str(s["flags"].get(k, "-")) for k in differ] for s in summaries]
+    rows = [[s["run"]] + list(where) * placed + [
+        s["steps"], number(s["loss"], ".4f"), number(s["val_loss"], ".4f"), number(s["tok_s"], ".0f"),
+        number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"), number(s["wall_s"], ".0f")]
+            + [shown(s["flags"].get(k, "-")) for k in differ] for s, where in zip(summaries, layouts)]
     return header, rows
 
 
@@ -105,7 +126,7 @@ def expected_mfu(run, cfg, gpu):
     kind = ckpt.parse(run.ckpt)[0]
     layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
                     shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
-                    ckpt=kind if kind in ("none", "selective") else "full", schedule=run.pp_schedule,
+                    ckpt=kind if kind in ("none", "selective", "op") else "full", schedule=run.pp_schedule,
                     V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
                     cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
                     fp8=run.dtype == "fp8")
@@ -147,7 +168,8 @@ def plot(paths, out):
     """Draws the runs' curves into the PNG `out`; returns the Figure (its axes in PANELS' order)."""
     runs = [read_run(p, rows_too=True) for p in paths]
     differ = differing([s for s, _ in runs])
-    labels = [" ".join(f"--{k} {s['flags'][k]}" for k in differ if k in s["flags"]) or "defaults" for s, _ in runs]
+    labels = [" ".join(f"--{k} {shown(s['flags'][k])}" for k in differ if k in s["flags"]) or "defaults"
+              for s, _ in runs]
     labels = [f"{x} ({Path(s['run']).name})" if labels.count(x) > 1 else x for x, (s, _) in zip(labels, runs)]
     batches = {r["tokens"] for _, rows in runs for r in rows}  # tokens per step
     per_step = next(iter(batches)) if len(batches) == 1 else None  # None: the runs' batches differ
@@ -170,6 +192,11 @@ def plot(paths, out):
             top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
             top.set_xlabel("tokens")
     fig.axes[0].legend(fontsize="small")
+    losses = [tuple(r["loss"] for r in rows) for _, rows in runs]
+    for i, j in itertools.combinations(range(len(runs)), 2):
+        if losses[i] == losses[j]:
+            print(f"note: {labels[i]} and {labels[j]} have the same train loss at every step: "
+                  "their curves coincide (told apart by their line styles)")
     try:
         with atomic_write(out) as f:  # whole or not at all: a full disk leaves no empty file
             fig.savefig(f, format="png", dpi=100)

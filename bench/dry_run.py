@@ -42,9 +42,11 @@ from torch.utils._pytree import tree_leaves
 import config
 import model
 import train
+from bench.compare import expected_mfu
 from config import UsageError
 from data.files import Interrupted, exit_status, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
+from data.metrics import PEAK_TFLOPS
 from data.text import usable_cores
 from parallel import fp8, fsdp, memory
 from parallel.comm import Group
@@ -129,7 +131,21 @@ def main(argv=None):
               f"peaks at {worst.peak / 1e9:.1f} GB, more than {1 - memory.MARGIN:.0%} of the "
               f"{gpu.memory / 1e9:.1f} GB of an {args.gpu}", file=sys.stderr)
         return 2
+    print(speed(reports[0].run, gpu))
     return 0
+
+
+def speed(run, gpu):
+    """How fast the rehearsed command would run: the planner's range for its model, layout and GPU
+    (bench/planner, --code ours), as MFU, tokens/s a GPU and seconds a step."""
+    cfg = model_config(run)
+    mfu = expected_mfu(run, cfg, gpu.name)
+    if mfu is None:
+        return "speed: the planner has no figures for this GPU or layout"
+    per_gpu = [m * PEAK_TFLOPS[gpu.name] * 1e12 / model.flops_per_token(cfg) for m in mfu]
+    step = [run.global_batch * cfg.seq_len / (run.world * t) for t in reversed(per_gpu)]
+    return (f"speed, as the planner predicts it: MFU {mfu[0]:.1%}-{mfu[1]:.1%}, "
+            f"{per_gpu[0]:,.0f}-{per_gpu[1]:,.0f} tokens/s a GPU, {step[0]:.2f}-{step[1]:.2f} s a step")
 
 
 # ---------------------------------------------------------------- one rank per stage

@@ -6,6 +6,7 @@ mem_gb, mem_reserved_gb, comm_gb; val_loss after an evaluation. The run's summar
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,8 +70,8 @@ class StepLog:
                   f"non-embedding), {self.flops_model / self.tokens / 1e6:.1f} MFLOP/token; peak "
                   f"{self.peak / 1e12:.3f} TFLOP/s from {peak_source}; {run.global_batch} x "
                   f"{cfg.seq_len} tokens per step", flush=True)
-        self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps,
-                        disable=self.rank != 0, dynamic_ncols=True)
+        self.bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True,
+                        disable=self.rank != 0 or not sys.stderr.isatty())  # a file: the lines only
 
     def start_step(self):
         self.mesh.stats.reset()  # comm_gb counts this step's traffic only

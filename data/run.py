@@ -30,9 +30,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from data import SaveError, TrainingFailure
+from data.files import Interrupted as StopSignal
 from data.files import (
     cannot_create,
     check_own_file,
+    interruptible,
     lock_folder,
     make_folders,
     os_error_line,
@@ -308,12 +310,17 @@ class RunFolder:
         return stop_run(NonFinite(step, non_finite_step(loss, grad_norm)), self.saver,
                         self.attempts, self.path)
 
-    def interrupted(self):
-        """Ctrl-C: records the attempt; returns a line saying where the run stopped.
-
-        No collective runs; an async save in flight is left to the next resume to remove."""
-        return self._stop(f"interrupted after step {self.step}",
-                          f"interrupted after step {self.step}; the newest save is")
+    def interrupted(self, sig=signal.SIGINT):
+        """Ctrl-C or SIGTERM: records the attempt; returns a line saying where the run stopped and
+        how to go on. No collective runs; an async save in flight is left to the next resume to
+        remove, unless this is the only rank (it waits for its own)."""
+        if self.saver is not None and self.mesh.world == 1:
+            with contextlib.suppress(SaveFailed):
+                self.saver.wait()
+        how = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+        line = self._stop(f"{how} after step {self.step}",
+                          f"{how} after step {self.step}; the newest save is")
+        return line + ("; --resume goes on from it" if not line.endswith(" none") else "")
 
     def stopped(self, what):
         """A collective timed out, or a write failed (`what` names it): records the failure;
@@ -327,6 +334,16 @@ class RunFolder:
         good = last_good_save(self.path)
         self.close()
         return f"{line} {good or 'none'}"
+
+    def finished(self, start, steps):
+        """Whether a resumed run had finished: then it ends here, saying so on rank 0."""
+        if start < steps:
+            return False
+        self.finish()
+        if self.rank == 0:
+            print(f"already finished at step {start}: nothing to train; pass --steps N (N > "
+                  f"{start}) to go on, or another --out (make: RUN=...) for a new run", flush=True)
+        return True
 
     def finish(self):
         """Waits for the last async save, records the attempt as done, releases the folder."""
@@ -453,15 +470,23 @@ def check_fresh_run_folder(run_dir, config=None):
                         f"pass {advice}, or choose another --out")
 
 
-def default_out(preset, flags, resume, root=Path("runs")):
-    """runs/NAME: the preset and the given flags (hashed past 120 characters). A fresh run takes the
-    first of NAME, NAME-2, NAME-3, ... that holds no run; --resume the newest that exists."""
-    shown = [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in flags.items()
-             if k != "model"]
-    name = "-".join([preset] + shown).replace("/", "_")
+def name_part(flag, value):
+    """One flag in a run's name, typed as it reads: steps30, ckpt_full, sp, no-overlap."""
+    if isinstance(value, bool):
+        return flag if value else f"no-{flag}"
+    value = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    return f"{flag}{value}" if isinstance(value, (int, float)) else f"{flag}_{value}"
+
+
+def default_out(preset, flags, resume, world=1, root=Path("runs")):
+    """runs/NAME: the preset, the given flags and the ranks past one (hashed past 120 characters):
+    tiny-steps30-2ranks. A fresh run takes the first of NAME, NAME.2, NAME.3, ... that holds no
+    run; --resume the newest that exists."""
+    shown = [name_part(k, v) for k, v in flags.items() if k != "model"]
+    name = "-".join([preset] + shown + [f"{world}ranks"] * (world > 1)).replace("/", "_")
     if len(name) > 120:
         name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
-    names = [root / name] + [root / f"{name}-{i}" for i in range(2, 10_000)]
+    names = [root / name] + [root / f"{name}.{i}" for i in range(2, 10_000)]
     if resume:
         existing = names[:next(i for i, p in enumerate(names) if not p.exists())]
         return existing[-1] if existing else names[0]
@@ -495,8 +520,12 @@ def saved_layout(run):
 # ---------------------------------------------------------------- how a run ends
 
 class Interrupted(Exception):
-    """Ctrl-C: one line saying where the run stopped and which save is the newest (exit 130)."""
-    exit_status = 130
+    """Ctrl-C or SIGTERM: one line saying where the run stopped, the newest save and how to go on
+    (exit 128 + the signal: 130, 143)."""
+
+    def __init__(self, line, sig=signal.SIGINT):
+        super().__init__(line)
+        self.exit_status = 128 + sig
 
 
 class Hung(TrainingFailure):
@@ -521,27 +550,41 @@ def speaks_for_its_node(error):
 
 
 class CtrlC:
-    """While the loop runs, Ctrl-C ends the step in progress, then stops the run. A second one stops
-    it at once. (Raised at once, the first could land in a finalizer, where Python drops it.) Off
-    the main thread, or where SIGINT was ignored from the start, nothing changes."""
+    """While the loop runs, Ctrl-C or SIGTERM (Slurm's time limit, scancel, timeout, kill) ends the
+    step in progress, then stops the run; `pressed` is the signal. A second one stops it at once.
+    (Raised at once, the first could land in a finalizer, where Python drops it.) Off the main
+    thread, or for a signal ignored from the start, nothing changes."""
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.pressed, self.previous = False, None
+        self.pressed, self.previous = None, {}
 
     def __enter__(self):
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self.previous = signal.signal(signal.SIGINT, self._press)
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._press)
         return self
 
     def _press(self, signum, frame):
         if self.pressed:
             raise KeyboardInterrupt
-        self.pressed = True
+        self.pressed = signal.Signals(signum)
+
+    @property
+    def signal(self):
+        """The signal that stopped the run (Ctrl-C's, unless SIGTERM came first)."""
+        return self.pressed or signal.SIGINT
+
+    @property
+    def terminated(self):
+        """SIGTERM: the job is being ended (a time limit); a run with no peer to agree with on the
+        step saves the one it finished. Ctrl-C is the user's: nothing more is written."""
+        return self.pressed == signal.SIGTERM
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def report_to_launcher(error):
@@ -555,13 +598,18 @@ def report_to_launcher(error):
 
 def run_or_exit(job):
     """job()'s result; or, if it fails as a run can, one line on stderr and its exit status: 2 bad
-    input, 3 a run that failed after it started, 130 Ctrl-C (each error class's exit_status)."""
+    input, 3 a run that failed after it started, 130 Ctrl-C, 143 SIGTERM (each error class's
+    exit_status)."""
     joined = dist.is_initialized()  # a caller's process group (tests) outlives this run
     error = None
     try:
-        return job()
+        with interruptible():  # SIGTERM, SIGHUP: one line too, not a silent end
+            return job()
     except KeyboardInterrupt:
         code, error = 130, "interrupted before training started; nothing was written"
+    except StopSignal as e:
+        code, error = 128 + e.args[0], (f"stopped by {e.args[0].name} before training started; "
+                                        "nothing was written")
     except OSError as e:  # stdout into `head`, or onto a full device
         code, error = 3, os_error_line(e)
     except Exception as e:

@@ -38,6 +38,7 @@ UNIT_BYTES = 1 << 20
 CUT = re.compile(rb"[\x21-\x7e]\n[0-9A-Za-z]")
 SURROGATE = re.compile("[\ud800-\udfff]")
 PREFIX = "text"  # shards are text_train_000000.bin, text_val_000000.bin, ...
+SMALLEST_WINDOW = 257  # the tiny model's sequence and the target after it
 
 
 def plan_units(files, unit_bytes=UNIT_BYTES):
@@ -328,6 +329,10 @@ def prepare_text(paths, out_dir, tokenizer="bytes", val_fraction=0.01, workers=1
     if val_fraction and not counts["val_docs"]:
         print(f"warning: no document fell in the val split (--val-fraction {val_fraction})",
               file=sys.stderr)
+    elif val_fraction and tokens["val"] <= SMALLEST_WINDOW:
+        print(f"warning: the val split holds {tokens['val']:,} tokens, no window of the tiny "
+              f"model's {SMALLEST_WINDOW - 1} and its target: a run that evaluates refuses it "
+              "(raise --val-fraction, or give more text)", file=sys.stderr)
     if counts["replaced"]:
         print(f"warning: {counts['replaced']:,} invalid UTF-8 sequence(s) replaced by U+FFFD",
               file=sys.stderr)

@@ -160,19 +160,21 @@ class Mesh:
         out += [("shard", shard), ("replicate", replicate)]
         return out
 
-    def describe(self, gpus_per_node=8):
-        """For each axis: its degree, the ranks sharing rank 0's group, and the physical scope."""
+    def describe(self, gpus_per_node=8, on_gpus=True):
+        """For each axis: its degree, the ranks sharing rank 0's group, and the physical scope (of
+        GPUs in servers, or of processes in machines)."""
+        each, many, box = ("GPU", "GPUs", "server") if on_gpus else ("process", "processes",
+                                                                     "machine")
         lines = [f"mesh: world {self.world} = dp {self.dp} x pp {self.pp} x cp {self.cp} "
-                 f"x tp {self.tp}"
-                 f" (tp innermost), {gpus_per_node} GPUs per server"]
+                 f"x tp {self.tp} (tp innermost), {gpus_per_node} {many} per {box}"]
         for name, members in self.partitions():
             if name == "world":
                 continue
             g = members[0]
             nodes = {r // gpus_per_node for r in g}
-            scope = "one GPU" if len(g) == 1 else (
-                "inside one server" if len(nodes) == 1 else f"across {len(nodes)} servers")
-            shown = g if len(g) <= 8 else g[:4] + ["..."] + g[-2:]
+            scope = f"one {each}" if len(g) == 1 else (
+                f"inside one {box}" if len(nodes) == 1 else f"across {len(nodes)} {box}s")
+            shown = ", ".join(map(str, g if len(g) <= 8 else g[:4] + ["..."] + g[-2:]))
             lines.append(f"  {name:9s} size {len(g):4d}  {len(members):4d} groups  "
                          f"e.g. ranks {shown}  {scope}")
         return "\n".join(lines)

@@ -140,3 +140,25 @@ def test_plot_never_writes_through_a_link_nor_leaves_an_empty_file(tmp_path, cap
     monkeypatch.setattr(compare.Figure, "savefig", full_disk)
     assert compare.main([str(run), "--plot", str(tmp_path / "new.png")]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "link.png", "notes.png"]
+
+
+def test_runs_of_other_layouts_show_their_ranks_and_layout_and_switches_read_on_or_off(tmp_path, capsys):
+    """Was: a 2-rank DDP run and one process showed identical rows; --sp showed as True."""
+    runs = [write_run(tmp_path / name, flags) for name, flags in (("one", {}), ("two", {}), ("tp", {"sp": True}))]
+    for run, resolved in zip(runs, ({"world": 1, "dp": 1, "dp_mode": "ddp"}, {"world": 2, "dp": 2, "dp_mode": "ddp"},
+                                    {"world": 2, "dp": 1, "dp_mode": "ddp", "tp": 2, "sp": True})):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads(lines[-1])
+        summary["summary"]["resolved"] = resolved
+        (run / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(summary)]) + "\n")
+    assert compare.main([str(r) for r in runs]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| run | ranks | layout | steps |") and lines[0].endswith("| --sp |")
+    assert "| 1 | ddp 1 |" in lines[2] and "| 2 | ddp 2 |" in lines[3] and "| 2 | ddp 1 x tp 2 sp |" in lines[4]
+    assert lines[4].endswith("| on |") and lines[2].endswith("| - |")
+
+
+def test_curves_that_coincide_are_said_to(tmp_path, capsys):
+    runs = [write_run(tmp_path / "a", {"ckpt": "none"}), write_run(tmp_path / "b", {"ckpt": "full"})]
+    assert compare.main([str(r) for r in runs] + ["--plot", str(tmp_path / "p.png")]) == 0
+    assert "note: --ckpt none and --ckpt full have the same train loss at every step" in capsys.readouterr().out

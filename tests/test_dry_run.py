@@ -406,3 +406,12 @@ def test_llama3_8b_on_fsdp_8_peaks_below_torchtitans_step():
     failure, peak, parts = run_ranks(_llama3_8b_fsdp8_peak, 1, init=False, timeout=600)[0]
     assert not failure, failure
     assert peak <= LLAMA3_8B_FSDP8_GB * 1e9, {k: round(v / 1e9, 2) for k, v in parts.items()}
+
+
+def test_a_rehearsal_ends_with_how_fast_the_command_would_run():
+    """Was: it answered "will it fit" only; the speed lived in bench.planner, whose flags are not train.py's."""
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), *MODEL, "--n-layer", "2", "--global-batch", "16",
+                           "--world", "8", "--dry-run"], cwd="/", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("speed, as the planner predicts it: MFU ") and "tokens/s a GPU" in last, done.stdout

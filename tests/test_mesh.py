@@ -51,6 +51,12 @@ def test_describe_names_the_physical_scope_of_each_group():
     assert "inside one server" in lines["tp"]
     assert "across 2 servers" in lines["cp"] and "across 2 servers" in lines["dp"]
     assert "world 64 = dp 2 x pp 2 x cp 2 x tp 8" in text
+    assert "e.g. ranks 0, 1, 2, 3, ..., 14, 15" in Mesh(0, 16, tp=16).describe()  # was [0, 1, 2, 3, '...', 14, 15]
+
+
+def test_describe_on_cpu_speaks_of_processes_not_gpus():
+    text = Mesh(0, 4, tp=2).describe(gpus_per_node=2, on_gpus=False)
+    assert "2 processes per machine" in text and "inside one machine" in text and "GPU" not in text
 
 
 @pytest.mark.parametrize("kwargs, flag", [

@@ -420,3 +420,35 @@ def test_metrics_pointed_at_another_runs_file_is_refused(saved_run, tmp_path, ta
                                                  "first line is no step row or summary): a run appends only to its "
                                                  "own kind; choose another"), err
     assert (theirs / target).read_bytes() == before
+
+
+def test_sigterm_saves_the_step_it_finished_and_says_how_to_go_on(tmp_path):
+    """What Slurm's time limit, scancel, timeout and kill send. Was: the run ended with no line at all, attempts.json
+    still "running", nothing saved since the last --save-every. Now the step in progress finishes, one rank saves it,
+    and the line is Ctrl-C's, exit 143, naming the save --resume goes on from."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", *RUN, "--steps", "2000", "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    line = one_error_line(err)
+    step = int(line.removeprefix("error: stopped by SIGTERM after step ").split(";")[0])
+    assert line == (f"error: stopped by SIGTERM after step {step}; the newest save is {out / f'step_{step:07d}'}; "
+                    "--resume goes on from it"), line
+    assert json.loads((out / "attempts.json").read_text())[-1]["status"] == f"stopped by SIGTERM after step {step}"
+    losses = quiet(train.main, RUN + ["--steps", str(step + 1), "--out", str(out), "--resume"])
+    assert len(losses) == 1  # one step more, from the save
+
+
+def test_a_finished_run_resumed_says_so_and_trains_nothing(tmp_path, capsys):
+    """Was: `make train` a second time drew a full progress bar and stopped, saying nothing."""
+    argv = RUN + ["--steps", "2", "--out", str(tmp_path / "run")]
+    assert len(quiet(train.main, argv)) == 2
+    capsys.readouterr()
+    assert train.main(argv + ["--resume"]) == []
+    out = capsys.readouterr().out
+    assert "already finished at step 2: nothing to train; pass --steps N (N > 2) to go on" in out, out

@@ -12,6 +12,7 @@ import config
 import train
 from bench import compare
 from data.metrics import read_metrics
+from data.run import default_out
 from parallel import memory
 from tests.layouts import BASE
 from tests.test_save_integrity import exit_of, one_error_line
@@ -34,19 +35,19 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def test_back_to_back_runs_get_their_own_folders_and_resume_finds_the_newest(in_tmp):
-    base = "tiny-dtype=fp32-global-batch=4-micro-batch=4-seq-len=32-steps=3-warmup=1"
+    base = "tiny-dtype_fp32-global-batch4-micro-batch4-seq-len32-steps3-warmup1"  # was dtype=fp32-global-batch=4-...
     first, printed = run(FLAGS)
     assert f"run folder: runs/{base}\n" in printed
     second, printed = run(FLAGS)  # the same flags again: a new folder, nothing refused, nothing lost
-    assert f"run folder: runs/{base}-2\n" in printed and second == first
+    assert f"run folder: runs/{base}.2\n" in printed and second == first
     third, printed = run(FLAGS + ["--ckpt", "full"])  # an ablation: its own name
-    assert f"run folder: runs/{base.replace('-dtype', '-ckpt=full-dtype')}\n" in printed
+    assert f"run folder: runs/{base.replace('-dtype', '-ckpt_full-dtype')}\n" in printed
     _, printed = run(FLAGS + ["--resume", "auto"])  # a torchrun restart: the newest folder of that name
-    assert f"run folder: runs/{base}-2\n" in printed
-    attempts = json.loads((in_tmp / "runs" / f"{base}-2" / "attempts.json").read_text())
+    assert f"resumed from runs/{base}.2/step_0000003 (step 3)\nalready finished at step 3" in printed
+    attempts = json.loads((in_tmp / "runs" / f"{base}.2" / "attempts.json").read_text())
     assert [a["resumed_from"] for a in attempts] == [0, 3]
-    assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == sorted([base, f"{base}-2",
-                                                                           base.replace("-dtype", "-ckpt=full-dtype")])
+    assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == sorted([base, f"{base}.2",
+                                                                           base.replace("-dtype", "-ckpt_full-dtype")])
 
 
 def test_every_run_ends_with_one_summary_line_that_compare_reads(in_tmp, capsys):
@@ -114,3 +115,10 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(in_tmp, mon
                                      "--global-batch", "8", "--seq-len", "512"])
     assert code == 2 and "a step needs about" in one_error_line(err) and "of a 24 GB machine" in err, err
     assert not (in_tmp / "big").exists()
+
+
+def test_a_default_name_reads_as_typed_and_tells_the_ranks(tmp_path):
+    """Was tiny-lr=0.001-sp=True, the same for 1 and 2 ranks, and tiny-steps=30-2 for a second fresh run (2 ranks?)."""
+    flags = {"lr": 0.001, "sp": True, "overlap": False, "ckpt": "full", "pp-split": (3, 5)}
+    assert default_out("tiny", flags, False, 1, tmp_path).name == "tiny-lr0.001-sp-no-overlap-ckpt_full-pp-split_3,5"
+    assert default_out("tiny", {"steps": 30}, False, 2, tmp_path).name == "tiny-steps30-2ranks"

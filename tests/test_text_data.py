@@ -329,3 +329,13 @@ def test_a_corpus_that_is_one_long_line_costs_linear_time(tmp_path, suffix):
         tokens.append(np.concatenate([read_shard(p) for p in sorted((tmp_path / f"w{workers}").glob("*.bin"))]))
     assert np.array_equal(tokens[0], tokens[1])
     assert bytes(tokens[0][tokens[0] < 256].astype(np.uint8)).decode("utf-8") == text
+
+
+def test_a_val_split_no_window_fits_is_said_when_it_is_written(tmp_path, capsys):
+    """Was: a small corpus's 95-token val split was written without a word, and refused by training later."""
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps({"text": f"doc {i} says hello"}) + "\n"
+                                                  for i in range(200)))
+    code, err = run_text([tmp_path / "small.jsonl", "--val-fraction", "0.03", "--out", tmp_path / "out"], capsys)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert code == 0 and 0 < meta["val_tokens"] <= 257, meta
+    assert f"warning: the val split holds {meta['val_tokens']:,} tokens, no window of the tiny model's 256" in err

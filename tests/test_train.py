@@ -17,7 +17,7 @@ import model
 import train
 from bench.ranks import free_port
 from data.metrics import read_metrics
-from parallel import ckpt
+from parallel import ckpt, memory
 from tests.layouts import BASE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,9 +266,18 @@ def test_build_says_in_one_line_each_parallelism_and_layer_it_applied(flags, wor
 def test_cuda_grows_its_segments_in_place_unless_the_user_configured_the_allocator():
     """Was: the allocator's fixed-size segments, whose fragmentation the fit check's margin must hold."""
     env = {}
-    train.expandable_segments(env)
+    memory.expandable_segments(env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         env = {name: "max_split_size_mb:128"}
-        train.expandable_segments(env)
+        memory.expandable_segments(env)
         assert env == {name: "max_split_size_mb:128"}
+
+
+def test_stderr_into_a_file_gets_no_progress_bar(tmp_path):
+    """Was: the bar's carriage returns filled a log file (`2> train.log`, Slurm's output) beside the log lines."""
+    with open(tmp_path / "err", "w") as err:
+        subprocess.run([sys.executable, "train.py", *BASE, "--steps", "20", "--log-every", "5", "--out",
+                        str(tmp_path / "run")], cwd=Path(__file__).resolve().parent.parent, stderr=err,
+                       stdout=subprocess.PIPE, check=True, timeout=300)
+    assert b"\r" not in (tmp_path / "err").read_bytes()

@@ -11,9 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 import model
+from bench.dry_run import GPUS, FakeCUDA, FakeGPUs, FakeWorld
 from bench.ranks import run_ranks
+from bench.vs_peers import LAYOUTS, fsdp2
+from bench.vs_peers.columns import PeerLedger
 from parallel import ckpt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,12 +76,6 @@ def test_the_counts_are_the_models_flops_and_ours_is_the_leanest(counted):
 
 def _both_counters(rank, world):
     """(the rehearsal's ledger, torch's FSDPMemTracker): step 2's peak of the FSDP2 column at 8B FSDP 8."""
-    import torch
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from bench.dry_run import GPUS, FakeCUDA, FakeGPUs, FakeWorld
-    from bench.vs_peers import LAYOUTS, fsdp2
-    from bench.vs_peers.columns import PeerLedger
     with FakeGPUs(GPUS["h100"], 8), FakeWorld(0, 8), FakeCUDA(), PeerLedger() as ledger:
         peer = fsdp2.build(LAYOUTS["8b-fsdp8"], 0, 8)
         ledger.know_peer(peer)

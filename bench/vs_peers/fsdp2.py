@@ -25,6 +25,11 @@ import model
 from bench.vs_peers.fake import HostMeshes, SubclassesFirst, host_streams
 from parallel.ckpt import keep_op_outputs
 
+try:  # requirements-dev.txt; without it, this column says so
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+except ImportError:
+    AttentionInterface = LlamaConfig = LlamaForCausalLM = None
+
 TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
@@ -33,15 +38,12 @@ TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwisePar
 
 def available():
     """None, or why this column cannot run (one line)."""
-    try:
-        import transformers  # noqa: F401 - only asked whether it imports
-    except ImportError:
+    if LlamaForCausalLM is None:
         return "transformers is not installed (make install-dev installs requirements-dev.txt)"
     return None
 
 
 def llama_config(cfg):
-    from transformers import AttentionInterface, LlamaConfig
     AttentionInterface.register("causal_sdpa", causal_sdpa)
     return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                        intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layer,
@@ -83,7 +85,6 @@ def build(layout, rank, world):
 
 def made(cfg, layout, world):
     """(model, optimizer) on fake CUDA, sharded and checkpointed as the layout says."""
-    from transformers import LlamaForCausalLM
     mesh = init_device_mesh("cuda", (world // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         net = LlamaForCausalLM(llama_config(cfg))

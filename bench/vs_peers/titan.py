@@ -15,12 +15,26 @@ PYTHONPATH beside .venv and runs on .venv's torch (`make vs-peers` installs it a
     .venv/bin/python -m pip install --no-deps --target .torchtitan -r requirements-torchtitan.txt
     PYTHONPATH=.torchtitan .venv/bin/python -m bench.vs_peers --columns torchtitan
 """
+from importlib.metadata import PackageNotFoundError, version
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from bench.vs_peers.fake import HostMeshes, SubclassesFirst, host_streams
+
+try:  # requirements-torchtitan.txt, installed by make vs-peers; without it, the column says so
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.param_init import skip_param_init
+    from torchtitan.models.llama3 import config_registry, model_registry
+    from torchtitan.protocols.module import Module
+    MISSING = None
+except ImportError as e:
+    MISSING = e.name
 
 VERSION = "0.3.0"
 FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
@@ -32,13 +46,13 @@ NO_PP = ("torchtitan's pipelining cannot step on fake tensors: torch 2.13's Pipe
 
 def available():
     """None, or why this column cannot run (one line)."""
-    from importlib.metadata import PackageNotFoundError, version
+    if MISSING:
+        return (f"torchtitan is not installed ({MISSING} does not import): make vs-peers installs "
+                "it from requirements-torchtitan.txt")
     try:
-        from torchtitan.models.llama3 import config_registry  # noqa: F401 - imports or not
         installed = version("torchtitan")
-    except (ImportError, PackageNotFoundError) as e:
-        return (f"torchtitan is not installed ({getattr(e, 'name', None) or e} does not import): "
-                "make vs-peers installs it from requirements-torchtitan.txt")
+    except PackageNotFoundError:
+        installed = "without its metadata"
     if installed != VERSION:
         return f"torchtitan {installed} is installed; this column runs {VERSION}"
     return None
@@ -46,10 +60,6 @@ def available():
 
 def run_config(layout):
     """torchtitan's Trainer.Config of its published 8B run, set to the layout and its model."""
-    from torchtitan.config import CompileConfig, ParallelismConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import config_registry, model_registry
 
     config = config_registry.llama3_8b()
     config.model_spec = model_registry(FLAVORS[layout.model])
@@ -70,8 +80,6 @@ def run_config(layout):
 
 def skip_values(model):
     """Every parameter's initializer made a no-op: fake tensors hold no values to draw."""
-    from torchtitan.models.common.param_init import skip_param_init
-    from torchtitan.protocols.module import Module
 
     for m in model.modules():
         if isinstance(m, Module):
@@ -100,8 +108,6 @@ def made(config, dims):
 def build(layout, rank, world):
     """The peer of `layout` on this rank (inside FakeGPUs, FakeWorld and FakeCUDA): its model,
     optimizers and one training step as torchtitan's Trainer.train_step takes it."""
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
 
     if layout.pp > 1:
         raise NotImplementedError(NO_PP)
