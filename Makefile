@@ -36,7 +36,7 @@ install-dev: $(VENV)/.dev
 data/pystdlib/meta.json: | install
 	$(PY) -m data.prepare pystdlib
 
-# CPU: the tiny model on the offline corpus for about 5 minutes. GPU node: the small model on every GPU, bf16,
+# CPU: the tiny model on the offline corpus for about 3.5 minutes. GPU node: the small model on every GPU, bf16,
 # compiled, on FineWeb (GPT-2 tokens) where the network reaches it, else on the offline corpus, saying why.
 train: install
 ifeq ($(NGPU),0)
