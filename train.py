@@ -400,7 +400,7 @@ def train(run):
                     raise KeyboardInterrupt
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
-        raise Interrupted(folder.interrupted(ctrl_c.signal), ctrl_c.signal) from None
+        raise Interrupted(folder.interrupted(ctrl_c.stop_signal), ctrl_c.stop_signal) from None
     except RuntimeError as e:
         if not timed_out(e):
             raise

@@ -572,7 +572,7 @@ class CtrlC:
         self.pressed = signal.Signals(signum)
 
     @property
-    def signal(self):
+    def stop_signal(self):
         """The signal that stopped the run (Ctrl-C's, unless SIGTERM came first)."""
         return self.pressed or signal.SIGINT
 
