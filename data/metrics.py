@@ -151,9 +151,17 @@ class StepLog:
 
 
 def read_metrics(path):
-    """(the step rows of a --metrics file, the summaries of the runs that wrote it, newest last)."""
+    """(the step rows of a --metrics file's newest run, the summaries of its attempts, newest last).
+    Runs that shared the file (--metrics) are not spliced: the newest's rows follow the last
+    summary another run folder wrote."""
     lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in lines if "summary" not in r], [r["summary"] for r in lines if "summary" in r]
+    ends = [(i, r["summary"]) for i, r in enumerate(lines) if "summary" in r]
+    last = ends[-1][1] if ends else None
+    newest = last.get("run") if isinstance(last, dict) else None
+    others = [i + 1 for i, s in ends if isinstance(s, dict) and s.get("run") != newest]
+    start = max(others, default=0)
+    return ([r for r in lines[start:] if "summary" not in r],
+            [s for i, s in ends if i >= start])
 
 
 def run_summary(rows, wall_s, out, flags, target_loss=None):

@@ -162,3 +162,12 @@ def test_curves_that_coincide_are_said_to(tmp_path, capsys):
     runs = [write_run(tmp_path / "a", {"ckpt": "none"}), write_run(tmp_path / "b", {"ckpt": "full"})]
     assert compare.main([str(r) for r in runs] + ["--plot", str(tmp_path / "p.png")]) == 0
     assert "note: --ckpt none and --ckpt full have the same train loss at every step" in capsys.readouterr().out
+
+
+def test_two_runs_that_shared_one_metrics_file_are_not_spliced(tmp_path):
+    """Was: --metrics shared by two runs drew one curve, the second run's steps over the first's."""
+    a, b = write_run(tmp_path / "a", {}, loss0=5.0), write_run(tmp_path / "b", {}, loss0=3.0, steps=10)
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text((a / "metrics.jsonl").read_text() + (b / "metrics.jsonl").read_text())
+    summary, rows = compare.read_run(shared, rows_too=True)
+    assert summary["run"] == str(b) and len(rows) == 10 and rows[0]["loss"] == 3.0
