@@ -12,13 +12,12 @@ from bench.planner.factors import OURS, REFERENCE, vary
 from bench.planner.layout import Cluster, Layout, Shape, parse_layout
 from bench.planner.plan import error_bars
 from bench.planner.search import evaluate
-from bench.planner.step_time import rates, shape_step_time
+from bench.planner.step_time import rates, recomputed_share, shape_step_time
 from model import PRESETS, flops_per_token
 
 PEAK = 989.0  # H100 SXM dense bf16 TF/s, the peak torchtitan's and Llama 3's MFU divide by
 LLAMA31_8B = PRESETS["llama3-8b"]  # Llama 3.1 8B's shape
-_ATTN, _KV = LLAMA31_8B.n_head * LLAMA31_8B.head_dim, LLAMA31_8B.n_kv_head * LLAMA31_8B.head_dim
-SAC_SHARE = (_KV + _ATTN + LLAMA31_8B.ffn_dim) / (2 * _ATTN + 2 * _KV + 3 * LLAMA31_8B.ffn_dim)  # (k + o + up) / all
+SAC_SHARE = recomputed_share(LLAMA31_8B, "op")  # (k + o + up) / all of a block's matmuls
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: (GPUs, tokens/s per GPU eager, compiled)
 TORCHTITAN = [(8, 5762, 6667), (128, 5605, 6514)]
 TITAN_LAYOUT = "dp_mode=fsdp,micro=2,ckpt=selective"
