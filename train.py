@@ -14,6 +14,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from signal import SIGINT, SIGTERM
 
 import torch
 import torch.distributed as dist
@@ -209,8 +210,7 @@ def lr_at(step, lr, min_lr, warmup, total, warmdown=None):
     """Linear warmup from lr/warmup to lr in `warmup` steps, then a decay to min_lr at `total`.
 
     warmdown None: cosine from the end of the warmup. warmdown K (warmup-stable-decay): lr until
-    the last K steps, then linear to min_lr. A longer `total` lengthens the stable part.
-    """
+    the last K steps, then linear to min_lr. A longer `total` lengthens the stable part."""
     if step < warmup:
         return lr * (step + 1) / warmup
     if warmdown is not None:
@@ -256,22 +256,20 @@ class LossScaler:
 
 
 @torch.no_grad()
-def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, bad_losses=None):
+def unscale_and_clip(grads_and_replicas, world_group, loss_scale, max_norm, votes):
     """Divides the gradients by the loss scale and clips them to max_norm (0: no clipping).
 
-    One pass, with no branch on a device value. Returns (norm, bad). norm: the pre-clip norm of
-    the unscaled gradients, inf or nan if any gradient anywhere overflowed. bad: how many ranks
-    had `bad_losses` 1, a loss that was not finite."""
+    One pass, with no branch on a device value. Returns (norm, votes). norm: the pre-clip norm of
+    the unscaled gradients, inf or nan if any gradient anywhere overflowed. votes: each rank's
+    counts (a vector) summed over the world on the norm's all-reduce."""
     grads = [g for g, _ in grads_and_replicas]
-    local_bad = bad_losses if bad_losses is not None else torch.zeros(
-        (), device=grads[0].device if grads else "cpu")
-    scaled_norm, bad = global_grad_norm(grads_and_replicas, world_group, also_sum=local_bad)
+    scaled_norm, votes = global_grad_norm(grads_and_replicas, world_group, also_sum=votes)
     norm = scaled_norm / loss_scale
     coef = 1 / loss_scale
     if max_norm > 0:
         coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, coef)
-    return norm, bad
+    return norm, votes
 
 
 # ---------------------------------------------------------------- the step
@@ -301,28 +299,30 @@ def forward_backward(trainer, x, y, total=None, backward=True):
     return total
 
 
-def train_step(trainer, x, y, lr, grad_clip):
+def train_step(trainer, x, y, lr, grad_clip, stop=None):
     """One optimizer step with no host read. Returns, on the device, this rank's share of the loss
-    and the step's health: [global gradient norm, 1 if fp16 overflowed, ranks with a bad loss]."""
+    and the step's health: [global gradient norm, 1 if fp16 overflowed, ranks with a bad loss,
+    ranks sent Ctrl-C, ranks sent SIGTERM]. stop: the signal this rank was sent, or None."""
     for group in trainer.opt.param_groups:
         group["lr"] = lr
     loss = forward_backward(trainer, x, y)
-    return loss, optimizer_step(trainer, loss, grad_clip)
+    return loss, optimizer_step(trainer, loss, grad_clip, stop)
 
 
-def optimizer_step(trainer, loss, grad_clip):
+def optimizer_step(trainer, loss, grad_clip, stop=None):
     """The gradient sync, the clip by the global norm, AdamW (skipped on an fp16 overflow), the
     loss scale's update, the gradients zeroed. Returns the step's health on the device."""
     t = trainer
     t.wrapper.finish_grad_sync()  # waits for the reductions in flight, averages over dp x cp
-    bad_loss = (~torch.isfinite(loss)).float()
-    grad_norm, bad_losses = unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group,
-                                             t.scaler.scale, grad_clip, bad_loss)
+    votes = torch.stack([(~torch.isfinite(loss)).float(), loss.new_full((), stop == SIGINT),
+                         loss.new_full((), stop == SIGTERM)])  # every rank stops on the same step
+    grad_norm, votes = unscale_and_clip(t.wrapper.grads_for_norm(), t.mesh.world_group,
+                                        t.scaler.scale, grad_clip, votes)
     overflow = (~torch.isfinite(grad_norm)).float()
     adamw_step(t.opt, overflow if t.scaler.enabled else None)
     t.scaler.update(overflow)
     t.wrapper.zero_grad()
-    return torch.stack([grad_norm, overflow, bad_losses])
+    return torch.cat([torch.stack([grad_norm, overflow]), votes])
 
 
 @torch.no_grad()
@@ -373,7 +373,7 @@ def train(run):
                 t0 = log.start_step()
                 x, y = loader.get(step)
                 lr = lr_at(step, run.lr, run.min_lr, run.warmup, run.steps, run.warmdown)
-                local_loss, health = train_step(trainer, x, y, lr, run.grad_clip)
+                local_loss, health = train_step(trainer, x, y, lr, run.grad_clip, ctrl_c.pressed)
                 loss = replica_mean(local_loss, mesh)
                 row = log.end_step(step, loss, health, trainer, t0, loader.wait_s)  # 1 host read
                 overflow = not math.isfinite(row["grad_norm"])  # fp16's scaler skips such a step
@@ -386,7 +386,9 @@ def train(run):
                     row["val_loss"] = evaluate(trainer, val_loader, run.eval_batches)
                     if first:
                         mesh.set_timeout(run.timeout)
-                if (run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps:
+                stop = ctrl_c.agreed(row.pop("stop_votes"), run.world)  # the same on every rank
+                due = run.save_every and (step + 1) % run.save_every == 0
+                if due or step + 1 == run.steps or stop == SIGTERM:  # SIGTERM: a time limit
                     row["save_stall_s"] = folder.save(step + 1, trainer.wrapper, trainer.opt,
                                                       trainer.scaler)
                 folder.progress(step + 1)
@@ -394,10 +396,8 @@ def train(run):
                 profiler.step()
                 if step + 1 - start == STARTUP_STEPS:
                     mesh.set_timeout(run.timeout)  # compiled, every stage warm: a hang now is real
-                if ctrl_c.pressed:
-                    if ctrl_c.terminated and run.world == 1 and "save_stall_s" not in row:
-                        folder.save(step + 1, trainer.wrapper, trainer.opt, trainer.scaler)
-                    raise KeyboardInterrupt
+                if stop:
+                    raise Interrupted(folder.interrupted(stop, agreed=True), stop)
         folder.finish()  # waits for the last async save
     except KeyboardInterrupt:
         raise Interrupted(folder.interrupted(ctrl_c.stop_signal), ctrl_c.stop_signal) from None

@@ -85,7 +85,7 @@ class StepLog:
         values = [health, trainer.scaler.scale.reshape(1), loss.reshape(1)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer step has finished: dt_s covers it
-        grad_norm, overflow, bad_losses, scale, loss = torch.cat(values).tolist()
+        grad_norm, overflow, bad_losses, sigint, sigterm, scale, loss = torch.cat(values).tolist()
         dt, world = time.perf_counter() - t0, self.mesh.world
         mfu = self.flops_model / dt / world / self.peak if self.peak else None
         hfu = self.flops_hw / dt / world / self.peak if self.peak else None
@@ -95,7 +95,7 @@ class StepLog:
                **(self.cpu_memory.gb() if self.cpu_memory else cuda_memory_gb(self.device)),
                "comm_gb": self.mesh.stats.total_bytes / 1e9, "input_s": input_s,
                "comm_wait_s": self.mesh.stats.wait_s, "pp_wait_s": self.mesh.stats.idle_s,
-               "bad_losses": bad_losses}
+               "bad_losses": bad_losses, "stop_votes": (sigint, sigterm)}
         if trainer.scaler.enabled:
             row.update(loss_scale=scale, skipped=bool(overflow))  # the scale after this step
         return row

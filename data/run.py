@@ -310,11 +310,11 @@ class RunFolder:
         return stop_run(NonFinite(step, non_finite_step(loss, grad_norm)), self.saver,
                         self.attempts, self.path)
 
-    def interrupted(self, sig=signal.SIGINT):
+    def interrupted(self, sig=signal.SIGINT, agreed=False):
         """Ctrl-C or SIGTERM: records the attempt; returns a line saying where the run stopped and
-        how to go on. No collective runs; an async save in flight is left to the next resume to
-        remove, unless this is the only rank (it waits for its own)."""
-        if self.saver is not None and self.mesh.world == 1:
+        how to go on. Where every rank agreed to stop here (or there is one), an async save in
+        flight is awaited; else no collective runs, and the next resume removes it."""
+        if self.saver is not None and (agreed or self.mesh.world == 1):
             with contextlib.suppress(SaveFailed):
                 self.saver.wait()
         how = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
@@ -551,7 +551,8 @@ def speaks_for_its_node(error):
 
 class CtrlC:
     """While the loop runs, Ctrl-C or SIGTERM (Slurm's time limit, scancel, timeout, kill) ends the
-    step in progress, then stops the run; `pressed` is the signal. A second one stops it at once.
+    step in progress (or the next: every rank stops after the same one), then stops the run;
+    `pressed` is the signal. A second one stops it at once.
     (Raised at once, the first could land in a finalizer, where Python drops it.) Off the main
     thread, or for a signal ignored from the start, nothing changes."""
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -576,11 +577,14 @@ class CtrlC:
         """The signal that stopped the run (Ctrl-C's, unless SIGTERM came first)."""
         return self.pressed or signal.SIGINT
 
-    @property
-    def terminated(self):
-        """SIGTERM: the job is being ended (a time limit); a run with no peer to agree with on the
-        step saves the one it finished. Ctrl-C is the user's: nothing more is written."""
-        return self.pressed == signal.SIGTERM
+    def agreed(self, votes, world):
+        """The signal every rank stops on after this step, or None: from the step's votes, the
+        ranks sent Ctrl-C and SIGTERM summed over the world (train_step), so every rank stops on
+        the same step; SIGTERM wins, and then the step is saved. One process needs no vote."""
+        if world == 1:
+            return self.pressed
+        sigint, sigterm = votes
+        return signal.SIGTERM if sigterm else signal.SIGINT if sigint else None
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():

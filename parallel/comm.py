@@ -260,21 +260,23 @@ def all_reduce_max(group, value, device="cpu"):
 # ---------------------------------------------------------------- scalars over the world
 
 def global_grad_norm(grads_and_replicas, world_group, also_sum=None):
-    """The L2 norm of the full gradient, or (norm, also_sum summed over the world).
-    Each entry is (grad, r): a tensor this rank holds and r, the ranks holding the same copy."""
+    """The L2 norm of the full gradient, or (norm, also_sum summed over the world): a vector of
+    per-rank counts rides on the same all-reduce. Each entry of grads_and_replicas is (grad, r):
+    a tensor this rank holds and r, the ranks holding the same copy."""
     by_replicas = defaultdict(list)
     for g, replicas in grads_and_replicas:
         by_replicas[replicas].append(g)
     device = next((g.device for g, _ in grads_and_replicas), torch.device("cpu"))
-    sums = torch.zeros(2, device=device, dtype=torch.float32)  # [sum of squares, also_sum]
+    extra = 0 if also_sum is None else also_sum.numel()
+    sums = torch.zeros(1 + extra, device=device, dtype=torch.float32)  # [sum of squares, *also_sum]
     for replicas, grads in by_replicas.items():
         sums[0] += torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum() / replicas
     if also_sum is not None:
-        sums[1] = also_sum
+        sums[1:] = also_sum.reshape(-1)
     if world_group.size > 1:
-        dist.all_reduce(sums, group=world_group.pg)  # two scalars: not counted as traffic
+        dist.all_reduce(sums, group=world_group.pg)  # a few scalars: not counted as traffic
     norm = sums[0].sqrt()
-    return norm if also_sum is None else (norm, sums[1])
+    return norm if also_sum is None else (norm, sums[1:])
 
 
 def replica_mean(local_loss, mesh):

@@ -80,6 +80,36 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     assert [losses[step][-1] for step in range(1, 9)] == uninterrupted
 
 
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves_it(tmp_path):
+    """Was: the signalled rank stopped alone after its step and saved nothing (a save needs every rank); its peer
+    went on into a collective no one answered. Now the ranks' votes ride on the step's norm all-reduce: both stop
+    after the same step, save it together and name it; a resume goes on from it."""
+    run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--monitor-interval", "0.2", "train.py", *BASE, "--steps", "2000", "--out", str(run),
+           "--metrics", str(metrics)]
+    agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while max(steps_logged(metrics), default=0) < 2 and agent.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(workers(agent.pid)[1], signal.SIGTERM)  # rank 1 alone, as `kill` of one worker sends it
+        output, _ = agent.communicate(timeout=120)
+    finally:
+        agent.kill()
+    lines = [line for line in output.splitlines() if line.startswith("error: stopped by SIGTERM")]
+    assert lines, output[-4000:]
+    step = int(lines[0].removeprefix("error: stopped by SIGTERM after step ").split(";")[0])
+    assert lines[0] == (f"error: stopped by SIGTERM after step {step}; the newest save is "
+                        f"{run / f'step_{step:07d}'}; --resume goes on from it"), output[-4000:]
+    assert (run / f"step_{step:07d}" / "complete").exists()  # both ranks' pieces, finalized
+    assert json.loads((run / "attempts.json").read_text())[-1]["status"] == f"stopped by SIGTERM after step {step}"
+    assert steps_logged(metrics)[-1] == step
+    losses = quiet(train.main, BASE + ["--steps", str(step + 1), "--out", str(run), "--metrics", str(metrics),
+                                       "--resume"])
+    assert len(losses) == 1  # one step more, from that save (in one process: loading is resharding)
+
+
 def failing_loss(monkeypatch, at_call, error=None):
     """The model's loss becomes nan (or raises `error`) on its at_call-th call (one call per step here)."""
     calls = []

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from bench.planner import ours
 from bench.planner.costs import collectives
-from bench.planner.factors import FACTORS, REFERENCE
+from bench.planner.factors import FACTORS, REFERENCE, ranges, vary
 from bench.planner.layout import BUCKET_MB, G_B, GB, Shape, shard_size
 from model import flops_per_token
 from parallel.ckpt import recomputed_layers
@@ -95,7 +95,7 @@ def gloo_rs(cl, S):
 
 
 def clip_norm(cl, lay):
-    """The clip's all-reduce of two floats over the world, blocking, once per step (optim.global_grad_norm): 2*log2
+    """The clip's all-reduce of a few floats over the world, blocking, once per step (optim.global_grad_norm): 2*log2
     of the world latency steps, over the network once the world spans nodes."""
     world = lay.tp * lay.cp * lay.pp * lay.dp
     lat = cl.lat_intra_us if world <= cl.gpus_per_node else cl.lat_inter_us
@@ -347,3 +347,21 @@ def shape_step_time(s, cl):
     redone = cfg.n_layer if lay.ckpt == "full" else recomputed_layers(cfg, lay.ckpt) if lay.ckpt == "op" else 0
     out["hfu"] = flops_per_token(cfg, s.seq, redone) * tokens / (cl.gpus * peak * out["total"])
     return out
+
+
+def error_bars(cfg, cl, lay, seq, batch, code, measured=()):
+    """{"all": (MFU with every factor at its pessimistic end, at its optimistic end), factor: (the same, that factor
+    alone)}, over factors.ranges of `code` (less the measured ones)."""
+    base = cl.factors or FACTORS[code]
+    spans = ranges(code, measured, lay.fp8)
+
+    def mfu(f):
+        return step_time(cfg, replace(cl, factors=f), lay, seq, batch, code)["mfu"]
+    out = {"all": []}
+    for end in (0, 1):
+        every = base
+        for name, span in spans.items():
+            every = vary(every, name, span[end])
+        out["all"].append(mfu(every))
+    out.update({name: tuple(mfu(vary(base, name, span[end])) for end in (0, 1)) for name, span in spans.items()})
+    return {k: tuple(v) for k, v in out.items()}
