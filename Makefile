@@ -45,7 +45,7 @@ ifeq ($(NGPU),0)
 		--eval-every 100 --log-every 50 --save-every 100 --out $(RUN) --metrics $(RUN)/metrics.jsonl --resume auto
 else
 	data=$$($(PY) -m data.prepare fineweb10b --shards $(SHARDS) --fallback pystdlib --print-folder) && \
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NGPU) train.py --data $$data --model small \
+	$(PY) -m parallel.launch --standalone --nproc_per_node $(NGPU) train.py --data $$data --model small \
 		--dtype bf16 --compile --steps 2000 --global-batch $$((32 * $(NGPU))) --micro-batch 16 --lr 1e-3 \
 		--min-lr 1e-4 --warmup 100 --eval-every 250 --log-every 50 --save-every 500 --out $(RUN) \
 		--metrics $(RUN)/metrics.jsonl --resume auto
@@ -54,7 +54,7 @@ endif
 gpt2: install
 	@if [ "$(NGPU)" = 0 ]; then echo "make gpt2: needs the GPUs of a node; none is visible" >&2; exit 2; fi
 	data=$$($(PY) -m data.prepare fineweb10b --shards 52 --print-folder) && \
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NGPU) train.py --data $$data $(GPT2) \
+	$(PY) -m parallel.launch --standalone --nproc_per_node $(NGPU) train.py --data $$data $(GPT2) \
 		--out runs/gpt2 --resume auto
 
 sample: install

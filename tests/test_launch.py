@@ -3,11 +3,14 @@ two `torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint 
 one per "node", over loopback; their dp 2 x cp 2 run logs the same losses as one process."""
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench.labs import clean_exits as exits
 from bench.ranks import free_port
@@ -66,7 +69,7 @@ def test_two_torchrun_launchers_over_loopback_equal_one_process(tmp_path):
     assert launched.returncode == 0, out + logs[-6000:]
     assert single.returncode == 0, single_out
     command = (tmp_path / "command").read_text()
-    assert (f".venv/bin/python -m torch.distributed.run --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d "
+    assert (f".venv/bin/python -m parallel.launch --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d "
             f"--rdzv-endpoint 127.0.0.1:{env['RDZV_PORT']} --rdzv-id test --max-restarts 3 train.py") in command
     assert "mesh: world 4 = dp 2 x pp 1 x cp 2 x tp 1" in logs
     got, expected = read_losses(tmp_path / "launched.jsonl"), read_losses(tmp_path / "single.jsonl")
@@ -119,3 +122,31 @@ def test_under_torchrun_our_error_line_ends_the_console(tmp_path):
     assert done.returncode == 1
     tail = [line.strip() for line in done.stderr.strip().splitlines()[-3:]]
     assert tail[-2] == "traceback : error: --tp: tp·pp·cp = 3·1·1 = 3 does not divide the world size 2", tail
+
+
+LAUNCH = [sys.executable, "-m", "parallel.launch", "--standalone", "--nproc_per_node", "2", "train.py"]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_launched_job_stopped_ends_on_our_line_with_one_processs_status(tmp_path, sig):
+    """Ctrl-C (a terminal's SIGINT to the job) or SIGTERM (Slurm's time limit) to the launcher. Was, under torchrun:
+    our line, then torchrun's traceback of the signal, exit 1. Now our line ends it, exit 130 or 143."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*LAUNCH, *BASE, "--steps", "2000", "--out", str(run)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, sig) and "Traceback" not in err, err[-3000:]
+    how = "interrupted" if sig == "SIGINT" else "stopped by SIGTERM"
+    assert err.strip().splitlines()[-1].startswith(f"error: {how} after step "), err[-3000:]
+
+
+def test_a_launched_job_that_fails_exits_with_the_workers_status(tmp_path):
+    """Was, under torchrun: exit 1 for every failure, after its report. Now the worker's own: 2 for bad input."""
+    done = subprocess.run([*LAUNCH, "--model", "tiny", "--steps", "2", "--tp", "3", "--device", "cpu",
+                           "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("error: --tp: tp·pp·cp = 3·1·1 = 3 does not divide the world size 2") == 1, done.stderr

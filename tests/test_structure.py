@@ -155,8 +155,8 @@ def test_launchers_call_python_modules_not_console_scripts_the_venv_may_not_own(
         for script in ("torchrun", "pytest", "ruff"):
             called = [line for line in lines if re.search(rf"(bin/|^\s*|&&\s*){script}\b", line)]
             assert not called, f"{name} calls the {script} script: {called}"
-    assert "-m torch.distributed.run" in (REPO / "Makefile").read_text()
-    assert "-m torch.distributed.run" in (REPO / "bench" / "cluster" / "train.sbatch").read_text()
+    assert "-m parallel.launch" in (REPO / "Makefile").read_text()
+    assert "-m parallel.launch" in (REPO / "bench" / "cluster" / "train.sbatch").read_text()
 
 
 ENTRY_BUDGET = {"train.py": 450, "model.py": 430, "config.py": 320, "sample.py": 200}  # a reader holds each in mind
