@@ -13,24 +13,17 @@ from types import SimpleNamespace
 
 from bench import common
 from bench.common import markdown_table
-from bench.planner.layout import Cluster, Layout, invalid
-from bench.planner.plan import error_bars
+from bench.planner.command import expected_mfu
 from config import UsageError
 from data.files import atomic_write
-from data.metrics import PEAK_TFLOPS, read_metrics
+from data.metrics import read_metrics
 from model import ModelConfig
-from parallel import ckpt
-from parallel.pp_schedule import chunks_per_rank
 
 try:  # a tooling dependency (requirements-dev.txt); the table needs none
     from matplotlib.figure import Figure
 except ImportError:
     Figure = None
 
-# What the planner needs of a GPU besides its peak: (memory GB, HBM TB/s, NVLink GB/s a direction)
-SPECS = {"NVIDIA H100 80GB HBM3": (80, 3.35, 450), "NVIDIA H200": (141, 4.8, 450),
-         "NVIDIA H800": (80, 3.35, 200), "NVIDIA A100-SXM4-80GB": (80, 2.04, 300),
-         "NVIDIA A100-SXM4-40GB": (40, 1.56, 300)}
 NUMBER = (int, float)
 # what a summary holds (train.run_summary), and its types
 SUMMARY = {"run": (str,), "steps": (int,), "loss": NUMBER, "val_loss": NUMBER + (type(None),),
@@ -111,28 +104,6 @@ def table(paths):
         number(s["mfu"], ".1%"), number(s["mem_gb"], ".3f"), number(s["wall_s"], ".0f")]
             + [shown(s["flags"].get(k, "-")) for k in differ] for s, where in zip(summaries, layouts)]
     return header, rows
-
-
-def expected_mfu(run, cfg, gpu):
-    """[pessimistic, optimistic] MFU the planner predicts for this model, layout and GPU (its
-    factors' range, --code ours), or None: a CPU, a GPU it has no figures for, a layout it does
-    not price. run: the resolved run, as config.Run or its summary's record."""
-    spec, peak = SPECS.get(gpu), (run.peak_tflops or PEAK_TFLOPS.get(gpu, 0)) * 1e12
-    if spec is None or not peak:
-        return None
-    hbm_gb, hbm_tbs, nvlink_gbs = spec
-    cluster = Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=hbm_gb,
-                      peak_tflops=peak / 1e12, intra_gbs=nvlink_gbs, hbm_tbs=hbm_tbs)
-    kind = ckpt.parse(run.ckpt)[0]
-    layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, dp_mode=run.dp_mode,
-                    shard=(run.dp_shard or 0) * run.cp, micro=run.micro_batch,
-                    ckpt=kind if kind in ("none", "selective", "op") else "full", schedule=run.pp_schedule,
-                    V=chunks_per_rank(run.pp_schedule, run.pp_virtual) if run.pp > 1 else 1,
-                    cp_mode=run.cp_mode, sp=run.sp, overlap=run.overlap, accumulate=run.accumulate,
-                    fp8=run.dtype == "fp8")
-    if invalid(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours"):
-        return None
-    return list(error_bars(cfg, cluster, layout, cfg.seq_len, run.global_batch, "ours")["all"])
 
 
 WAITS = {"input_share": "input-bound: the step waited for its batch",

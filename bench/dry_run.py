@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import multiprocessing
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 import config
 import model
 import train
-from bench.compare import expected_mfu
+from bench.planner.command import expected_mfu
 from config import UsageError
 from data.files import Interrupted, exit_status, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
@@ -101,7 +102,8 @@ def main(argv=None):
     """train.py --dry-run: the command rehearsed with train.py's prepare and train_step. Exit 0; 2 for bad flags or a
     rank that does not fit (naming the flag to change); 3 when the step breaks a rule a GPU run would fail on."""
     try:
-        args, train_argv = parse_args(sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args, train_argv = parse_args(argv)
         gpu = GPUS[args.gpu]
         t0 = time.perf_counter()
         per_node = args.gpus_per_node or gpu.per_node
@@ -131,13 +133,14 @@ def main(argv=None):
               f"peaks at {worst.peak / 1e9:.1f} GB, more than {1 - memory.MARGIN:.0%} of the "
               f"{gpu.memory / 1e9:.1f} GB of an {args.gpu}", file=sys.stderr)
         return 2
-    print(speed(reports[0].run, gpu))
+    print(speed(reports[0].run, gpu, argv))
     return 0
 
 
-def speed(run, gpu):
+def speed(run, gpu, argv):
     """How fast the rehearsed command would run: the planner's range for its model, layout and GPU
-    (bench/planner, --code ours), as MFU, tokens/s a GPU and seconds a step."""
+    (bench/planner, --code ours), as MFU, tokens/s a GPU and seconds a step; and the planner's
+    command for where the time goes."""
     cfg = model_config(run)
     mfu = expected_mfu(run, cfg, gpu.name)
     if mfu is None:
@@ -145,7 +148,8 @@ def speed(run, gpu):
     per_gpu = [m * PEAK_TFLOPS[gpu.name] * 1e12 / model.flops_per_token(cfg) for m in mfu]
     step = [run.global_batch * cfg.seq_len / (run.world * t) for t in reversed(per_gpu)]
     return (f"speed, as the planner predicts it: MFU {mfu[0]:.1%}-{mfu[1]:.1%}, "
-            f"{per_gpu[0]:,.0f}-{per_gpu[1]:,.0f} tokens/s a GPU, {step[0]:.2f}-{step[1]:.2f} s a step")
+            f"{per_gpu[0]:,.0f}-{per_gpu[1]:,.0f} tokens/s a GPU, {step[0]:.2f}-{step[1]:.2f} s a step\n"
+            f"where its time goes, and the best layouts: python -m bench.planner train.py {shlex.join(argv)}")
 
 
 # ---------------------------------------------------------------- one rank per stage
@@ -204,9 +208,7 @@ def rehearse(train_argv, world, gpu, per_node=8, stages=None, at=None, show=Fals
     """[Report] of one rank per pipeline stage (or per stage in `stages`): the stage's rank 0, or
     its rank at coordinates `at` ({"dp": ..., "cp": ..., "tp": ...}). `jobs` ranks at once, each
     in a process of its own (a rank is one thread's work; they share nothing)."""
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(per_node)}
-    with FakeGPUs(gpu, per_node):
-        layout = config.resolve(train_argv, environ=env)  # the flags, checked before any rank
+    layout = resolve(train_argv, world, gpu, per_node)  # the flags, checked before any rank
     mesh = Mesh(0, world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp_shard)
     ranks = [mesh.rank_of(pp=s, **(at or {})) for s in (range(layout.pp) if stages is None else stages)]
     jobs = min(jobs, len(ranks))
@@ -238,6 +240,14 @@ def stop_workers(kind, error, trace):
     if kind is not None:
         for worker in multiprocessing.active_children():
             worker.kill()
+
+
+def resolve(train_argv, world, gpu, per_node=8):
+    """Rank 0's config.Run of train.py's flags at this world size, on these GPUs: checked as the
+    launch would check them."""
+    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(per_node)}
+    with FakeGPUs(gpu, per_node):
+        return config.resolve(train_argv, environ=env)
 
 
 def rehearse_in_process(train_argv, rank, world, per_node, gpu):

@@ -10,6 +10,8 @@ family once however many tests read it (-k runs only the chosen ones).
 """
 import contextlib
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 import config
 import model
 from bench import dry_run
-from bench.planner import plan
+from bench.planner import command, plan
 from bench.ranks import run_ranks
 from bench.vs_peers.count import Count, phase
 from parallel.comm import ALL_GATHER
@@ -408,10 +410,38 @@ def test_llama3_8b_on_fsdp_8_peaks_below_torchtitans_step():
     assert peak <= LLAMA3_8B_FSDP8_GB * 1e9, {k: round(v / 1e9, 2) for k, v in parts.items()}
 
 
-def test_a_rehearsal_ends_with_how_fast_the_command_would_run():
-    """Was: it answered "will it fit" only; the speed lived in bench.planner, whose flags are not train.py's."""
+def test_a_rehearsal_ends_with_how_fast_the_command_would_run_and_the_planner_takes_it_as_written():
+    """Was: it answered "will it fit" only; the speed lived in bench.planner, whose flags were not train.py's. Now it
+    ends with the planner's range and the planner's command of the same flags, which prices the same layout alike."""
     done = subprocess.run([sys.executable, str(REPO / "train.py"), *MODEL, "--n-layer", "2", "--global-batch", "16",
                            "--world", "8", "--dry-run"], cwd="/", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    last = done.stdout.splitlines()[-1]
-    assert last.startswith("speed, as the planner predicts it: MFU ") and "tokens/s a GPU" in last, done.stdout
+    speed, command = done.stdout.splitlines()[-2:]
+    assert speed.startswith("speed, as the planner predicts it: MFU ") and "tokens/s a GPU" in speed, done.stdout
+    said = "where its time goes, and the best layouts: python -m bench.planner train.py "
+    assert command.startswith(said), command
+    bill = subprocess.run([sys.executable, *shlex.split(command.removeprefix("where its time goes, and the best "
+                                                                            "layouts: python"))],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bill.returncode == 0, bill.stderr
+    low, high = re.search(r"MFU (\d+\.\d)%-(\d+\.\d)%", speed).groups()
+    lines = bill.stdout.splitlines()
+    assert lines[1] == "dp=8,tp=1,pp=1,cp=1,dp_mode=ddp,micro=1,ckpt=none", bill.stdout  # the command's layout
+    assert f" {low}-{high} " in next(line for line in lines if line.startswith(" 1 ")), bill.stdout
+    flags = lines[lines.index(next(line for line in lines if "as train.py's flags" in line)) + 2].split("  ")[-1]
+    assert flags.startswith("--dp-mode "), bill.stdout
+
+
+@pytest.mark.parametrize("text", ["dp=4,tp=2,dp_mode=fsdp,micro=2,ckpt=op", "dp=2,tp=2,pp=2,dp_mode=hsdp,shard=1",
+                                  "dp=1,pp=4,schedule=interleaved,V=2,micro=1,ckpt=full", "dp=2,cp=2,tp=2,sp=0",
+                                  "dp=1,tp=2,pp=2,cp=2,dp_mode=fsdp,cp_mode=ulysses,overlap=0,ckpt=selective",
+                                  "dp=8,dp_mode=fsdp,accumulate=unsharded,fp8=1", "dp=1,pp=8,schedule=zbv,V=2"])
+def test_the_planners_flags_resolve_to_its_layout(text):
+    """The planner names its best layouts as train.py's flags: resolved by train.py, each is the planner's layout."""
+    lay = plan.parse_layout(text)
+    world = lay.dp * lay.tp * lay.pp * lay.cp
+    argv = ["--model", "llama3-8b", "--global-batch", "64", *command.flags_of(lay).split()]
+    run = dry_run.resolve(argv, world, dry_run.GPUS["h100"], 8)
+    assert str(command.layout_of(run)) == str(lay), command.flags_of(lay)  # as the planner prints it
+
+

@@ -9,6 +9,7 @@ import pytest
 import config
 import train
 from bench import compare
+from bench.planner import command
 from data import metrics
 from data.loader import TokenLoader
 from data.metrics import read_metrics
@@ -41,8 +42,8 @@ def test_the_planner_prices_a_gpu_run_and_not_a_cpu_one():
                           "--global-batch", "64"],
                          environ={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_WORLD_SIZE": "8"})
     cfg = train.model_config(run, 50257)
-    assert compare.expected_mfu(run, cfg, None) is None  # a CPU: nothing to compare with
-    low, high = compare.expected_mfu(run, cfg, H100)
+    assert command.expected_mfu(run, cfg, None) is None  # a CPU: nothing to compare with
+    low, high = command.expected_mfu(run, cfg, H100)
     assert 0.05 < low < high < 0.8
 
 

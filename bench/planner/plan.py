@@ -3,20 +3,26 @@
     python -m bench.planner --model llama3-405b --gpus 16384 --seq-len 131072
     python -m bench.planner --model llama3-8b --gpus 64 --code ours --layout dp=8,tp=8,dp_mode=fsdp
     python -m bench.planner --model llama3-8b --gpus 64 --compare-fsdp-scope   # L15
+    python -m bench.planner train.py --model llama3-8b --dp-mode fsdp --micro-batch 2 --global-batch 16 --world 8
 
 Prints the top layouts by predicted MFU, each with its range over the uncertain factors, and where the winner's time
-and memory go; --code reference (Llama 3's, Megatron-LM's implementation) or ours (parallel/*.py). The formulas:
-bench/README.md, "The planner's formulas". `from bench.planner import plan` reaches the public names of every module.
+and memory go; --code reference (Llama 3's, Megatron-LM's implementation) or ours (parallel/*.py). Given the
+command train.py --dry-run takes, it prices that command's layout and names the best in train.py's flags. The
+formulas: bench/README.md, "The planner's formulas". `from bench.planner import plan` reaches the public names of
+every module.
 """
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from bench import common
+from bench import common, dry_run
+from bench.planner import command
 from bench.planner.costs import collectives, comm_bytes, memory
-from bench.planner.factors import FACTORS, load, ranges, vary
+from bench.planner.factors import FACTORS, load
 from bench.planner.layout import CODES, GB, MEM_MARGIN, Cluster, Layout, Shape, invalid, parse_layout
 from bench.planner.search import CKPTS, Plan, candidates, default_batch_tokens, evaluate, plan
-from bench.planner.step_time import members_per_node, rates, step_time
+from bench.planner.step_time import error_bars, members_per_node, rates, step_time
 from config import UsageError, nonnegative_float, one_of, positive_float, probability, typed
 from model import PRESETS, param_counts
 from parallel.memory import MARGIN
@@ -46,24 +52,6 @@ def bill(p, cl):
     fits = f"fits below {p.usable_gb:.1f}" if p.fits else f"DOES NOT FIT below {p.usable_gb:.1f}"
     return (f"{p.layout}\n  MFU {t['mfu']:.1%}  HFU {t['hfu']:.1%}  step {t['total']:.3g} s = {parts}\n"
             f"  memory {sum(m.values()) / GB:.1f} GB of {cl.hbm_gb:g} ({fits}): {mems}")
-
-
-def error_bars(cfg, cl, lay, seq, batch, code, measured=()):
-    """{"all": (MFU with every factor at its pessimistic end, at its optimistic end), factor: (the same, that factor
-    alone)}, over factors.ranges of `code` (less the measured ones)."""
-    base = cl.factors or FACTORS[code]
-    spans = ranges(code, measured, lay.fp8)
-
-    def mfu(f):
-        return step_time(cfg, replace(cl, factors=f), lay, seq, batch, code)["mfu"]
-    out = {"all": []}
-    for end in (0, 1):
-        every = base
-        for name, span in spans.items():
-            every = vary(every, name, span[end])
-        out["all"].append(mfu(every))
-    out.update({name: tuple(mfu(vary(base, name, span[end])) for end in (0, 1)) for name, span in spans.items()})
-    return {k: tuple(v) for k, v in out.items()}
 
 
 def bars_table(cfg, cl, plans, seq, batch, code, measured):
@@ -104,8 +92,37 @@ def spread_limit(cfg, cl, seq, batch):
             f"{tp}, pp {cfg.n_layer} (the layers), cp {cp} (1024 tokens each): at most {most:,} GPUs")
 
 
+def plan_command(argv):
+    """`python -m bench.planner train.py FLAGS --world N [--gpu G]`, the command --dry-run takes: the bill of its
+    layout, its MFU range, and the planner's best layouts for the same model, batch and GPUs, as train.py's flags."""
+    args, train_argv = dry_run.parse_args(argv)
+    gpu = dry_run.GPUS[args.gpu]
+    run = dry_run.resolve(train_argv, args.world, gpu, args.gpus_per_node or gpu.per_node)
+    cfg, cl, lay = dry_run.model_config(run), command.cluster_of(run, gpu.name), command.layout_of(run)
+    seq, batch = cfg.seq_len, run.global_batch
+    why = invalid(cfg, cl, lay, seq, batch, "ours")
+    if why:
+        raise UsageError(f"the planner does not price this layout: {why}")
+    total, non_emb = param_counts(cfg)
+    print(f"{run.model}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), batch {batch} x {seq} "
+          f"tokens; {cl.gpus} {args.gpu} GPUs, {cl.gpus_per_node}/node; code: ours (parallel/*.py)")
+    print(bill(evaluate(cfg, cl, lay, seq, batch, checked=True, code="ours"), cl))
+    print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all together first:\n"
+          + bars_table(cfg, cl, [evaluate(cfg, cl, lay, seq, batch, code="ours")], seq, batch, "ours", ()))
+    plans = plan(cfg, cl, seq, batch, 5, "ours", lay.fp8)
+    print(f"\nthe planner's best layouts for {run.model}, a batch of {batch} and {cl.gpus} GPUs, as train.py's flags:")
+    print(f"{'#':>2} {'MFU':>6} {'step s':>7} {'mem GB':>6}  flags")
+    for i, p in enumerate(plans, 1):
+        mem = sum(p.mem.values()) / GB
+        print(f"{i:>2} {p.mfu:6.1%} {p.time['total']:7.3g} {mem:6.1f}  {command.flags_of(p.layout)}")
+    return 0
+
+
 @common.command
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and Path(argv[0]).name == "train.py":
+        return plan_command(argv[1:])
     ap = common.parser(__doc__, results=False)
     ap.add_argument("--model", default="llama3-8b", type=one_of(sorted(PRESETS), "preset"))
     for name in ("n-layer", "d-model", "n-head", "n-kv-head", "ffn-dim", "vocab-size"):

@@ -10,9 +10,8 @@ from dataclasses import replace
 from bench import common
 from bench.planner.factors import OURS, REFERENCE, vary
 from bench.planner.layout import Cluster, Layout, Shape, parse_layout
-from bench.planner.plan import error_bars
 from bench.planner.search import evaluate
-from bench.planner.step_time import rates, recomputed_share, shape_step_time
+from bench.planner.step_time import error_bars, rates, recomputed_share, shape_step_time
 from model import PRESETS, flops_per_token
 
 PEAK = 989.0  # H100 SXM dense bf16 TF/s, the peak torchtitan's and Llama 3's MFU divide by
