@@ -23,7 +23,7 @@ import torch
 import model
 from config import OneLineParser, UsageError, nonnegative_int
 from data import SaveError
-from data.files import exit_status
+from data.ending import exit_status
 from data.saves import read_model
 
 

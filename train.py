@@ -24,19 +24,11 @@ import config
 import model
 from config import DTYPES
 from data import TrainingFailure, UsageError, metrics
-from data.files import os_error_line
+from data.ending import CtrlC, Hung, Interrupted, os_error_line, run_or_exit
 from data.hf import init_from
 from data.loader import TokenLoader, read_meta
 from data.prepare import prepared_folder
-from data.run import (
-    CtrlC,
-    Hung,
-    Interrupted,
-    RunFolder,
-    run_or_exit,
-    saved_config,
-    saved_layout,
-)
+from data.run import RunFolder, saved_config, saved_layout
 from parallel import (
     ckpt,
     compiled,

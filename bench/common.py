@@ -19,7 +19,7 @@ import config
 import model
 import train
 from config import DTYPES, OneLineParser, UsageError
-from data.files import exit_status
+from data.ending import exit_status
 from data.metrics import PEAK_TFLOPS
 from data.prepare import prepare
 from data.text import usable_cores as cpu_cores

@@ -45,7 +45,7 @@ import model
 import train
 from bench.planner.command import expected_mfu
 from config import UsageError
-from data.files import Interrupted, exit_status, interruptible, sigint_held, start_worker
+from data.ending import StopSignal, exit_status, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
 from data.metrics import PEAK_TFLOPS
 from data.text import usable_cores
@@ -113,8 +113,8 @@ def main(argv=None):
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, Interrupted) as e:
-        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+    except (KeyboardInterrupt, StopSignal) as e:
+        sig = e.args[0] if isinstance(e, StopSignal) else signal.SIGINT
         print(f"error: the rehearsal was stopped by {sig.name}", file=sys.stderr)
         return 128 + sig
     except BrokenProcessPool:

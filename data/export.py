@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from data import SaveError
-from data.files import atomic_write, exit_status, run_command, staged
+from data.ending import exit_status, run_command
+from data.files import atomic_write, staged
 from data.saves import check_tensors, read_model
 from data.tokenizer import EOT
 

@@ -9,25 +9,21 @@ The token shards, the saves, the run folder and the exports all write through th
     lock_folder                one writer per folder: an flock on the folder, gone with its process
     make_folders, remove_created   a folder and its parents; on a failure, only those made here
     staged                     a folder built beside its place, swapped in whole when complete
-    run_command                a command's one line and exit status; Ctrl-C leaves nothing half-done
-    exit_status                an output that cannot be written (| head) is one line, no traceback
-    start_worker, sigint_held  a pool's worker dies with its parent and leaves Ctrl-C to it
+
+How a command ends (one line, an exit status, Ctrl-C): ending.py.
 """
-import ctypes
 import errno
 import fcntl
 import json
 import os
 import re
 import shutil
-import signal
 import stat
-import sys
 import tempfile
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
-from data import DataError, SaveError, TrainingFailure
+from data import DataError, SaveError
 
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
@@ -203,46 +199,6 @@ def unlock_folder(fd):
         os.close(fd)
 
 
-class Interrupted(Exception):
-    """SIGTERM or SIGHUP (args[0]), raised in the main thread as SIGINT raises KeyboardInterrupt."""
-
-
-@contextmanager
-def interruptible():
-    """Within the block SIGTERM and SIGHUP raise Interrupted; then the old handlers are back."""
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum))
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextmanager
-def sigint_held():
-    """Ctrl-C waits while workers start here: they inherit the mask (start_worker lifts it)."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def start_worker(parent):
-    """In a pool's worker: Ctrl-C is the parent's to handle (no traceback here); SIGTERM and
-    SIGHUP end it as by default; it is killed when `parent`'s process ends, however it ends."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it ended before the line above: no signal will come
-        os._exit(1)
-
-
 def cannot_create(path, e):
     """Why make_folders(path) failed: the folder that refused a new entry, when it is one that
     exists (/proc, a read-only mount), else the name and the error."""
@@ -272,56 +228,6 @@ def check_writable(path, flag, folder):
     except OSError as e:
         raise SaveError(f"{flag}: cannot create {path}: nothing can be created in {parent} "
                         f"({e.strerror or e})") from None
-
-
-def os_error_line(e):
-    """An OSError in a few words: what failed, on which file. A pipe whose reader is gone (stdout
-    into `head`) is said so."""
-    if isinstance(e, BrokenPipeError):
-        return "the output's reader is gone (a closed pipe)"
-    return f"{e.filename}: {e.strerror}" if e.filename else f"a write failed: {e.strerror or e}"
-
-
-def print_error(line):
-    """line on stderr, as `error: line`; nothing if stderr itself cannot be written."""
-    with suppress(OSError):
-        print(f"error: {line}", file=sys.stderr, flush=True)
-
-
-def exit_status(main):
-    """main()'s exit status. An OSError it leaves (stdout into `head`, or onto a full device) is
-    one line and 3, not a traceback."""
-    try:
-        return main()
-    except OSError as e:
-        print_error(os_error_line(e))
-        return 3
-
-
-def run_command(work, out, quiet=False):
-    """(work()'s result, 0), or (None, an exit status) after one line on stderr: 2 for bad input
-    (DataError, SaveError, ValueError, a name too long), 3 for TrainingFailure or a failed write,
-    128 + the signal's number for Ctrl-C, SIGTERM or SIGHUP. With quiet, a DataError is
-    returned in the result's place, not printed: a fallback follows."""
-    try:
-        with interruptible():
-            return work(), 0
-    except (DataError, SaveError, ValueError) as e:
-        code, message = 2, e
-        if quiet and isinstance(e, DataError):
-            return e, code
-    except TrainingFailure as e:
-        code, message = 3, e
-    except BrokenPipeError as e:  # stdout into `head`: out is as it was, or complete
-        code, message = 3, os_error_line(e)
-    except OSError as e:  # a full disk, a file too large, a name too long: out is as it was
-        code = 2 if e.errno == errno.ENAMETOOLONG else 3
-        message = f"cannot write {out}: {e.strerror or e}; nothing was changed there"
-    except (KeyboardInterrupt, Interrupted) as e:
-        sig = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
-        code, message = 128 + sig, f"interrupted by {sig.name}: nothing was written to {out}"
-    print_error(message)
-    return None, code
 
 
 # ---------------------------------------------------------------- a folder built beside its place

@@ -23,7 +23,7 @@ from data import SaveError
 from data.files import open_regular, read_text
 from model import ModelConfig, is_number
 
-FORMAT = 3  # what saves.py writes
+FORMAT = 3  # what saver.py writes
 FORMATS = (1, 2, 3)  # what saves.py reads
 SAVE = re.compile(r"step_(\d{7})$")  # a save's folder
 MAX_STEP = 2 ** 53  # steps are exact in a float64 (the LR schedule's)

@@ -38,14 +38,13 @@ except ImportError:  # run as a file, python data/prepare.py: the repository is 
           file=sys.stderr)
     sys.exit(2)
 from data.corpus import DEFAULT_GLOBS
+from data.ending import exit_status, run_command
 from data.files import (
     HIDDEN_EXTRA,
     atomic_write,
     carry,
     check_replaceable,
-    exit_status,
     owned_by,
-    run_command,
     staged,
     write_json,
 )

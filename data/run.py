@@ -15,30 +15,21 @@ attempt, at most a minute behind. When the last two attempts failed at the same 
 refuses to start (exit 3) rather than loop until torchrun's restarts run out.
 """
 import contextlib
-import gc
 import hashlib
 import json
 import math
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from data import SaveError, TrainingFailure
-from data.files import Interrupted as StopSignal
 from data.files import (
     cannot_create,
     check_own_file,
-    interruptible,
     lock_folder,
     make_folders,
-    os_error_line,
-    print_error,
     read_json,
     read_text,
     remove_created,
@@ -47,18 +38,8 @@ from data.files import (
 )
 from data.hf import start_from
 from data.loader import data_identity
-from data.saves import (
-    SAVE,
-    Saved,
-    SaveFailed,
-    Saver,
-    agree_on_run_id,
-    complete_saves,
-    last_good_save,
-    load,
-    not_finite,
-    remove_incomplete,
-)
+from data.saver import SaveFailed, Saver, agree_on_run_id, not_finite
+from data.saves import SAVE, Saved, complete_saves, last_good_save, load, remove_incomplete
 from parallel.comm import all_reduce_max
 
 RECORD = {"attempt": int, "resumed_from": int, "reached": int, "status": str}
@@ -515,124 +496,3 @@ def saved_layout(run):
             "pp_schedule": run.pp_schedule, "pp_virtual": run.pp_virtual,
             "pp_split": ",".join(map(str, run.pp_split)) if run.pp_split else None,
             "cp_mode": run.cp_mode}
-
-
-# ---------------------------------------------------------------- how a run ends
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM: one line saying where the run stopped, the newest save and how to go on
-    (exit 128 + the signal: 130, 143)."""
-
-    def __init__(self, line, sig=signal.SIGINT):
-        super().__init__(line)
-        self.exit_status = 128 + sig
-
-
-class Hung(TrainingFailure):
-    """A collective timed out: one line naming it (exit 3). The process leaves at once: tearing
-    the process group down would wait on the peer that does not answer. `silent`: the ranks that
-    gave no word (None: unknown)."""
-
-    def __init__(self, line, silent=frozenset()):
-        super().__init__(line)
-        self.silent = silent
-
-
-def speaks_for_its_node(error):
-    """Whether this rank prints the error line: its node's lowest local rank, passing over the
-    ranks a hang found silent (every rank speaks when that is unknown)."""
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
-    silent = getattr(error, "silent", frozenset())
-    if silent is None:
-        return True
-    first = int(os.environ.get("RANK", 0)) - local  # the node's first global rank
-    return local == min(set(range(local + 1)) - {r - first for r in silent})
-
-
-class CtrlC:
-    """While the loop runs, Ctrl-C or SIGTERM (Slurm's time limit, scancel, timeout, kill) ends the
-    step in progress (or the next: every rank stops after the same one), then stops the run;
-    `pressed` is the signal. A second one stops it at once.
-    (Raised at once, the first could land in a finalizer, where Python drops it.) Off the main
-    thread, or for a signal ignored from the start, nothing changes."""
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.pressed, self.previous = None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self.previous[sig] = signal.signal(sig, self._press)
-        return self
-
-    def _press(self, signum, frame):
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed = signal.Signals(signum)
-
-    @property
-    def stop_signal(self):
-        """The signal that stopped the run (Ctrl-C's, unless SIGTERM came first)."""
-        return self.pressed or signal.SIGINT
-
-    def agreed(self, votes, world):
-        """The signal every rank stops on after this step, or None: from the step's votes, the
-        ranks sent Ctrl-C and SIGTERM summed over the world (train_step), so every rank stops on
-        the same step; SIGTERM wins, and then the step is saved. One process needs no vote."""
-        if world == 1:
-            return self.pressed
-        sigint, sigterm = votes
-        return signal.SIGTERM if sigterm else signal.SIGINT if sigint else None
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def report_to_launcher(error):
-    """Under torchrun the error line also goes to this worker's error file. torchrun's report then
-    ends with it as the root cause."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        report = {"message": f"error: {error}", "timestamp": str(int(time.time()))}
-        Path(path).write_text(json.dumps(report))
-
-
-def run_or_exit(job):
-    """job()'s result; or, if it fails as a run can, one line on stderr and its exit status: 2 bad
-    input, 3 a run that failed after it started, 130 Ctrl-C, 143 SIGTERM (each error class's
-    exit_status)."""
-    joined = dist.is_initialized()  # a caller's process group (tests) outlives this run
-    error = None
-    try:
-        with interruptible():  # SIGTERM, SIGHUP: one line too, not a silent end
-            return job()
-    except KeyboardInterrupt:
-        code, error = 130, "interrupted before training started; nothing was written"
-    except StopSignal as e:
-        code, error = 128 + e.args[0], (f"stopped by {e.args[0].name} before training started; "
-                                        "nothing was written")
-    except OSError as e:  # stdout into `head`, or onto a full device
-        code, error = 3, os_error_line(e)
-    except Exception as e:
-        if getattr(e, "exit_status", None) is None:
-            raise
-        code, error = e.exit_status, e
-    finally:
-        if not joined and dist.is_initialized() and not isinstance(error, Hung):
-            dist.destroy_process_group()
-            # The groups sit in reference cycles (hooks, modules, the mesh). Freed now, each joins
-            # its worker threads; left to the interpreter's exit, a worker that drops a tensor
-            # there needs the GIL and aborts the process after a run that succeeded.
-            gc.collect()
-    report_to_launcher(error)
-    if speaks_for_its_node(error):  # one line per node
-        print_error(error)
-    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        time.sleep(1)  # torchrun stops every worker once one exits: let rank 0's line out first
-    if isinstance(error, Hung) and not joined:
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from data import DataError, TrainingFailure
 from data.corpus import DEFAULT_GLOBS, describe_skipped, find_files
-from data.files import check_replaceable, owned_by, sigint_held, staged, start_worker, write_json
+from data.ending import sigint_held, start_worker
+from data.files import check_replaceable, owned_by, staged, write_json
 from data.loader import HEADER_BYTES, fingerprint, shard_header
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 

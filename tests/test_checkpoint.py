@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import data.export
+import data.saver
 import data.saves
 import model
 import sample
@@ -236,7 +237,7 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
     would block the loop: the writer would time out); saves never overlap; the metrics show the stall; and the
     save, a snapshot taken before step 3, resumes bitwise."""
     steps_started, seen, in_flight, most = [], [], [0], [0]
-    lr_at, write_rank = train.lr_at, data.saves.write_rank
+    lr_at, write_rank = train.lr_at, data.saver.write_rank
     later = threading.Event()
 
     def tracking_lr_at(step, *args):
@@ -255,14 +256,14 @@ def test_async_save_writes_while_training_continues(tmp_path, monkeypatch):
         in_flight[0] -= 1
 
     monkeypatch.setattr(train, "lr_at", tracking_lr_at)
-    monkeypatch.setattr(data.saves, "write_rank", slow_write)
+    monkeypatch.setattr(data.saver, "write_rank", slow_write)
     metrics = tmp_path / "m.jsonl"
     straight = run1(["--out", str(tmp_path), "--steps", "4", "--save-every", "2", "--async-save",
                      "--metrics", str(metrics)])
     assert seen == [True, True] and most[0] == 1, (seen, most)
     rows = read_metrics(metrics)[0]
     assert [r["step"] for r in rows if "save_stall_s" in r] == [2, 4]
-    monkeypatch.setattr(data.saves, "write_rank", write_rank)
+    monkeypatch.setattr(data.saver, "write_rank", write_rank)
     shutil.rmtree(tmp_path / "step_0000004")
     assert run1(["--out", str(tmp_path), "--steps", "4", "--resume"]) == straight[2:]
 

@@ -18,6 +18,7 @@ import pytest
 import data.export
 import data.files
 import data.run
+import data.saver
 import data.saves
 import model
 import sample
@@ -205,7 +206,7 @@ class FullFile:
 
 
 def full_disk_open(step, name):
-    """An open() for data.saves (the rank files) or data.files (index files, meta.json) that fails writes to files
+    """An open() for data.saver (the rank files) or data.files (index files, meta.json) that fails writes to files
     named `name` in the temp folder of step's save."""
     def full_open(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)
@@ -234,18 +235,18 @@ ONE_PROCESS = {"sync": ([], 4, 4), "async, found at the next save": (["--async-s
 @pytest.mark.parametrize("case", list(ONE_PROCESS))
 def test_a_full_disk_during_a_save_is_exit_3_keeping_the_previous_save(tmp_path, monkeypatch, case):
     flags, steps, failing = ONE_PROCESS[case]
-    monkeypatch.setattr(data.saves, "open", full_disk_open(failing, ".bin"), raising=False)
+    monkeypatch.setattr(data.saver, "open", full_disk_open(failing, ".bin"), raising=False)
     code, err = exit_of(train.main, ARGS + FULL + flags + ["--out", str(tmp_path), "--steps", str(steps)])
     assert code == 3, err
     assert_save_failed(tmp_path, err, failing, "step_0000002")
-    monkeypatch.delattr(data.saves, "open")
+    monkeypatch.delattr(data.saver, "open")
     if case == "sync":  # the previous save resumes
         assert len(quiet(train.main, ARGS + FULL + ["--out", str(tmp_path), "--steps", "4", "--resume"])) == 2
 
 
 def _full_disk_rank(rank, world, run, flags, failing_rank, module, name):
     if rank == failing_rank:
-        {"write": data.saves, "files": data.files}[module].open = full_disk_open(4, name)
+        {"write": data.saver, "files": data.files}[module].open = full_disk_open(4, name)
     return exit_of(train.main, ARGS + ["--dp-mode", "fsdp", "--out", run, "--steps", "4", "--save-every", "2",
                                        "--keep", "1"] + flags)
 

@@ -16,6 +16,7 @@ import pytest
 
 import data.prepare
 import data.run
+import data.saver
 import data.saves
 import train
 from tests.test_checkpoint import ARGS, quiet, snapshot
@@ -177,7 +178,7 @@ def test_lr_0_is_accepted_and_moves_no_weight(tmp_path):
 def test_an_async_save_on_a_full_disk_that_takes_the_attempt_record_too_is_one_line_exit_3(tmp_path, monkeypatch):
     """The disk fills during step 4's async save: the rank file and attempts.json both fail. Exit 3, one line naming
     the intact save, no temp folder left (the record could not be written: the message says what could)."""
-    monkeypatch.setattr(data.saves, "open", full_disk_open(4, ".bin"), raising=False)
+    monkeypatch.setattr(data.saver, "open", full_disk_open(4, ".bin"), raising=False)
     write_json = data.run.write_json
 
     def full_after_step_2(path, records, **kwargs):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import data.saver
 import data.saves
 import model
 import train
@@ -62,12 +63,12 @@ def test_resume_continues_bitwise(tmp_path):
 
 def _slow_save(run_dir):
     """Resumes at step 1 and trains step 2, whose save stalls after writing its data (the kill lands there)."""
-    write_rank = data.saves.write_rank
+    write_rank = data.saver.write_rank
 
     def slow(folder, *args):
         write_rank(folder, *args)
         time.sleep(120)
-    data.saves.write_rank = slow
+    data.saver.write_rank = slow
     run(["--steps", "2", "--resume", "--out", run_dir])
 
 

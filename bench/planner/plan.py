@@ -99,6 +99,7 @@ def plan_command(argv):
     gpu = dry_run.GPUS[args.gpu]
     run = dry_run.resolve(train_argv, args.world, gpu, args.gpus_per_node or gpu.per_node)
     cfg, cl, lay = dry_run.model_config(run), command.cluster_of(run, gpu.name), command.layout_of(run)
+    cl = replace(cl, hbm_gb=gpu.memory / GB)  # what torch reports of it, as the rehearsal counts
     seq, batch = cfg.seq_len, run.global_batch
     why = invalid(cfg, cl, lay, seq, batch, "ours")
     if why:

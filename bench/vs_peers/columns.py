@@ -9,7 +9,7 @@ import torch
 from bench.dry_run import PARTS, FakeCUDA, FakeGPUs, FakeWorld, Ledger, rehearse_rank
 from bench.vs_peers import fsdp2, titan
 from bench.vs_peers.count import Count
-from data.files import start_worker
+from data.ending import start_worker
 
 COLUMNS = {"ours": None, "fsdp2": fsdp2, "torchtitan": titan}
 STEPS = 2  # the first makes Adam's state; the peak is the second's
