@@ -300,7 +300,7 @@ class RunFolder:
                 self.saver.wait()
         how = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
         line = self._stop(f"{how} after step {self.step}",
-                          f"{how} after step {self.step}; the newest save is")
+                          f"{how} after step {self.step}; the newest save is", agreed)
         return line + ("; --resume goes on from it" if not line.endswith(" none") else "")
 
     def stopped(self, what):
@@ -308,11 +308,13 @@ class RunFolder:
         returns the line."""
         return self._stop(f"failed: {what}", f"{what}; stopped, the newest save is")
 
-    def _stop(self, status, line):
-        """Records status (no collective: a peer may not answer); the line with the newest save."""
+    def _stop(self, status, line, agreed=False):
+        """Records status; the line with the newest save. Where every rank agreed to stop here,
+        they verify the saves together: no rank leaves (and torchrun stops no peer) before rank 0
+        has recorded the attempt. Else no collective runs: a peer may not answer."""
         if self.saver is not None:
             self.attempts.end(status)
-        good = last_good_save(self.path)
+        good = last_good_save(self.path, *((self.mesh.world_group, self.device) if agreed else ()))
         self.close()
         return f"{line} {good or 'none'}"
 

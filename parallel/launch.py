@@ -8,7 +8,6 @@ the end differs. After Ctrl-C or SIGTERM every worker stops after the same step 
 the worker's status instead: 130 or 143. A worker that failed has printed its own line; the
 status is that worker's (2 bad input, 3 a failed run), not torchrun's report and its 1.
 """
-import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -22,12 +21,12 @@ def main(argv=None):
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except SignalException as e:
         return 128 + e.sigval
-    except ChildFailedError as e:
-        code = e.get_first_failure()[1].exitcode
-        return code if code > 0 else 128 - code  # < 0: a signal ended the worker
+    except ChildFailedError as e:  # once one worker fails, torchrun signals the others
+        codes = [failure.exitcode for failure in e.failures.values()]
+        own = [code for code in codes if code > 0]  # a worker's own status, not a signal's
+        return own[0] if own else 128 - codes[0]  # < 0: a signal ended the worker
     return 0
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
