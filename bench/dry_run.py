@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 import config
 import model
 import train
-from bench.planner.command import expected_mfu
+from bench.planner.command import SPECS, expected_mfu
 from config import UsageError
 from data.ending import StopSignal, exit_status, interruptible, sigint_held, start_worker
 from data.loader import DataError, read_meta
@@ -70,12 +70,15 @@ class GPU:
     per_node: int = 8
 
 
-# total_memory as torch reports it (printed in MiB) on an H100 SXM (81,089), an H200 (143,156), an
-# A100 SXM of 80 GB (81,920) or 40 GB (40,536): a little under the marketed 80, 141, 80 and 40 GB
-GPUS = {"h100": GPU("NVIDIA H100 80GB HBM3", 81_089 * 2 ** 20, (9, 0)),
-        "h200": GPU("NVIDIA H200", 143_156 * 2 ** 20, (9, 0)),
-        "a100": GPU("NVIDIA A100-SXM4-80GB", 81_920 * 2 ** 20, (8, 0)),
-        "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", 40_536 * 2 ** 20, (8, 0))}
+def gpu_named(name, capability):
+    """A GPU of torch's `name`, its memory as torch reports it (command.SPECS)."""
+    return GPU(name, SPECS[name][0] * 2 ** 20, capability)
+
+
+GPUS = {"h100": gpu_named("NVIDIA H100 80GB HBM3", (9, 0)),
+        "h200": gpu_named("NVIDIA H200", (9, 0)),
+        "a100": gpu_named("NVIDIA A100-SXM4-80GB", (8, 0)),
+        "a100-40gb": gpu_named("NVIDIA A100-SXM4-40GB", (8, 0))}
 PARTS = ("weights", "gradients", "optimizer state", "weights in use", "activations", "logits", "token ids")
 
 

@@ -9,10 +9,12 @@ from data.metrics import PEAK_TFLOPS
 from parallel import ckpt
 from parallel.pp_schedule import chunks_per_rank
 
-# What the planner needs of a GPU besides its peak: (memory GB, HBM TB/s, NVLink GB/s a direction)
-SPECS = {"NVIDIA H100 80GB HBM3": (80, 3.35, 450), "NVIDIA H200": (141, 4.8, 450),
-         "NVIDIA H800": (80, 3.35, 200), "NVIDIA A100-SXM4-80GB": (80, 2.04, 300),
-         "NVIDIA A100-SXM4-40GB": (40, 1.56, 300)}
+# What the planner and the rehearsal need of a GPU besides its peak, by torch's name for it: its
+# memory as torch reports it (total_memory, in MiB: a little under the marketed 80, 141, 80 and 40
+# GB; an H800 counted as an H100), HBM TB/s, NVLink GB/s a direction
+SPECS = {"NVIDIA H100 80GB HBM3": (81_089, 3.35, 450), "NVIDIA H200": (143_156, 4.8, 450),
+         "NVIDIA H800": (81_089, 3.35, 200), "NVIDIA A100-SXM4-80GB": (81_920, 2.04, 300),
+         "NVIDIA A100-SXM4-40GB": (40_536, 1.56, 300)}
 
 
 def layout_of(run):
@@ -32,9 +34,9 @@ def cluster_of(run, gpu):
     spec, peak = SPECS.get(gpu), run.peak_tflops or PEAK_TFLOPS.get(gpu, 0)
     if spec is None or not peak:
         return None
-    hbm_gb, hbm_tbs, nvlink_gbs = spec
-    return Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=hbm_gb, peak_tflops=peak, intra_gbs=nvlink_gbs,
-                   hbm_tbs=hbm_tbs)
+    mib, hbm_tbs, nvlink_gbs = spec
+    return Cluster(run.world, max(run.ranks_here, run.tp), hbm_gb=mib * 2 ** 20 / 1e9, peak_tflops=peak,
+                   intra_gbs=nvlink_gbs, hbm_tbs=hbm_tbs)
 
 
 def expected_mfu(run, cfg, gpu):

@@ -92,6 +92,16 @@ def spread_limit(cfg, cl, seq, batch):
             f"{tp}, pp {cfg.n_layer} (the layers), cp {cp} (1024 tokens each): at most {most:,} GPUs")
 
 
+def print_layout(cfg, cl, lay, seq, batch, code, measured=()):
+    """The bill of one layout, its MFU at both ends of each uncertain factor, and fp8's gain."""
+    p = evaluate(cfg, cl, lay, seq, batch, checked=True, code=code)
+    print(bill(p, cl))
+    print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all together first:\n"
+          + bars_table(cfg, cl, [p], seq, batch, code, measured))
+    if lay.fp8:
+        print(fp8_notes(cfg, cl, [p], seq, batch, code))
+
+
 def plan_command(argv):
     """`python -m bench.planner train.py FLAGS --world N [--gpu G]`, the command --dry-run takes: the bill of its
     layout, its MFU range, and the planner's best layouts for the same model, batch and GPUs, as train.py's flags."""
@@ -99,7 +109,6 @@ def plan_command(argv):
     gpu = dry_run.GPUS[args.gpu]
     run = dry_run.resolve(train_argv, args.world, gpu, args.gpus_per_node or gpu.per_node)
     cfg, cl, lay = dry_run.model_config(run), command.cluster_of(run, gpu.name), command.layout_of(run)
-    cl = replace(cl, hbm_gb=gpu.memory / GB)  # what torch reports of it, as the rehearsal counts
     seq, batch = cfg.seq_len, run.global_batch
     why = invalid(cfg, cl, lay, seq, batch, "ours")
     if why:
@@ -107,9 +116,7 @@ def plan_command(argv):
     total, non_emb = param_counts(cfg)
     print(f"{run.model}: {total / 1e9:.2f}B params ({non_emb / 1e9:.2f}B non-embedding), batch {batch} x {seq} "
           f"tokens; {cl.gpus} {args.gpu} GPUs, {cl.gpus_per_node}/node; code: ours (parallel/*.py)")
-    print(bill(evaluate(cfg, cl, lay, seq, batch, checked=True, code="ours"), cl))
-    print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all together first:\n"
-          + bars_table(cfg, cl, [evaluate(cfg, cl, lay, seq, batch, code="ours")], seq, batch, "ours", ()))
+    print_layout(cfg, cl, lay, seq, batch, "ours")
     plans = plan(cfg, cl, seq, batch, 5, "ours", lay.fp8)
     print(f"\nthe planner's best layouts for {run.model}, a batch of {batch} and {cl.gpus} GPUs, as train.py's flags:")
     print(f"{'#':>2} {'MFU':>6} {'step s':>7} {'mem GB':>6}  flags")
@@ -206,12 +213,7 @@ def main(argv=None):
           f"{cl.margin_of(args.code):.0%} margin (allocator, NCCL buffers, CUDA context, the memory model's error); "
           f"efficiency factors: {whose} (factors.py)")
     if lay:
-        p = evaluate(cfg, cl, lay, seq, batch, checked=True, code=args.code)
-        print(bill(p, cl))
-        print("\nMFU at the pessimistic and optimistic end of each uncertain factor (factors.py), all "
-              "together first:\n" + bars_table(cfg, cl, [p], seq, batch, args.code, measured))
-        if fp8:
-            print(fp8_notes(cfg, cl, [p], seq, batch, args.code))
+        print_layout(cfg, cl, lay, seq, batch, args.code, measured)
         return 0
     t0 = time.time()
     plans = plan(cfg, cl, seq, batch, args.top, args.code, fp8)
